@@ -1,0 +1,53 @@
+"""Every monkeypatch of vLLM lives here, one module per concern.
+
+Rules: patch methods on class objects (never module attributes, which other modules import by
+value); be idempotent (a second apply is a no-op); gate on the vLLM versions we read; each wrapper is
+inert unless its feature is configured, so an installed but unconfigured plugin changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+from vllm.logger import init_logger
+
+from vllm_kvbm_plugin import compat
+
+logger = init_logger("vllm_kvbm_plugin.patches")
+
+_WRAPPED = "__kvbm_original__"
+
+
+def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> bool:
+    """Replace `cls.name` by `make(original)`, once. Works for plain and class methods."""
+    raw = inspect.getattr_static(cls, name, None)  # may be inherited; we set it on `cls`
+    if raw is None:
+        raise AttributeError(f"{cls.__qualname__}.{name} not found; vLLM changed, update patches/")
+    is_classmethod = isinstance(raw, classmethod)
+    func = raw.__func__ if is_classmethod else raw
+    if hasattr(func, _WRAPPED):
+        return False
+    wrapper = functools.wraps(func)(make(func))
+    setattr(wrapper, _WRAPPED, func)
+    setattr(cls, name, classmethod(wrapper) if is_classmethod else wrapper)
+    return True
+
+
+def apply_all() -> list[str]:
+    """Apply every patch for the installed vLLM; returns the names applied in this call."""
+    if not compat.is_supported():
+        logger.warning(
+            "vllm-kvbm-plugin supports vLLM %s; found %s: no patches applied",
+            "/".join(compat.SUPPORTED),
+            compat.vllm_minor(),
+        )
+        return []
+    from vllm_kvbm_plugin.patches import hash_granularity, sub_block_events
+
+    applied = []
+    for module in (hash_granularity, sub_block_events):
+        if module.apply():
+            applied.append(module.NAME)
+    return applied

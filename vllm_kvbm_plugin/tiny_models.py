@@ -1,0 +1,133 @@
+"""Tiny random-weight models with locally trained tokenizers, for tests, demos and benchmarks.
+
+Nothing comes from a model hub: configs are written here, weights are drawn from a fixed seed and
+the tokenizer is trained on a generated corpus, so two builds give the same files. Builds are cached
+in a directory keyed by kind and spec version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+
+SPEC_VERSION = 1
+KINDS = ("llama", "qwen3next", "llama-big")
+
+_WORDS = (
+    "the a kv cache block hash token prefix router model engine request offload tier disk cpu "
+    "memory layer attention mamba state image text prompt reply system user assistant chat "
+    "document query answer fast slow small large first last next previous shared unique event "
+    "store load evict keep drop page unit chain parent child root leaf node tree index key value"
+).split()
+
+
+def _corpus(n_lines: int = 4000) -> list[str]:
+    rng = random.Random(0)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(n_lines)]
+
+
+def _build_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(out)
+
+
+def _config(kind: str):
+    if kind in ("llama", "llama-big"):
+        from transformers import LlamaConfig
+
+        big = kind == "llama-big"
+        return LlamaConfig(
+            vocab_size=2048,
+            hidden_size=1024 if big else 128,
+            intermediate_size=2816 if big else 256,
+            num_hidden_layers=8 if big else 2,
+            num_attention_heads=16 if big else 4,
+            num_key_value_heads=4 if big else 2,
+            head_dim=64 if big else 32,
+            max_position_embeddings=4096 if big else 2048,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            tie_word_embeddings=False,
+        )
+    if kind == "qwen3next":
+        from transformers import Qwen3NextConfig
+
+        # The CPU GDN kernel needs linear head dim 128, and vLLM needs at least one MoE layer.
+        return Qwen3NextConfig(
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=1,
+            linear_num_value_heads=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            decoder_sparse_step=1,
+            max_position_embeddings=2048,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            tie_word_embeddings=False,
+        )
+    raise ValueError(f"unknown tiny model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+
+
+def default_cache_dir() -> pathlib.Path:
+    root = os.environ.get("VLLM_KVBM_TINY_MODELS") or os.path.join(
+        os.path.expanduser("~"), ".cache", "vllm-kvbm", "tiny-models"
+    )
+    return pathlib.Path(root)
+
+
+def build(kind: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Return the directory of the tiny model `kind`, building it once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _config(kind)
+    out = pathlib.Path(cache_dir or default_cache_dir()) / f"{kind}-v{SPEC_VERSION}"
+    if (out / ".complete").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _build_tokenizer(tmp, config.vocab_size)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp)
+    cfg = json.loads((tmp / "config.json").read_text())
+    cfg["torch_dtype"] = "bfloat16"
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / ".complete").write_text(str(SPEC_VERSION))
+    if out.exists():  # another process won the race
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    os.replace(tmp, out)
+    return out
