@@ -1,28 +1,21 @@
 """vLLM general-plugin entry point (`vllm.general_plugins` → `kvbm`).
 
 vLLM calls `register()` once in every process it starts (front end, EngineCore, workers) before
-it builds schedulers or workers. It must stay cheap and idempotent.
+it builds schedulers or workers. It must stay cheap and idempotent. vLLM configures logging only
+after the front end has loaded plugins, so the one line saying what was applied is logged by
+EngineCore when it sets up the KV cache (see patches/hash_granularity.py).
 """
 
 from __future__ import annotations
 
-import os
-
 from vllm_kvbm_plugin import config
+
+APPLIED: list[str] = []
 
 
 def register() -> None:
     if config.plugin_disabled():
         return
-    from vllm.logger import init_logger
-
     from vllm_kvbm_plugin.patches import apply_all
 
-    applied = apply_all()
-    if applied:
-        init_logger("vllm_kvbm_plugin").info(
-            "vllm-kvbm-plugin: applied patches %s in pid %d (inert unless KV events, prefix "
-            "caching on a hybrid model or KVBMConnector are configured)",
-            ", ".join(applied),
-            os.getpid(),
-        )
+    APPLIED.extend(apply_all())

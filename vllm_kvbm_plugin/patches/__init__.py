@@ -11,11 +11,10 @@ import functools
 import inspect
 from collections.abc import Callable
 
-from vllm.logger import init_logger
-
 from vllm_kvbm_plugin import compat
+from vllm_kvbm_plugin.log import get_logger
 
-logger = init_logger("vllm_kvbm_plugin.patches")
+logger = get_logger("patches")
 
 _WRAPPED = "__kvbm_original__"
 

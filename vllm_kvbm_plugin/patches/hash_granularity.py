@@ -46,6 +46,10 @@ def _wrap_update(orig):
 
 def _wrap_init_kv_caches(orig):
     def _initialize_kv_caches(self, vllm_config):
+        from vllm_kvbm_plugin import __version__, plugin
+
+        if plugin.APPLIED:
+            logger.info("vllm-kvbm-plugin %s: patches applied: %s", __version__, ", ".join(plugin.APPLIED))
         unit = _preferred_unit(self, vllm_config)
         if unit is None:
             return orig(self, vllm_config)

@@ -6,13 +6,15 @@ last prompt hash boundary whose parent was never announced (vllm/v1/core/block_p
 than `hash_block_size` B we announce every B-token unit that vLLM caches instead:
 
 - a unit is cached when its block gets a full key (all P/B units) or a partial-tail key (the units
-  up to that boundary); it is announced once while any physical block holds it (`Holders`),
-  chained to the previous unit;
+  up to that boundary); it is announced once while any physical block holds it, chained to the
+  previous unit;
 - when vLLM evicts or reuses the block (`_maybe_evict_cached_block`) its units are released and
   the last holder's release becomes a BlockRemoved; `reset_prefix_cache` forgets everything (vLLM
-  already emits AllBlocksCleared);
-- vLLM's own partial-tail Stored/Removed events for these groups are dropped (our units cover them);
-  the coarse P-sized events stay unless VLLM_KVBM_COARSE_EVENTS=0.
+  already emits AllBlocksCleared); `move_block_hashes` moves them with vLLM's keys;
+- for these groups vLLM's own Stored/Removed events are replaced: the partial-tail ones are
+  dropped (our units cover them) and the coarse P-sized ones are re-emitted by the same
+  announce-once bookkeeping, so a recomputed block is not announced twice. VLLM_KVBM_COARSE_EVENTS=0
+  drops the coarse ones entirely.
 
 Mamba / linear-attention groups are left exactly as vLLM emits them.
 """
@@ -33,88 +35,101 @@ _FULL_ATTENTION_KINDS = ("full_attention", "mla_attention")
 
 
 class UnitTracker:
-    """Which hash units each physical block holds, per sub-block group of one BlockPool."""
+    """Which hash units (and inflated blocks) each physical block holds, for one BlockPool.
+
+    Keys are announced once while any physical block holds them (`Holders`), because vLLM may cache
+    the same hash in two blocks (a hybrid request recomputing a prefix whose Mamba state is gone).
+    """
 
     def __init__(self, pool: BlockPool, units_per_block: dict[int, int], coarse: bool):
         self.pool = pool
         self.unit = pool.hash_block_size
         self.units_per_block = units_per_block  # group id -> P // B
         self.coarse = coarse
-        self.units_by_block: dict[int, tuple[int, list]] = {}  # block id -> (group, unit hashes)
-        self.holders = Holders()  # (group, unit hash)
-        self.partial_keys: set = set()  # vLLM partial-tail keys whose events we hide
+        self.by_block: dict[int, tuple[int, list]] = {}  # block id -> (group, [unit hashes])
+        self.holders = Holders()  # (group, tokens per key, hash)
 
-    def hold(self, request, block, group: int, block_idx: int, n_units: int) -> None:
-        """Record that `block` (block_idx of the request) now holds its first n_units units."""
-        if block.is_null or n_units <= 0:
-            return
-        entry = self.units_by_block.get(block.block_id)
-        if entry is None:
-            entry = self.units_by_block[block.block_id] = (group, [])
-        held = entry[1]
-        first = block_idx * self.units_per_block[group]
-        fresh = []
-        for u in range(first + len(held), first + n_units):
-            h = request.block_hashes[u]
-            held.append(h)
-            if self.holders.hold((group, h)):
-                fresh.append(u)
-        self._announce(request, group, fresh)
+    def cache(self, request, group: int, blocks) -> None:
+        """`blocks` = [(block, block index in the request, units of it now cached)]."""
+        r = self.units_per_block[group]
+        fresh_units, fresh_blocks = [], []
+        for block, block_idx, n_units in blocks:
+            if block.is_null or n_units <= 0:
+                continue
+            held = self.by_block.setdefault(block.block_id, (group, []))[1]
+            first = block_idx * r
+            had = len(held)
+            for u in range(first + had, first + n_units):
+                h = request.block_hashes[u]
+                held.append(h)
+                if self.holders.hold((group, self.unit, h)):
+                    fresh_units.append(u)
+            if self.coarse and had < r == n_units:
+                if self.holders.hold((group, r * self.unit, held[-1])):
+                    fresh_blocks.append(block_idx)
+        self._announce(request, group, r, fresh_blocks)
+        self._announce(request, group, 1, fresh_units)
 
     def release(self, block_id: int) -> None:
-        entry = self.units_by_block.pop(block_id, None)
+        entry = self.by_block.pop(block_id, None)
         if entry is None:
             return
         group, held = entry
-        gone = [maybe_convert_block_hash(h) for h in held if self.holders.release((group, h))]
-        if gone and self.pool.enable_kv_cache_events:
-            self.pool.kv_event_queue.append(
-                BlockRemoved(block_hashes=gone, medium=self.pool.medium, group_idx=group)
-            )
+        r = self.units_per_block[group]
+        if self.coarse and len(held) == r and self.holders.release((group, r * self.unit, held[-1])):
+            self._removed(group, [held[-1]])
+        self._removed(group, [h for h in held if self.holders.release((group, self.unit, h))])
 
     def move(self, src_id: int, dst_id: int) -> None:
-        entry = self.units_by_block.pop(src_id, None)
+        entry = self.by_block.pop(src_id, None)
         if entry is not None:
-            self.units_by_block[dst_id] = entry
+            self.by_block[dst_id] = entry
 
     def clear(self) -> None:
-        self.units_by_block.clear()
+        self.by_block.clear()
         self.holders.clear()
-        self.partial_keys.clear()
 
-    def hides_removal(self, key) -> bool:
-        """Whether vLLM's BlockRemoved for `key` is one of the events our units replace."""
-        if get_group_id(key) not in self.units_per_block:
-            return False
-        if key in self.partial_keys:
-            if self.pool.cached_block_hash_to_block.get_one_block(key) is None:
-                self.partial_keys.discard(key)
-            return True
-        return not self.coarse
+    def _removed(self, group: int, hashes: list) -> None:
+        if hashes:
+            self.pool.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                    medium=self.pool.medium,
+                    group_idx=group,
+                )
+            )
 
-    def _announce(self, request, group: int, units: list[int]) -> None:
-        """One BlockStored per run of consecutive fresh units, chained to the unit before."""
-        B = self.unit
+    def _announce(self, request, group: int, units_per_key: int, keys: list[int]) -> None:
+        """One BlockStored per run of consecutive fresh keys, chained to the key before.
+
+        Key i covers tokens [i*n, (i+1)*n) with n = units_per_key * hash_block_size; its hash is
+        the chained unit hash at its last unit (what vLLM announces for a block of n tokens).
+        """
+        n = units_per_key * self.unit
+        hashes = request.block_hashes
         i = 0
-        while i < len(units):
+        while i < len(keys):
             j = i
-            while j + 1 < len(units) and units[j + 1] == units[j] + 1:
+            while j + 1 < len(keys) and keys[j + 1] == keys[j] + 1:
                 j += 1
-            first, last = units[i], units[j]
+            first, last = keys[i], keys[j]
             extra, mm_idx = [], 0
-            for u in range(first, last + 1):
-                keys, mm_idx = compat.block_extra_keys(self.pool, request, u * B, (u + 1) * B, mm_idx)
-                extra.append(keys)
-            parent = maybe_convert_block_hash(request.block_hashes[first - 1]) if first else None
+            for k in range(first, last + 1):
+                e, mm_idx = compat.block_extra_keys(self.pool, request, k * n, (k + 1) * n, mm_idx)
+                extra.append(e)
+            parent = maybe_convert_block_hash(hashes[first * units_per_key - 1]) if first else None
             self.pool.kv_event_queue.append(
                 compat.build_block_stored(
                     self.pool,
                     request,
-                    block_hashes=[maybe_convert_block_hash(h) for h in request.block_hashes[first : last + 1]],
+                    block_hashes=[
+                        maybe_convert_block_hash(hashes[(k + 1) * units_per_key - 1])
+                        for k in range(first, last + 1)
+                    ],
                     parent_block_hash=parent,
-                    start_token_idx=first * B,
-                    end_token_idx=(last + 1) * B,
-                    block_size=B,
+                    start_token_idx=first * n,
+                    end_token_idx=(last + 1) * n,
+                    block_size=n,
                     kv_cache_group_id=group,
                     extra_keys_list=extra,
                 )
@@ -176,6 +191,11 @@ def _wrap_manager_init(orig):
     return __init__
 
 
+def _drop_stored_since(pool: BlockPool, n0: int) -> None:
+    q = pool.kv_event_queue
+    q[n0:] = [e for e in q[n0:] if not isinstance(e, BlockStored)]
+
+
 def _wrap_cache_full_blocks(orig):
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                           kv_cache_group_id, block_mask=None):
@@ -183,15 +203,15 @@ def _wrap_cache_full_blocks(orig):
         n0 = len(self.kv_event_queue)
         orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
              kv_cache_group_id, block_mask)
-        if t is None or num_cached_blocks >= num_full_blocks:
+        if t is None:
             return
-        if not t.coarse:
-            q = self.kv_event_queue
-            q[n0:] = [e for e in q[n0:] if not isinstance(e, BlockStored)]
+        _drop_stored_since(self, n0)  # the tracker announces these blocks itself
         r = t.units_per_block[kv_cache_group_id]
-        for i in range(num_cached_blocks, num_full_blocks):
-            if block_mask is None or block_mask[i - num_cached_blocks]:
-                t.hold(request, blocks[i], kv_cache_group_id, i, r)
+        t.cache(request, kv_cache_group_id, [
+            (blocks[i], i, r)
+            for i in range(num_cached_blocks, num_full_blocks)
+            if block_mask is None or block_mask[i - num_cached_blocks]
+        ])
 
     return cache_full_blocks
 
@@ -207,11 +227,10 @@ def _wrap_cache_partial_block(orig):
                    replace_existing_hashes)
         if t is None or key is None:
             return key
-        t.partial_keys.add(key)
-        q = self.kv_event_queue
-        q[n0:] = [e for e in q[n0:] if not isinstance(e, BlockStored)]
+        _drop_stored_since(self, n0)  # vLLM's partial-tail event; our units cover it
         block_idx = num_tokens // block_size
-        t.hold(request, block, kv_cache_group_id, block_idx, (num_tokens - block_idx * block_size) // t.unit)
+        t.cache(request, kv_cache_group_id,
+                [(block, block_idx, (num_tokens - block_idx * block_size) // t.unit)])
         return key
 
     return cache_partial_block
@@ -252,8 +271,8 @@ def _wrap_reset(orig):
 def _wrap_emit_removed(orig):
     def _emit_block_removed_events(self, block_hashes):
         t = _tracker(self)
-        if t is not None:
-            block_hashes = [k for k in block_hashes if not t.hides_removal(k)]
+        if t is not None:  # removals of these groups come from the tracker
+            block_hashes = [k for k in block_hashes if get_group_id(k) not in t.units_per_block]
         return orig(self, block_hashes)
 
     return _emit_block_removed_events

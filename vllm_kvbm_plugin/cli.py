@@ -1,0 +1,98 @@
+"""`vllm-kvbm`: subscribe to and validate KV event streams, build tiny local models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+
+def _subscribe(args) -> int:
+    from vllm_kvbm_plugin.events import recording
+    from vllm_kvbm_plugin.events.subscriber import Subscriber
+    from vllm_kvbm_plugin.events.validator import Validator
+
+    validator = Validator() if args.validate else None
+    out = open(args.out, "w") if args.out else sys.stdout
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    n = 0
+    sub = Subscriber(args.endpoint, args.replay_endpoint, args.topic,
+                     start_seq=None if args.from_now else 0)
+    try:
+        while not stop and (args.max_batches is None or n < args.max_batches):
+            got = sub.poll(int(args.idle_timeout * 1000) if args.idle_timeout else 500)
+            if not got and args.idle_timeout:
+                break
+            for seq, batch in got:
+                n += 1
+                if validator:
+                    validator.apply(batch, seq)
+                if not args.quiet:
+                    out.write(recording.dump_line(seq, batch) + "\n")
+            out.flush()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sub.close()
+        if args.out:
+            out.close()
+    summary = {"subscriber": vars(sub.stats), "batches": n}
+    if validator:
+        summary["validator"] = validator.report()
+    print(json.dumps(summary, indent=2), file=sys.stderr)
+    return 1 if (validator and validator.errors) or sub.stats.lost else 0
+
+
+def _validate(args) -> int:
+    from vllm_kvbm_plugin.events import recording
+    from vllm_kvbm_plugin.events.validator import Validator
+
+    v = Validator()
+    with open(args.file) as fp:
+        for seq, batch in recording.read(fp):
+            v.apply(batch, seq)
+    print(json.dumps(v.report(), indent=2))
+    return 1 if v.errors else 0
+
+
+def _tiny_model(args) -> int:
+    from vllm_kvbm_plugin import tiny_models
+
+    print(tiny_models.build(args.kind, args.dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vllm-kvbm", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("subscribe", help="print (and optionally validate) vLLM's KV event stream")
+    s.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="vLLM's KV events PUB endpoint")
+    s.add_argument("--replay-endpoint", default=None, help="vLLM's replay endpoint, to recover gaps")
+    s.add_argument("--topic", default="", help="topic prefix to subscribe to")
+    s.add_argument("--from-now", action="store_true",
+                   help="start with the next batch instead of recovering the stream from seq 0")
+    s.add_argument("--out", help="write JSON lines here instead of stdout")
+    s.add_argument("--quiet", action="store_true", help="do not print batches")
+    s.add_argument("--validate", action="store_true", help="check the stream like a router would")
+    s.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
+    s.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    s.set_defaults(func=_subscribe)
+
+    v = sub.add_parser("validate", help="check a recorded stream (JSON lines from `subscribe`)")
+    v.add_argument("file")
+    v.set_defaults(func=_validate)
+
+    t = sub.add_parser("tiny-model", help="build a tiny random-weight model locally (no hub)")
+    t.add_argument("kind", choices=["llama", "qwen3next", "llama-big"])
+    t.add_argument("--dir", default=None, help="cache directory (default ~/.cache/vllm-kvbm/tiny-models)")
+    t.set_defaults(func=_tiny_model)
+
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

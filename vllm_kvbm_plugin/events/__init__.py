@@ -1,0 +1,1 @@
+"""KV event tools that run without vLLM: wire types, subscriber, validator."""

@@ -1,0 +1,86 @@
+"""msgspec mirrors of vLLM's KV event wire types (vllm/distributed/kv_events.py, 0.32 and 0.33).
+
+Events are tagged maps (`{"type": "BlockStored", ...}`), batches are arrays
+`[ts, [events], data_parallel_rank]`; fields left at their default are omitted on the wire. Unknown
+fields are ignored on decode, so newer vLLM versions still decode. Block hashes are ints by default
+(low 64 bits of vLLM's digest) or bytes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+BlockHash = Union[int, bytes]
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK = "GPU", "CPU", "DISK"
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None = None
+
+
+_decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    return _decoder.decode(payload)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return _encoder.encode(batch)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Plain JSON-ready form of a batch or event (tagged with "type"); bytes become hex strings."""
+    return _hex_bytes(msgspec.to_builtins(obj, builtin_types=(bytes,)))
+
+
+def _hex_bytes(x: Any) -> Any:
+    if isinstance(x, bytes):
+        return x.hex()
+    if isinstance(x, list):
+        return [_hex_bytes(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _hex_bytes(v) for k, v in x.items()}
+    return x
