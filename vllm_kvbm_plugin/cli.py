@@ -58,7 +58,7 @@ def _validate(args) -> int:
 
 
 def _tiny_model(args) -> int:
-    from vllm_kvbm_plugin import tiny_models
+    from vllm_kvbm_plugin.testing import tiny_models
 
     print(tiny_models.build(args.kind, args.dir))
     return 0

@@ -1,8 +1,8 @@
 """Plugin settings: environment variables for the patches, and the connector's extra config.
 
 Environment (read when used, so tests and subprocesses can set them late):
-  VLLM_KVBM_DISABLE=1       the plugin applies no patch at all (vLLM behaves as without it)
-  VLLM_KVBM_COARSE_EVENTS=0 hybrid models: drop vLLM's inflated-block events for full-attention
+  KVBM_DISABLE=1       the plugin applies no patch at all (vLLM behaves as without it)
+  KVBM_COARSE_EVENTS=0 hybrid models: drop vLLM's inflated-block events for full-attention
                             groups and keep only the per-hash-unit ones (default 1: keep both)
 """
 
@@ -27,11 +27,11 @@ def _flag(name: str, default: bool) -> bool:
 
 
 def plugin_disabled() -> bool:
-    return _flag("VLLM_KVBM_DISABLE", False)
+    return _flag("KVBM_DISABLE", False)
 
 
 def coarse_events() -> bool:
-    return _flag("VLLM_KVBM_COARSE_EVENTS", True)
+    return _flag("KVBM_COARSE_EVENTS", True)
 
 
 def connector_extra_config(vllm_config) -> dict | None:

@@ -17,6 +17,7 @@ from vllm_kvbm_plugin.log import get_logger
 logger = get_logger("patches")
 
 _WRAPPED = "__kvbm_original__"
+_APPLIED: list[tuple[type, str, object, bool]] = []  # (class, name, previous attribute, was own)
 
 
 def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> bool:
@@ -30,8 +31,19 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> b
         return False
     wrapper = functools.wraps(func)(make(func))
     setattr(wrapper, _WRAPPED, func)
+    _APPLIED.append((cls, name, raw, name in cls.__dict__))
     setattr(cls, name, classmethod(wrapper) if is_classmethod else wrapper)
     return True
+
+
+def remove_all() -> None:
+    """Restore every patched attribute (benchmarks compare against vanilla in one process)."""
+    while _APPLIED:
+        cls, name, raw, was_own = _APPLIED.pop()
+        if was_own:
+            setattr(cls, name, raw)
+        else:
+            delattr(cls, name)
 
 
 def apply_all() -> list[str]:

@@ -99,7 +99,7 @@ def _config(kind: str):
 
 
 def default_cache_dir() -> pathlib.Path:
-    root = os.environ.get("VLLM_KVBM_TINY_MODELS") or os.path.join(
+    root = os.environ.get("KVBM_TINY_MODELS") or os.path.join(
         os.path.expanduser("~"), ".cache", "vllm-kvbm", "tiny-models"
     )
     return pathlib.Path(root)

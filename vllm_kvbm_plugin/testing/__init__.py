@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and demos: tiny local models and an in-process vLLM scheduler."""

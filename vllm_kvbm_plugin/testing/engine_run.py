@@ -1,0 +1,102 @@
+"""Run a real vLLM engine through a scenario and record outputs and the KV event stream.
+
+    python -m vllm_kvbm_plugin.testing.engine_run SPEC.json RESULT.json
+
+Runs in its own process so each scenario gets a fresh vLLM (and plugin) state. SPEC:
+    {"model": "qwen3next" | "llama" | "<dir>", "llm": {LLM kwargs}, "events": true,
+     "steps": [{"prompts": [[token ids], ...], "max_tokens": 8} | {"reset": true}, ...]}
+RESULT: {"steps": [...per-step outputs...], "events": [recorded batches], "subscriber": {...},
+         "group_metadata": [...], "hash_block_size": int, "block_size": int}
+Events go through vLLM's real ZMQ publisher on ipc:// sockets and our Subscriber.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _model_dir(name: str) -> str:
+    from vllm_kvbm_plugin.testing import tiny_models
+
+    return str(tiny_models.build(name)) if name in tiny_models.KINDS else name
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_kvbm_plugin.events import recording
+    from vllm_kvbm_plugin.events.subscriber import Subscriber
+
+    sock_dir = tempfile.mkdtemp(prefix="kvbm-events-")
+    endpoint, replay = f"ipc://{sock_dir}/pub", f"ipc://{sock_dir}/replay"
+    kwargs = dict(dtype="bfloat16", max_model_len=2048, enforce_eager=True, block_size=32,
+                  enable_prefix_caching=True, seed=0, max_num_seqs=8)
+    kwargs.update(spec.get("llm", {}))
+    if spec.get("events", True):
+        kwargs["kv_events_config"] = dict(enable_kv_cache_events=True, publisher="zmq",
+                                          endpoint=endpoint, replay_endpoint=replay, topic="kv")
+    llm = LLM(model=_model_dir(spec["model"]), **kwargs)
+    sub = Subscriber(endpoint, replay, topic="kv", start_seq=0) if spec.get("events", True) else None
+    time.sleep(0.3)  # let the SUB socket join before the first batch (replay covers the rest)
+    records, steps = [], []
+
+    def drain(idle_ms: int) -> None:
+        if sub is not None:
+            while got := sub.poll(idle_ms):
+                records.extend(got)
+
+    for step in spec["steps"]:
+        if step.get("reset"):
+            ok = llm.reset_prefix_cache()
+            llm.generate([TokensPrompt(prompt_token_ids=[5])], SamplingParams(max_tokens=1),
+                         use_tqdm=False)  # a step publishes the AllBlocksCleared batch
+            steps.append({"reset": ok})
+        else:
+            sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True)
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], sp,
+                                use_tqdm=False)
+            steps.append({"outputs": [
+                {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
+                for o in outs]})
+        drain(300)
+    drain(1000)
+    core = llm.llm_engine.engine_core
+    engine_core = getattr(core, "engine_core", None)
+    if engine_core is not None:  # in-process
+        metadata = engine_core.get_kv_cache_group_metadata()
+        sched = engine_core.scheduler
+        hbs, bs = sched.hash_block_size, sched.block_size
+    else:
+        metadata = core.call_utility("get_kv_cache_group_metadata")
+        hbs = bs = None
+    result = {
+        "steps": steps,
+        "events": [json.loads(recording.dump_line(s, b)) for s, b in records],
+        "subscriber": vars(sub.stats) if sub else None,
+        "group_metadata": metadata,
+        "hash_block_size": hbs,
+        "block_size": bs,
+    }
+    if sub is not None:
+        sub.close()
+    return result
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    result = run(spec)
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # skip slow interpreter teardown of the engine
+
+
+if __name__ == "__main__":
+    main()
