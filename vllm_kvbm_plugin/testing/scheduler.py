@@ -137,6 +137,14 @@ class SchedulerHarness:
             None, block_hasher=self._hasher))
         return rid
 
+    def unit_hashes(self, tokens: list[int]) -> list:
+        """The event-form hashes vLLM computes for each full hash unit of `tokens`."""
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        req = Request("probe", list(tokens), SamplingParams(max_tokens=1), None,
+                      block_hasher=self._hasher)
+        return [maybe_convert_block_hash(h) for h in req.block_hashes]
+
     def step(self) -> int:
         """One schedule + simulated model output; returns the number of scheduled tokens."""
         out = self.scheduler.schedule()

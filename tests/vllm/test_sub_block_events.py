@@ -1,0 +1,175 @@
+"""Sub-block KV events on vLLM's real Scheduler and KVCacheManager (simulated model outputs)."""
+
+import random
+
+import pytest
+
+from vllm_kvbm_plugin import patches, plugin
+from vllm_kvbm_plugin.events.types import AllBlocksCleared, BlockRemoved, BlockStored
+from vllm_kvbm_plugin.events.validator import Validator
+from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
+
+ATTN = 1  # the full-attention group; group 0 is Mamba
+
+
+def events(h, cls=BlockStored, group=ATTN, block_size=None):
+    return [e for b in h.batches for e in b.events if isinstance(e, cls)
+            and getattr(e, "group_idx", group) == group
+            and (block_size is None or getattr(e, "block_size", None) == block_size)]
+
+
+def validate(h):
+    v = Validator()
+    for i, b in enumerate(h.batches):
+        v.apply(b, i)
+    return v
+
+
+def announced(h, block_size=32):
+    return [x for e in events(h, block_size=block_size) for x in e.block_hashes]
+
+
+def test_prompt_shorter_than_the_inflated_block_announces_its_units():
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32))
+    prompt = list(range(100, 200))
+    h.add(prompt)
+    h.run()
+    units = h.unit_hashes(prompt)  # 3 full units of 32
+    fine = events(h, block_size=32)
+    assert len(fine) == 1, "one event for units 0..2; vLLM's own partial-tail event is dropped"
+    assert fine[0].block_hashes == units[:3]
+    assert fine[0].parent_block_hash is None
+    assert fine[0].token_ids == prompt[:96]
+    assert fine[0].kv_cache_spec_kind == "full_attention" and fine[0].extra_keys == [None] * 3
+    assert validate(h).errors == 0
+
+
+def test_long_prompt_units_are_chained_and_coarse_events_stay():
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32))
+    prompt = list(range(1000, 1400))
+    h.add(prompt, max_tokens=2)
+    h.run()
+    units = h.unit_hashes(prompt)
+    # prompt 400 -> full blocks 0,1 (units 0..9) and the partial tail up to 384 (units 10, 11)
+    assert announced(h) == units[:12]
+    assert [e.parent_block_hash for e in events(h, block_size=32)] == [None, units[9]]
+    coarse = events(h, block_size=160)
+    assert [x for e in coarse for x in e.block_hashes] == [units[4], units[9]]
+    assert validate(h).errors == 0
+
+
+def scenario(h, rng):
+    """Shared prefixes, identical prompts in one batch, evictions and a reset."""
+    a = [rng.randrange(2000) for _ in range(400)]
+    h.add(a)
+    h.add(a[:200] + [rng.randrange(2000) for _ in range(200)])
+    h.run()
+    h.add(a + [1, 2, 3])  # same prefix twice in one step: vLLM caches the hash in two blocks
+    h.add(a + [4, 5, 6])
+    h.run()
+    for _ in range(12):  # working set larger than the cache: evictions
+        h.add([rng.randrange(2000) for _ in range(rng.randrange(50, 700))])
+        h.run()
+    assert h.reset_prefix_cache()
+    h.add(a)
+    h.run()
+    return a
+
+
+def test_stream_is_consistent_through_duplicates_evictions_and_reset():
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32, num_blocks=24))
+    a = scenario(h, random.Random(1))
+    v = validate(h)
+    assert v.errors == 0, v.report()
+    assert events(h, BlockRemoved), "the small cache must have evicted something"
+    assert any(isinstance(e, AllBlocksCleared) for b in h.batches for e in b.events)
+    # after the reset the 400-token prompt is announced again, units 0..11, chained from None
+    flat = [e for b in h.batches for e in b.events]
+    cleared = max(i for i, e in enumerate(flat) if isinstance(e, AllBlocksCleared))
+    after = [e for e in flat[cleared:]
+             if isinstance(e, BlockStored) and e.block_size == 32 and e.group_idx == ATTN]
+    assert [x for e in after for x in e.block_hashes] == h.unit_hashes(a)[:12]
+
+
+def test_without_the_plugin_vllm_reannounces_and_skips_short_prompts():
+    """The difference the plugin makes, on the same scenario."""
+    patches.remove_all()
+    try:
+        h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32, num_blocks=24))
+        scenario(h, random.Random(1))
+        v = validate(h)
+        assert v.counts["duplicate_store"] > 0  # the same block hash announced twice
+        assert v.counts["unknown_parent"] > 0  # partial-tail events chained to unannounced units
+        h2 = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32))
+        h2.add(list(range(100, 200)))
+        h2.run()
+        fine = events(h2, block_size=32)
+        assert [len(e.block_hashes) for e in fine] == [1]  # only vLLM's partial tail: unit 2
+        assert fine[0].parent_block_hash is not None
+    finally:
+        plugin.register()
+
+
+def test_nemotron_like_geometry_under_pressure():
+    # attention block 2176 tokens, hash unit 64, requests of 1k-16k tokens
+    rng = random.Random(2)
+    h = SchedulerHarness(HarnessConfig(block_size=2176, hash_block_size=64, num_blocks=30,
+                                       max_model_len=20000, max_num_batched_tokens=8192))
+    system = [rng.randrange(2000) for _ in range(3000)]
+    for _ in range(30):
+        n = rng.randrange(1000, 16000)
+        body = [rng.randrange(2000) for _ in range(n)]
+        h.add(system + body if rng.random() < 0.5 else body, max_tokens=3)
+        if rng.random() < 0.3:
+            h.run()
+    h.run()
+    v = validate(h)
+    assert v.errors == 0, v.report()
+    assert v.removed_hashes > 0
+    assert set(h.unit_hashes(system)[:46]) <= set(announced(h, 64))
+
+
+def test_coarse_events_can_be_suppressed(monkeypatch):
+    monkeypatch.setenv("KVBM_COARSE_EVENTS", "0")
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32, num_blocks=24))
+    scenario(h, random.Random(3))
+    assert events(h, block_size=160) == []
+    assert events(h, block_size=32)
+    assert validate(h).errors == 0
+
+
+def test_single_group_models_are_untouched():
+    def stream(h):
+        return [(type(e).__name__, {k: getattr(e, k) for k in e.__struct_fields__})
+                for b in h.batches for e in b.events]
+
+    def run():
+        h = SchedulerHarness(HarnessConfig(hybrid=False, block_size=32, num_blocks=30))
+        scenario(h, random.Random(4))
+        return stream(h)
+
+    with_plugin = run()
+    patches.remove_all()
+    try:
+        assert run() == with_plugin
+    finally:
+        plugin.register()
+
+
+def test_events_off_attaches_nothing():
+    h = SchedulerHarness(HarnessConfig(events=False))
+    assert "_kvbm_units" not in h.scheduler.kv_cache_manager.block_pool.__dict__
+
+
+def test_patches_are_idempotent_and_removable():
+    from vllm.v1.core.block_pool import BlockPool
+
+    wrapped = BlockPool.cache_full_blocks
+    assert patches.apply_all() == []  # already applied by the plugin
+    assert BlockPool.cache_full_blocks is wrapped
+    patches.remove_all()
+    try:
+        assert not hasattr(BlockPool.cache_full_blocks, "__kvbm_original__")
+    finally:
+        plugin.register()
+    assert hasattr(BlockPool.cache_full_blocks, "__kvbm_original__")
