@@ -28,6 +28,10 @@ def _model_dir(name: str) -> str:
     return str(tiny_models.build(name)) if name in tiny_models.KINDS else name
 
 
+def _worker_hash_block_size(worker) -> int | None:
+    return worker.vllm_config.cache_config.hash_block_size
+
+
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -78,6 +82,7 @@ def run(spec: dict) -> dict:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = None
     result = {
+        "worker_hash_block_size": llm.collective_rpc(_worker_hash_block_size),
         "steps": steps,
         "events": [json.loads(recording.dump_line(s, b)) for s, b in records],
         "subscriber": vars(sub.stats) if sub else None,

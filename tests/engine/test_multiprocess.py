@@ -1,0 +1,17 @@
+"""Multi-process engine (EngineCore and worker in their own processes)."""
+
+import pytest
+
+from .test_hybrid_engine import P100, fine, flat
+
+pytestmark = pytest.mark.slow
+
+
+def test_hybrid_hash_granularity_across_processes(run_engine):
+    r = run_engine({"model": "qwen3next", "steps": [{"prompts": [P100]}]},
+                   env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+                        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"})  # test-only: RPC a probe function
+    assert r["worker_hash_block_size"] == [32]  # the worker process
+    assert [g["hash_block_size"] for g in r["group_metadata"]] == [32, 32]  # EngineCore, by RPC
+    units = fine(flat(r))
+    assert len(units) == 1 and units[0].token_ids == P100[:96] and units[0].parent_block_hash is None
