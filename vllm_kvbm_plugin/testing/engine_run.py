@@ -92,6 +92,7 @@ def run(spec: dict) -> dict:
     }
     if sub is not None:
         sub.close()
+    core.shutdown()  # stop EngineCore/worker processes in multi-process mode
     return result
 
 
