@@ -53,6 +53,7 @@ class Validator:
         self.batches = 0
         self.stored_hashes = 0
         self.removed_hashes = 0
+        self.stored_by: Counter[str] = Counter()  # "medium/g<group>/<kind>/<block size>" -> hashes
 
     @property
     def errors(self) -> int:
@@ -101,6 +102,7 @@ class Validator:
                 self._problem("duplicate_store", seq, f"{_short(h)} already held in {gkey} at block size {ev.block_size}")
             held.add(h)
         self.stored_hashes += len(hashes)
+        self.stored_by[f"{ev.medium}/g{ev.group_idx}/{ev.kv_cache_spec_kind}/{ev.block_size}"] += len(hashes)
 
     def _removed(self, dp, ev: BlockRemoved, seq) -> None:
         sizes = self._held.get((dp, ev.medium, ev.group_idx), {})
@@ -124,6 +126,7 @@ class Validator:
             "batches": self.batches,
             "stored_hashes": self.stored_hashes,
             "removed_hashes": self.removed_hashes,
+            "stored_by": dict(sorted(self.stored_by.items())),
             "held_hashes": sum(len(s) for sizes in self._held.values() for s in sizes.values()),
             "errors": self.errors,
             "by_rule": {r: self.counts[r] for r in RULES},
