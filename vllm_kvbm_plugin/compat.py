@@ -5,8 +5,6 @@ Imported only by `patches/` and `connector/`: the pure layers never import vLLM.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from typing import Any
 
 import vllm
@@ -23,19 +21,29 @@ def is_supported() -> bool:
     return vllm_minor() in SUPPORTED
 
 
-@functools.cache
-def _stored_event_builder_takes_lookahead() -> bool:
-    # 0.33 added a required `lookahead_token_ids` argument (EAGLE hash lookahead).
-    from vllm.v1.core.block_pool import BlockPool
+def block_stored_event(pool, request, *, block_hashes, parent_block_hash, start_token_idx,
+                       end_token_idx, block_size, group_idx, extra_keys):
+    """A BlockStored filled like BlockPool._build_block_stored_event (0.32 and 0.33) fills it.
 
-    return "lookahead_token_ids" in inspect.signature(BlockPool._build_block_stored_event).parameters
+    `extra_keys` is already in event form (one entry per hash). Built here rather than through the
+    private builder, whose signature differs between versions and which re-walks the extra keys.
+    `lookahead_token_ids` (0.33, EAGLE) keeps its default: sub-block events are off with lookahead.
+    """
+    from vllm.distributed.kv_events import BlockStored
 
-
-def build_block_stored(pool, request, **kw: Any):
-    """BlockPool._build_block_stored_event with the fields vLLM fills (lora, medium, session)."""
-    if _stored_event_builder_takes_lookahead():
-        kw.setdefault("lookahead_token_ids", None)
-    return pool._build_block_stored_event(request, **kw)
+    lora = request.lora_request
+    return BlockStored(
+        block_hashes=block_hashes,
+        parent_block_hash=parent_block_hash,
+        token_ids=request.all_token_ids[start_token_idx:end_token_idx],
+        block_size=block_size,
+        lora_id=lora.adapter_id if lora else None,
+        medium=pool.medium,
+        lora_name=lora.name if lora else None,
+        extra_keys=extra_keys,
+        group_idx=group_idx,
+        session_id=request.session_id,
+    )
 
 
 def block_extra_keys(pool, request, start: int, end: int, mm_idx: int):
@@ -51,3 +59,36 @@ def block_extra_keys(pool, request, start: int, end: int, mm_idx: int):
 def hash_lookahead_tokens(pool) -> int:
     """EAGLE hash lookahead of a BlockPool (0.33 only; 0 on 0.32)."""
     return getattr(pool, "num_hash_lookahead_tokens", 0)
+
+
+def has_extra_keys(request) -> bool:
+    """Whether any block of `request` can carry extra hash keys (LoRA, images, salt, embeds),
+    i.e. whether `generate_block_hash_extra_keys` can return anything but None for it."""
+    return bool(
+        request.lora_request is not None
+        or request.mm_features
+        or request.cache_salt
+        or getattr(request, "prompt_embeds", None) is not None
+    )
+
+
+def event_hash_converter():
+    """A list-at-a-time `maybe_convert_block_hash` (vllm/v1/core/kv_cache_utils.py): event hashes
+    are the low 64 bits of the digest as an int, or the raw bytes when
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0. The env lookup is done once, not per hash, and long
+    lists go through numpy (the low 64 bits are the digest's last 8 bytes, big-endian)."""
+    import numpy as np
+    import vllm.envs as envs
+
+    if not envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+        return list
+    mask = (1 << 64) - 1
+    from_bytes = int.from_bytes
+
+    def convert(hashes) -> list[int]:
+        if len(hashes) < 16 or len(hashes[0]) % 8:
+            return [from_bytes(h, "big") & mask for h in hashes]
+        words = len(hashes[0]) // 8
+        return np.frombuffer(b"".join(hashes), dtype=">u8")[words - 1 :: words].tolist()
+
+    return convert

@@ -29,6 +29,7 @@ def test_clean_chain_has_no_errors():
 def test_each_rule_is_reported():
     assert run(stored([5], parent=4)).counts["unknown_parent"] == 1
     assert run(stored([1]), stored([1])).counts["duplicate_store"] == 1
+    assert run(stored([1, 1])).counts["duplicate_store"] == 1  # repeated inside one event
     assert run(removed([9])).counts["unknown_removal"] == 1
     assert run(stored([1, 2], n_tokens=3)).counts["token_count"] == 1
 

@@ -97,23 +97,29 @@ class Validator:
             self._problem("token_count", seq, f"{n_tokens} tokens for {len(hashes)} hashes of {ev.block_size} in {gkey}")
         if not sparse and ev.parent_block_hash is not None and ev.parent_block_hash not in held:
             self._problem("unknown_parent", seq, f"parent {_short(ev.parent_block_hash)} of {_short(hashes[0]) if hashes else '-'} not held in {gkey} at block size {ev.block_size}")
-        for h in hashes:
-            if h in held:
-                self._problem("duplicate_store", seq, f"{_short(h)} already held in {gkey} at block size {ev.block_size}")
-            held.add(h)
+        # set operations run in C, so the validator keeps up with large streams
+        dup = held.intersection(hashes)
+        before = len(held)
+        held.update(hashes)
+        for h in dup:
+            self._problem("duplicate_store", seq, f"{_short(h)} already held in {gkey} at block size {ev.block_size}")
+        if len(held) - before != len(hashes) - len(dup):
+            self._problem("duplicate_store", seq, f"a hash repeats within one event in {gkey}")
         self.stored_hashes += len(hashes)
         self.stored_by[f"{ev.medium}/g{ev.group_idx}/{ev.kv_cache_spec_kind}/{ev.block_size}"] += len(hashes)
 
     def _removed(self, dp, ev: BlockRemoved, seq) -> None:
         sizes = self._held.get((dp, ev.medium, ev.group_idx), {})
-        order = sorted(sizes, reverse=True)
-        for h in ev.block_hashes:
-            for bs in order:
-                if h in sizes[bs]:
-                    sizes[bs].discard(h)
-                    break
-            else:
-                self._problem("unknown_removal", seq, f"{_short(h)} not held in {(dp, ev.medium, ev.group_idx)}")
+        rest = ev.block_hashes
+        for bs in sorted(sizes, reverse=True):  # largest block size first
+            hit = sizes[bs].intersection(rest)
+            if hit:
+                sizes[bs].difference_update(hit)
+                rest = [h for h in rest if h not in hit] if len(hit) < len(rest) else []
+            if not rest:
+                break
+        for h in rest:
+            self._problem("unknown_removal", seq, f"{_short(h)} not held in {(dp, ev.medium, ev.group_idx)}")
         self.removed_hashes += len(ev.block_hashes)
 
     def _problem(self, rule: str, seq, detail: str) -> None:

@@ -120,15 +120,18 @@ class SchedulerHarness:
         fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(fn)
         self._hasher = get_request_block_hasher(hbs, fn)
-        self.batches: list[ev.KVEventBatch] = []
-        self._encode = __import__("msgspec").msgpack.Encoder().encode
-        self.scheduler.kv_event_publisher.publish = self._publish
+        self._published: list = []  # vLLM's batches, as the publisher receives them
+        self.scheduler.kv_event_publisher.publish = self._published.append
         self._ids = itertools.count()
         self.num_cached_tokens: dict[str, int] = {}
 
-    def _publish(self, batch) -> None:
-        # Through the wire format, as a subscriber would see it.
-        self.batches.append(ev.decode_batch(self._encode(batch)))
+    @property
+    def batches(self) -> list[ev.KVEventBatch]:
+        """Published batches through the wire format, as a subscriber sees them."""
+        import msgspec
+
+        enc = msgspec.msgpack.Encoder()
+        return [ev.decode_batch(enc.encode(b)) for b in self._published]
 
     def add(self, prompt: list[int], max_tokens: int = 4) -> str:
         rid = f"r{next(self._ids)}"

@@ -1,0 +1,74 @@
+"""Scheduler step time with the plugin's sub-block events over vanilla vLLM, same run, same workload.
+
+vLLM's real Scheduler runs in-process with a hybrid KV cache config (a Mamba group and a full-attention
+group sharing an inflated block) and simulated model outputs. KV events are on in both runs; the
+vanilla run has every patch removed. Runs alternate (vanilla, plugin, vanilla, plugin, ...) and the
+median per-step time is compared. Target: <= 1.02x.
+
+    python benchmarks/bench_scheduler_overhead.py [--requests 1000] [--reps 2]
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+from vllm_kvbm_plugin import patches, plugin
+from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
+
+GEOMETRIES = {"nemotron-like (2176/64)": (2176, 64), "tiny qwen3-next (160/32)": (160, 32)}
+
+
+def workload(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(50000) for _ in range(rng.randrange(500, 3000))] for _ in range(8)]
+    out = []
+    for _ in range(n):
+        body = [rng.randrange(50000) for _ in range(rng.randrange(1000, 16000))]
+        out.append(rng.choice(systems) + body if rng.random() < 0.6 else body)
+    return [p[:16000] for p in out]
+
+
+def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[float, int, int]:
+    if with_plugin:
+        plugin.register()
+    else:
+        patches.remove_all()
+    h = SchedulerHarness(HarnessConfig(block_size=block, hash_block_size=unit, num_blocks=600,
+                                       max_model_len=16384, max_num_batched_tokens=8192,
+                                       max_num_seqs=32))
+    for p in prompts:
+        h.add(p, max_tokens=2)
+    steps, t_total = 0, 0.0
+    while h.scheduler.has_unfinished_requests():
+        t0 = time.perf_counter()
+        h.step()
+        t_total += time.perf_counter() - t0
+        steps += 1
+    n_events = sum(len(b.events) for b in h.batches)
+    return t_total / steps, steps, n_events
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args()
+    prompts = workload(args.requests)
+    print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each")
+    for name, (block, unit) in GEOMETRIES.items():
+        times = {False: [], True: []}
+        info = {}
+        for _ in range(args.reps):
+            for with_plugin in (False, True):
+                per_step, steps, n_events = run_once(block, unit, prompts, with_plugin)
+                times[with_plugin].append(per_step)
+                info[with_plugin] = (steps, n_events)
+        van, plg = statistics.median(times[False]), statistics.median(times[True])
+        print(f"{name}: vanilla {van * 1e3:.3f} ms/step ({info[False][0]} steps, {info[False][1]} events), "
+              f"plugin {plg * 1e3:.3f} ms/step ({info[True][1]} events) -> ratio {plg / van:.3f}x")
+    plugin.register()
+
+
+if __name__ == "__main__":
+    main()
