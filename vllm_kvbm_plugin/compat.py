@@ -21,8 +21,8 @@ def is_supported() -> bool:
     return vllm_minor() in SUPPORTED
 
 
-def block_stored_event(pool, request, *, block_hashes, parent_block_hash, start_token_idx,
-                       end_token_idx, block_size, group_idx, extra_keys):
+def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_ids, block_size,
+                       group_idx, extra_keys):
     """A BlockStored filled like BlockPool._build_block_stored_event (0.32 and 0.33) fills it.
 
     `extra_keys` is already in event form (one entry per hash). Built here rather than through the
@@ -35,7 +35,7 @@ def block_stored_event(pool, request, *, block_hashes, parent_block_hash, start_
     return BlockStored(
         block_hashes=block_hashes,
         parent_block_hash=parent_block_hash,
-        token_ids=request.all_token_ids[start_token_idx:end_token_idx],
+        token_ids=token_ids,
         block_size=block_size,
         lora_id=lora.adapter_id if lora else None,
         medium=pool.medium,

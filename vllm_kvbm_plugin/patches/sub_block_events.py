@@ -57,39 +57,51 @@ class UnitTracker:
         self.counts: dict[tuple[int, int], dict] = {}  # (group, tokens per key) -> hash -> holders
         self.to_event_hashes = compat.event_hash_converter()
 
-    def cache(self, request, group: int, blocks) -> None:
-        """`blocks` = [(block, block index in the request, units of it now cached)]."""
+    def cache(self, request, group: int, blocks, start: int, end: int, n_last: int | None = None,
+              mask=None) -> None:
+        """blocks[start:end] of the request now hold all their units (the last one only n_last).
+
+        Hashes are converted for the whole range at once; per block only its slice is kept.
+        """
         r = self.units_per_block[group]
         fine, coarse = self._counts(group, self.unit), self._counts(group, r * self.unit)
-        fresh_units: list[int] = []  # unit indexes, ascending
-        fresh_unit_hashes: list = []
-        fresh_blocks: list[int] = []
-        fresh_block_hashes: list = []
-        hashes = request.block_hashes
-        for block, block_idx, n_units in blocks:
-            if block.is_null or n_units <= 0:
+        last_units = r if n_last is None else n_last
+        conv = self.to_event_hashes(request.block_hashes[start * r : (end - 1) * r + last_units])
+        unit_runs: list[list] = []  # [first unit, end unit, event hashes] of fresh units
+        block_runs: list[list] = []  # the same for fresh coarse blocks
+        for bi in range(start, end):
+            block = blocks[bi]
+            if block.is_null or (mask is not None and not mask[bi - start]):
                 continue
-            held = self.by_block.setdefault(block.block_id, (group, []))[1]
-            had, first = len(held), block_idx * r
-            if had >= n_units:
-                continue
-            new = self.to_event_hashes(hashes[first + had : first + n_units])
-            held += new
-            # units held elsewhere form a prefix; usually empty
+            a = (bi - start) * r
+            b = min(a + r, len(conv))
+            entry = self.by_block.get(block.block_id)
+            if entry is None:
+                held, had = conv[a:b], 0
+                self.by_block[block.block_id] = (group, held)
+            else:
+                held = entry[1]
+                had = len(held)
+                if had >= b - a:
+                    continue
+                held += conv[a + had : b]
+            new = held[had:]
+            # units held by another block form a prefix of this block's units; usually none
             k = 0 if new[0] not in fine else _first_index(new, lambda h: h not in fine)
             for h in new[:k]:
                 fine[h] += 1
-            fine.update(dict.fromkeys(new[k:], 1))
-            fresh_units.extend(range(first + had + k, first + n_units))
-            fresh_unit_hashes += new[k:]
-            if self.coarse and n_units == r:
+            if k < len(new):
+                fresh = new[k:] if k else new
+                fine.update(dict.fromkeys(fresh, 1))
+                _extend_runs(unit_runs, bi * r + had + k, bi * r + b - a, fresh)
+            if self.coarse and b - a == r:
                 n = coarse.get(held[-1], 0)
                 coarse[held[-1]] = n + 1
                 if not n:
-                    fresh_blocks.append(block_idx)
-                    fresh_block_hashes.append(held[-1])
-        self._announce(request, group, r, fresh_blocks, fresh_block_hashes)
-        self._announce(request, group, 1, fresh_units, fresh_unit_hashes)
+                    _extend_runs(block_runs, bi, bi + 1, held[-1:])
+        tokens: dict = {}  # token slices shared by coarse and unit events over the same range
+        self._announce(request, group, r, block_runs, tokens)
+        self._announce(request, group, 1, unit_runs, tokens)
 
     def release(self, block_id: int) -> None:
         entry = self.by_block.pop(block_id, None)
@@ -98,10 +110,8 @@ class UnitTracker:
         group, held = entry
         r = self.units_per_block[group]
         if self.coarse and len(held) == r:
-            coarse = self._counts(group, r * self.unit)
-            if _decrement(coarse, held[-1:]):
-                self._removed(group, held[-1:])
-        self._removed(group, _decrement(self._counts(group, self.unit), held))
+            self._removed(group, _decrement(self.counts[(group, r * self.unit)], held[-1:]))
+        self._removed(group, _decrement(self.counts[(group, self.unit)], held))
 
     def move(self, src_id: int, dst_id: int) -> None:
         entry = self.by_block.pop(src_id, None)
@@ -124,48 +134,51 @@ class UnitTracker:
                 BlockRemoved(block_hashes=hashes, medium=self.pool.medium, group_idx=group)
             )
 
-    def _announce(self, request, group: int, units_per_key: int, keys: list[int],
-                  key_hashes: list) -> None:
+    def _announce(self, request, group: int, units_per_key: int, runs: list, tokens: dict) -> None:
         """One BlockStored per run of consecutive fresh keys, chained to the key before.
 
         Key i covers tokens [i*n, (i+1)*n) with n = units_per_key * hash_block_size; its hash
-        (`key_hashes`, event form) is the chained unit hash at its last unit, which is what vLLM
+        (event form, in the run) is the chained unit hash at its last unit, which is what vLLM
         announces for a block of n tokens.
         """
-        if not keys:
-            return
         n = units_per_key * self.unit
-        hashes = request.block_hashes
-        with_extra = compat.has_extra_keys(request)
-        i = 0
-        while i < len(keys):
-            j = i
-            while j + 1 < len(keys) and keys[j + 1] == keys[j] + 1:
-                j += 1
-            first, last = keys[i], keys[j]
+        with_extra = runs and compat.has_extra_keys(request)
+        for first, end, key_hashes in runs:
             if with_extra:
                 extra, mm_idx = [], 0
-                for k in range(first, last + 1):
+                for k in range(first, end):
                     e, mm_idx = compat.block_extra_keys(self.pool, request, k * n, (k + 1) * n, mm_idx)
                     extra.append(e)
                 extra = to_event_extra_keys(extra)
             else:
-                extra = [None] * (last + 1 - first)
-            parent = self.to_event_hashes([hashes[first * units_per_key - 1]])[0] if first else None
+                extra = [None] * (end - first)
+            parent = (self.to_event_hashes([request.block_hashes[first * units_per_key - 1]])[0]
+                      if first else None)
+            span = (first * n, end * n)
+            token_ids = tokens.get(span)
+            if token_ids is None:
+                token_ids = tokens[span] = request.all_token_ids[span[0] : span[1]]
             self.pool.kv_event_queue.append(
                 compat.block_stored_event(
                     self.pool,
                     request,
-                    block_hashes=key_hashes[i : j + 1],
+                    block_hashes=key_hashes,
                     parent_block_hash=parent,
-                    start_token_idx=first * n,
-                    end_token_idx=(last + 1) * n,
+                    token_ids=token_ids,
                     block_size=n,
                     group_idx=group,
                     extra_keys=extra,
                 )
             )
-            i = j + 1
+
+
+def _extend_runs(runs: list[list], first: int, end: int, hashes: list) -> None:
+    """Append keys [first, end) with their hashes, merging with the last run when contiguous."""
+    if runs and runs[-1][1] == first:
+        runs[-1][1] = end
+        runs[-1][2] += hashes
+    else:
+        runs.append([first, end, list(hashes)])
 
 
 def _first_index(seq: list, pred) -> int:
@@ -182,11 +195,14 @@ def _first_index(seq: list, pred) -> int:
 
 def _decrement(counts: dict, held: list) -> list:
     """Drop one holder of each hash in `held` (counts non-increasing); returns the hashes gone."""
-    k = 0 if counts[held[0]] == 1 else _first_index(held, lambda h: counts[h] == 1)
+    if counts[held[0]] == 1:  # the usual case: this block was the only holder
+        deque(map(counts.pop, held), maxlen=0)  # bulk delete in C
+        return held
+    k = _first_index(held, lambda h: counts[h] == 1)
     for h in held[:k]:
         counts[h] -= 1
     gone = held[k:]
-    deque(map(counts.pop, gone), maxlen=0)  # bulk delete in C
+    deque(map(counts.pop, gone), maxlen=0)
     return gone
 
 
@@ -262,12 +278,9 @@ def _wrap_cache_full_blocks(orig):
         if t is None:
             return orig(*args)
         _without_vllm_events(self, lambda: orig(*args))
-        r = t.units_per_block[kv_cache_group_id]
-        t.cache(request, kv_cache_group_id, [
-            (blocks[i], i, r)
-            for i in range(num_cached_blocks, num_full_blocks)
-            if block_mask is None or block_mask[i - num_cached_blocks]
-        ])
+        if num_cached_blocks < num_full_blocks:
+            t.cache(request, kv_cache_group_id, blocks, num_cached_blocks, num_full_blocks,
+                    mask=block_mask)
 
     return cache_full_blocks
 
@@ -285,8 +298,8 @@ def _wrap_cache_partial_block(orig):
         key = _without_vllm_events(self, lambda: orig(*args))
         if key is not None:
             block_idx = num_tokens // block_size
-            t.cache(request, kv_cache_group_id,
-                    [(block, block_idx, (num_tokens - block_idx * block_size) // t.unit)])
+            t.cache(request, kv_cache_group_id, {block_idx: block}, block_idx, block_idx + 1,
+                    n_last=(num_tokens - block_idx * block_size) // t.unit)
         return key
 
     return cache_partial_block
