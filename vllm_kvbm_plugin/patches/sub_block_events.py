@@ -14,8 +14,7 @@ than `hash_block_size` B we announce every B-token unit that vLLM caches instead
 - for these groups vLLM's own Stored/Removed events are replaced (the pool's emission is switched
   off around vLLM's caching calls): the partial-tail ones are dropped (our units cover them) and
   the coarse P-sized ones are re-emitted by the same announce-once bookkeeping, so a recomputed
-  block is not announced twice. KVBM_COARSE_EVENTS=0
-  drops the coarse ones entirely.
+  block is not announced twice. KVBM_COARSE_EVENTS=0 drops the coarse ones entirely.
 
 Mamba / linear-attention groups are left exactly as vLLM emits them.
 """
