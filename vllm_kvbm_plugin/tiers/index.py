@@ -1,0 +1,97 @@
+"""The index of one tier: which block keys it holds, in which slot, and which are busy.
+
+Invariants: a key is `ready` only after its bytes are complete where the slot says; a pinned entry
+(being loaded or stored) is never evicted; slots are reused only after eviction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+from vllm_kvbm_plugin.tiers.policies import EvictionPolicy
+
+
+@dataclasses.dataclass
+class Entry:
+    slot: int
+    ready: bool = False
+    pins: int = 0
+    meta: Any = None  # what the owner needs to announce or find the block (events, file size)
+
+
+class TierIndex:
+    def __init__(self, capacity: int, policy: EvictionPolicy):
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self.policy = policy
+        self.entries: dict[Hashable, Entry] = {}
+        self._free = list(range(capacity - 1, -1, -1))
+        self._pinned: set = set()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, key) -> bool:
+        return key in self.entries
+
+    def ready(self, key) -> Entry | None:
+        e = self.entries.get(key)
+        return e if e is not None and e.ready else None
+
+    def touch(self, key) -> None:
+        self.policy.touch(key)
+
+    def reserve(self, key, parent=None, meta=None) -> tuple[Entry | None, list[tuple[Hashable, Entry]]]:
+        """A slot for `key` (not ready until `complete`), evicting as needed.
+
+        Returns (entry or None when nothing can be evicted or admission refuses, evicted entries).
+        Reserved entries start pinned: the caller unpins after the copy in.
+        """
+        if key in self.entries:
+            return None, []
+        evicted = []
+        while not self._free:
+            victim = self.policy.victim(self._pinned)
+            if victim is None or not self.policy.admit(key, victim):
+                return None, evicted
+            evicted.append((victim, self.remove(victim)))
+        entry = Entry(slot=self._free.pop(), pins=1, meta=meta)
+        self.entries[key] = entry
+        self._pinned.add(key)
+        self.policy.add(key, parent)
+        return entry, evicted
+
+    def complete(self, key) -> Entry | None:
+        e = self.entries.get(key)
+        if e is not None:
+            e.ready = True
+            self.unpin(key)
+        return e
+
+    def pin(self, key) -> None:
+        e = self.entries[key]
+        e.pins += 1
+        self._pinned.add(key)
+
+    def unpin(self, key) -> None:
+        e = self.entries.get(key)
+        if e is None or e.pins == 0:
+            return
+        e.pins -= 1
+        if e.pins == 0:
+            self._pinned.discard(key)
+
+    def remove(self, key) -> Entry | None:
+        e = self.entries.pop(key, None)
+        if e is not None:
+            self._pinned.discard(key)
+            self.policy.remove(key)
+            self._free.append(e.slot)
+        return e
+
+    def busy(self) -> int:
+        """Entries currently pinned (0 when idle: the accounting check)."""
+        return len(self._pinned)
