@@ -22,7 +22,7 @@ def is_supported() -> bool:
 
 
 def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_ids, block_size,
-                       group_idx, extra_keys):
+                       group_idx, extra_keys, medium=None):
     """A BlockStored filled like BlockPool._build_block_stored_event (0.32 and 0.33) fills it.
 
     `extra_keys` is already in event form (one entry per hash). Built here rather than through the
@@ -38,7 +38,7 @@ def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_
         token_ids=token_ids,
         block_size=block_size,
         lora_id=lora.adapter_id if lora else None,
-        medium=pool.medium,
+        medium=medium or pool.medium,
         lora_name=lora.name if lora else None,
         extra_keys=extra_keys,
         group_idx=group_idx,

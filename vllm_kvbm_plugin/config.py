@@ -8,10 +8,49 @@ Environment (read when used, so tests and subprocesses can set them late):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 CONNECTOR_NAME = "KVBMConnector"
-CONNECTOR_KEYS = ("hash_block_size",)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBMConfig:
+    """`kv_connector_extra_config` of KVBMConnector. Sizes are bytes."""
+
+    cpu_bytes_to_use: int = 1 << 30  # CPU tier size
+    disk_path: str | None = None  # disk tier directory (off when unset)
+    disk_bytes_to_use: int = 16 << 30  # disk tier bound
+    eviction_policy: str = "lru"  # lru | lineage | multi_lru
+    hash_block_size: int | None = None  # hybrid models: hash granularity (default: --block-size)
+    offload_prompt_only: bool = False  # store only blocks made of prompt tokens
+    disk_fsync: bool = False  # fsync each block file before it counts as stored
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> "KVBMConfig":
+        from vllm_kvbm_plugin.tiers.policies import POLICIES
+
+        extra = dict(extra or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: unknown kv_connector_extra_config keys {unknown}; "
+                f"valid keys: {', '.join(fields)}"
+            )
+        cfg = cls(**extra)
+        for name in ("cpu_bytes_to_use", "disk_bytes_to_use", "hash_block_size"):
+            v = getattr(cfg, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                raise ValueError(f"{CONNECTOR_NAME}: {name} must be a positive integer, got {v!r}")
+        if cfg.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: eviction_policy {cfg.eviction_policy!r} is not one of "
+                f"{', '.join(POLICIES)}"
+            )
+        if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
+            raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
+        return cfg
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -34,22 +73,12 @@ def coarse_events() -> bool:
     return _flag("KVBM_COARSE_EVENTS", True)
 
 
-def connector_extra_config(vllm_config) -> dict | None:
-    """Our connector's `kv_connector_extra_config`, or None when KVBMConnector is not configured.
+def connector_config(vllm_config) -> KVBMConfig | None:
+    """Our connector's validated config, or None when KVBMConnector is not configured.
 
     Unknown keys fail here, naming the valid ones, so a typo never silently changes nothing.
     """
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None or ktc.kv_connector != CONNECTOR_NAME:
         return None
-    extra = dict(ktc.kv_connector_extra_config or {})
-    unknown = sorted(set(extra) - set(CONNECTOR_KEYS))
-    if unknown:
-        raise ValueError(
-            f"{CONNECTOR_NAME}: unknown kv_connector_extra_config keys {unknown}; "
-            f"valid keys: {', '.join(CONNECTOR_KEYS)}"
-        )
-    hbs = extra.get("hash_block_size")
-    if hbs is not None and (not isinstance(hbs, int) or isinstance(hbs, bool) or hbs <= 0):
-        raise ValueError(f"{CONNECTOR_NAME}: hash_block_size must be a positive integer, got {hbs!r}")
-    return extra
+    return KVBMConfig.from_extra(ktc.kv_connector_extra_config)

@@ -80,13 +80,13 @@ def _preferred_unit(engine_core, vllm_config) -> int | None:
     if config.plugin_disabled():
         return None
     mc, cc = vllm_config.model_config, vllm_config.cache_config
-    extra = config.connector_extra_config(vllm_config)  # validates our keys at startup
+    kvbm = config.connector_config(vllm_config)  # validates our keys at startup
     if mc is None or not mc.is_hybrid or cc.prefix_match_unit is not None:
         return None
     events = vllm_config.kv_events_config
-    if not (cc.enable_prefix_caching or (events and events.enable_kv_cache_events) or extra is not None):
+    if not (cc.enable_prefix_caching or (events and events.enable_kv_cache_events) or kvbm is not None):
         return None
-    unit = (extra or {}).get("hash_block_size")
+    unit = kvbm.hash_block_size if kvbm is not None else None
     if unit is None and cc.user_specified_block_size:
         unit = cc.__dict__.get(_RECORD, cc.block_size)
     if unit is None:

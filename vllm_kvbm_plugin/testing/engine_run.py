@@ -74,13 +74,19 @@ def run(spec: dict) -> dict:
     drain(1000)
     core = llm.llm_engine.engine_core
     engine_core = getattr(core, "engine_core", None)
+    connector = None
     if engine_core is not None:  # in-process
         metadata = engine_core.get_kv_cache_group_metadata()
         sched = engine_core.scheduler
         hbs, bs = sched.hash_block_size, sched.block_size
+        side = getattr(getattr(sched, "connector", None), "_sched", None)
+        if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
+            tiers = {"cpu": side.cpu, "disk": side.disk}
+            connector = {name: {"blocks": len(t), "busy": t.busy()} for name, t in tiers.items() if t}
+            connector["prefetching"] = len(side.prefetching)
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
-        hbs = bs = None
+        hbs = bs = connector = None
     result = {
         "worker_hash_block_size": llm.collective_rpc(_worker_hash_block_size),
         "steps": steps,
@@ -88,6 +94,7 @@ def run(spec: dict) -> dict:
         "subscriber": vars(sub.stats) if sub else None,
         "group_metadata": metadata,
         "hash_block_size": hbs,
+        "connector": connector if engine_core is not None else None,
         "block_size": bs,
     }
     if sub is not None:

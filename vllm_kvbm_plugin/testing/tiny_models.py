@@ -13,7 +13,7 @@ import pathlib
 import random
 
 SPEC_VERSION = 1
-KINDS = ("llama", "qwen3next", "llama-big")
+KINDS = ("llama", "llama-wide", "qwen3next", "llama-big")
 
 _WORDS = (
     "the a kv cache block hash token prefix router model engine request offload tier disk cpu "
@@ -48,6 +48,13 @@ def _build_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
 
 
 def _config(kind: str):
+    if kind == "llama-wide":  # another tiny model: tests that models sharing a disk never mix
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                           pad_token_id=3, tie_word_embeddings=False)
     if kind in ("llama", "llama-big"):
         from transformers import LlamaConfig
 

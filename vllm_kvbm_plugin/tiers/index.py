@@ -28,7 +28,8 @@ class TierIndex:
         self.capacity = capacity
         self.policy = policy
         self.entries: dict[Hashable, Entry] = {}
-        self._free = list(range(capacity - 1, -1, -1))
+        self._free: list[int] = []  # recycled slots; fresh ones come from _next
+        self._next = 0
         self._pinned: set = set()
 
     def __len__(self) -> int:
@@ -53,12 +54,16 @@ class TierIndex:
         if key in self.entries:
             return None, []
         evicted = []
-        while not self._free:
+        while not self._free and self._next >= self.capacity:
             victim = self.policy.victim(self._pinned)
             if victim is None or not self.policy.admit(key, victim):
                 return None, evicted
             evicted.append((victim, self.remove(victim)))
-        entry = Entry(slot=self._free.pop(), pins=1, meta=meta)
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot, self._next = self._next, self._next + 1
+        entry = Entry(slot=slot, pins=1, meta=meta)
         self.entries[key] = entry
         self._pinned.add(key)
         self.policy.add(key, parent)

@@ -1,0 +1,90 @@
+"""KVBMConnector: vLLM's KV connector interface, delegating to the scheduler and worker sides."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from vllm_kvbm_plugin import config
+
+
+class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
+    """CPU and disk KV tiers. Configure through `kv_connector_extra_config` (see config.KVBMConfig)."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = config.connector_config(vllm_config)
+        self._sched = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from vllm_kvbm_plugin.connector.scheduler import SchedulerSide
+
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, cfg)
+        else:
+            from vllm_kvbm_plugin.connector.worker import WorkerSide
+
+            self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a lost load is a recompute, never a wrong token
+
+    # ---- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if meta:
+            self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous, done in start_load_kv before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # whole blocks are saved once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if meta:
+            self._worker.wait_for_save(meta)
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side --------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._sched.kv_cache_manager = kv_cache_manager
+        self._sched.pool = kv_cache_manager.block_pool
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        self._sched.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):
+        self._sched.request_finished(request)
+        return False, None
+
+    def take_events(self):
+        return self._sched.take_events()

@@ -1,0 +1,45 @@
+"""What the scheduler side tells the workers each step, and what they report back.
+
+Plain dataclasses of ints and tuples: SchedulerOutput is pickled to the workers (vLLM's choice);
+nothing here defines a format of our own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+Key = tuple[int, int]
+
+
+@dataclasses.dataclass
+class KVBMMetadata(KVConnectorMetadata):
+    # disk -> CPU slot, verified; runs first (before loads) in start_load_kv
+    prefetches: list[tuple[Key, int]] = dataclasses.field(default_factory=list)
+    # CPU slot -> KV block, before the forward (synchronous loads)
+    loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (block id, slot)
+    # KV block -> CPU slot, after the forward (wait_for_save)
+    stores: list[tuple[Key, int, int]] = dataclasses.field(default_factory=list)  # (key, block id, slot)
+    # CPU slot -> disk file, in the background after the stores; meta = file metadata blob
+    disk_writes: list[tuple[Key, int, bytes]] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefetches or self.loads or self.stores or self.disk_writes)
+
+
+@dataclasses.dataclass
+class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
+    stored: list[Key] = dataclasses.field(default_factory=list)
+    prefetched: list[Key] = dataclasses.field(default_factory=list)
+    prefetch_failed: list[Key] = dataclasses.field(default_factory=list)
+    disk_written: list[Key] = dataclasses.field(default_factory=list)
+    disk_failed: list[Key] = dataclasses.field(default_factory=list)
+
+    def aggregate(self, other: "KVBMWorkerMetadata") -> "KVBMWorkerMetadata":
+        # Concatenated; the scheduler side counts a key done once every worker reported it.
+        return KVBMWorkerMetadata(*(getattr(self, f.name) + getattr(other, f.name)
+                                    for f in dataclasses.fields(self)))
