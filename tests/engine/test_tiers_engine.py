@@ -6,7 +6,10 @@ import subprocess
 
 import pytest
 
+import msgspec
+
 from vllm_kvbm_plugin.events import recording
+from vllm_kvbm_plugin.tiers import disk
 from vllm_kvbm_plugin.events.validator import Validator
 
 pytestmark = pytest.mark.engine
@@ -28,6 +31,10 @@ def spec(steps, model="llama", events=False, **extra):
 
 
 REPEAT = [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]
+
+
+def block_index(path) -> int:
+    return msgspec.msgpack.decode(disk.read_meta(str(path)))["block"]
 
 
 def outputs(r):
@@ -66,8 +73,8 @@ def test_disk_tier_when_cpu_is_too_small_and_after_restart(run_engine, baseline,
 
 def test_corrupt_truncated_or_missing_disk_blocks_are_misses(run_engine, baseline, tmp_path):
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
-    files = sorted(tmp_path.rglob("*.kvb"), key=lambda f: f.stat().st_mtime_ns)
-    assert len(files) == 6
+    files = sorted(tmp_path.rglob("*.kvb"), key=block_index)
+    assert [block_index(f) for f in files] == list(range(6))
     data = bytearray(files[3].read_bytes())
     data[-10] ^= 0xFF  # block 3: one flipped byte
     files[3].write_bytes(bytes(data))

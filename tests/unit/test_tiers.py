@@ -1,6 +1,7 @@
 import os
 import stat
 
+import numpy as np
 import pytest
 
 from vllm_kvbm_plugin.tiers import disk
@@ -71,33 +72,47 @@ def test_multi_lru_keeps_frequent_entries_and_refuses_cold_newcomers():
 KEY, FP = (0x0123456789ABCDEF, 0xFEDCBA9876543210), bytes(range(16))
 
 
-def test_disk_round_trip_permissions_and_atomicity(tmp_path):
+def write(tmp_path, payload):
     base = disk.block_dir(str(tmp_path), FP, 0)
     path = disk.block_path(base, KEY)
-    payload = os.urandom(4096)
     disk.write_atomic(path, disk.encode(KEY, FP, payload, b"meta"))
+    return base, path
+
+
+def test_disk_round_trip_permissions_and_atomicity(tmp_path):
+    payload = np.frombuffer(os.urandom(4096), dtype=np.uint8)
+    base, path = write(tmp_path, payload)
     assert os.path.basename(path) == disk.key_hex(KEY) + ".kvb"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
-    meta, got = disk.decode(disk.read(path), KEY, FP, len(payload))
-    assert meta == b"meta" and bytes(got) == payload
+    out = np.empty(4096, dtype=np.uint8)
+    assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()
     open(path + ".tmp123", "wb").write(b"partial")  # a crash mid-write leaves only a temp file
     assert disk.scan(base) == [(KEY, os.path.getsize(path))]
     assert not os.path.exists(path + ".tmp123")
 
 
 def test_disk_corruption_is_a_miss(tmp_path):
-    base = disk.block_dir(str(tmp_path), FP, 0)
-    path = disk.block_path(base, KEY)
-    payload = os.urandom(4096)
-    disk.write_atomic(path, disk.encode(KEY, FP, payload))
-    data = disk.read(path)
-    flipped = bytearray(data)
+    payload = np.frombuffer(os.urandom(4096), dtype=np.uint8)
+    _, path = write(tmp_path, payload)
+    good = open(path, "rb").read()
+    out = np.empty(4096, dtype=np.uint8)
+
+    def read_with(data, key=KEY, fp=FP, size=4096):
+        open(path, "wb").write(data)
+        return disk.read_into(path, key, fp, np.empty(size, dtype=np.uint8))
+
+    flipped = bytearray(good)
     flipped[-100] ^= 1
-    assert disk.decode(bytes(flipped), KEY, FP, len(payload)) is None  # flipped byte
-    assert disk.decode(data[:-1], KEY, FP, len(payload)) is None  # truncated
-    assert disk.decode(data, (1, 2), FP, len(payload)) is None  # another key's file
-    assert disk.decode(data, KEY, bytes(16), len(payload)) is None  # another model / layout
-    assert disk.decode(data, KEY, FP, 8192) is None  # another block size
+    assert read_with(bytes(flipped)) is None  # flipped payload byte
+    flipped = bytearray(good)
+    flipped[disk.HEADER_SIZE + 1] ^= 1
+    assert read_with(bytes(flipped)) is None  # flipped metadata byte
+    assert read_with(good[:-1]) is None  # truncated
+    assert read_with(good + b"x") is None  # trailing garbage
+    assert read_with(good, key=(1, 2)) is None  # another key's file
+    assert read_with(good, fp=bytes(16)) is None  # another model / layout
+    assert read_with(good, size=8192) is None  # another block size
+    assert read_with(good) == b"meta"
     os.unlink(path)
-    assert disk.read(path) is None  # deleted
+    assert disk.read_into(path, KEY, FP, out) is None  # deleted

@@ -17,6 +17,8 @@ import dataclasses
 import os
 from collections import Counter
 
+import msgspec
+
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 
@@ -305,7 +307,8 @@ class SchedulerSide:
         if self._reserve(self.disk, MEDIUM_DISK, req, i, k, parent) is None:
             return
         self.cpu.pin(k)  # the slot is the source of the write
-        self.meta.disk_writes.append((k, cpu_entry.slot, b""))
+        # the block's position in its prefix, for inspection tools and future re-announcement
+        self.meta.disk_writes.append((k, cpu_entry.slot, msgspec.msgpack.encode({"block": i})))
 
     def update_connector_output(self, output) -> None:
         wm: KVBMWorkerMetadata | None = getattr(output, "kv_connector_worker_meta", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 
+import numpy as np
 import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
@@ -19,12 +20,13 @@ from vllm_kvbm_plugin.connector.layout import key_root, rank_dir, tensor_fingerp
 from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers.copy import rows_to_slots, slots_to_rows
 
 logger = get_logger("connector.worker")
 
 
 class _Layer:
-    __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape")
+    __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape", "rows")
 
     def __init__(self, tensor: torch.Tensor, dim: int, offset: int):
         self.tensor, self.dim, self.offset = tensor, dim, offset
@@ -32,6 +34,11 @@ class _Layer:
         del shape[dim]
         self.block_shape = tuple(shape)
         self.nbytes = tensor[(slice(None),) * dim + (0,)].numel() * tensor.element_size()
+        # CPU tensors with blocks on dim 0 (vLLM's CPU attention layout): a uint8 row per block,
+        # copied by the numba kernels without temporaries
+        self.rows = None
+        if tensor.device.type == "cpu" and dim == 0 and tensor.is_contiguous() and self.nbytes % 8 == 0:
+            self.rows = tensor.view(torch.uint8).reshape(tensor.shape[0], -1).numpy().view(np.uint64)
 
 
 class WorkerSide:
@@ -76,12 +83,19 @@ class WorkerSide:
         self.fingerprint = tensor_fingerprint(self.root, described)
         pin = torch.cuda.is_available()
         self.pool = torch.empty((self.num_slots, offset), dtype=torch.uint8, pin_memory=pin)
+        self._word_rows = all(layer.rows is not None for layer in self.layers)
+        self._pool_words = self.pool.numpy().view(np.uint64) if self._word_rows else None
         logger.info("KVBMConnector worker: %d layers, %d bytes per block, CPU pool %d slots (%.1f MiB)%s",
                     len(self.layers), offset, self.num_slots, self.pool.numel() / 2**20,
                     ", pinned" if pin else "")
 
     # ---- copies ----------------------------------------------------------------------------
     def _to_slots(self, block_ids: list[int], slots: list[int]) -> None:
+        if self._word_rows:
+            ids, sl, pool = np.asarray(block_ids, np.int64), np.asarray(slots, np.int64), self._pool_words
+            for layer in self.layers:
+                rows_to_slots(layer.rows, ids, pool, sl, layer.offset // 8)
+            return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].tensor.device)
         sl = torch.tensor(slots, dtype=torch.long)
         for layer in self.layers:
@@ -90,6 +104,11 @@ class WorkerSide:
             self.pool[sl, layer.offset : layer.offset + layer.nbytes] = data
 
     def _from_slots(self, block_ids: list[int], slots: list[int]) -> None:
+        if self._word_rows:
+            ids, sl, pool = np.asarray(block_ids, np.int64), np.asarray(slots, np.int64), self._pool_words
+            for layer in self.layers:
+                slots_to_rows(pool, sl, layer.offset // 8, layer.rows, ids)
+            return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].tensor.device)
         sl = torch.tensor(slots, dtype=torch.long)
         for layer in self.layers:
@@ -125,12 +144,9 @@ class WorkerSide:
 
     # ---- disk ------------------------------------------------------------------------------
     def _read_block(self, key, slot: int) -> bool:
-        data = diskfmt.read(diskfmt.block_path(self.disk_base, key))
-        parsed = diskfmt.decode(data, key, self.fingerprint, self.block_bytes) if data else None
-        if parsed is None:
-            return False
-        self.pool[slot].copy_(torch.frombuffer(bytearray(parsed[1]), dtype=torch.uint8))
-        return True
+        """Read and verify a block file straight into its (not yet ready) pool slot."""
+        path = diskfmt.block_path(self.disk_base, key)
+        return diskfmt.read_into(path, key, self.fingerprint, self.pool[slot].numpy()) is not None
 
     def _submit_write(self, key, slot: int, blob: bytes) -> None:
         if self._disk_broken:
@@ -150,7 +166,7 @@ class WorkerSide:
             ok = False
             if not self._disk_broken:
                 try:
-                    payload = self.pool[slot].numpy()
+                    payload = self.pool[slot].numpy()  # pinned by the scheduler until reported
                     diskfmt.write_atomic(diskfmt.block_path(self.disk_base, key),
                                          diskfmt.encode(key, self.fingerprint, payload, blob),
                                          fsync=self.cfg.disk_fsync)
@@ -161,14 +177,11 @@ class WorkerSide:
             self._disk_results.put((key, ok))
 
     def wait_for_disk(self, timeout: float = 30.0) -> None:
-        """Block until queued disk writes are done (shutdown, tests)."""
-        if self._writer is None:
-            return
-        done = threading.Event()
-        self._disk_jobs.put(None)
-        self._writer.join(timeout)
-        done.set()
-        self._writer = None
+        """Block until queued disk writes are done (shutdown)."""
+        if self._writer is not None:
+            self._disk_jobs.put(None)
+            self._writer.join(timeout)
+            self._writer = None
 
     def shutdown(self) -> None:
         self.wait_for_disk()

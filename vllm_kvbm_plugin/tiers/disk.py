@@ -4,18 +4,23 @@ File: <root>/<layout fingerprint hex>/r<rank>/<key hex[:2]>/<key hex>.kvb, direc
 files 0600, names derived only from hex. Content: a fixed header, a msgpack metadata blob, the
 payload. A file is written to a temporary name in the same directory and renamed into place, so a
 crash leaves either the whole block or no block. Reads check magic, version, key, fingerprint,
-lengths and the CRC32 of metadata and payload: anything else is a miss, never data.
+lengths and the 64-bit checksum of metadata and payload (hashing.kernels.checksum64, memory
+speed): anything else is a miss, never data. A block is read straight into its destination.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import zlib
+
+import numpy as np
+
+from vllm_kvbm_plugin.hashing.kernels import checksum64
 
 MAGIC = b"KVBM"
 VERSION = 1
-_HEADER = struct.Struct("<4sHH16s16sQII")  # magic, version, flags, key, fingerprint, payload len, meta len, crc
+# magic, version, flags, key, layout fingerprint, payload length, meta length, checksum
+_HEADER = struct.Struct("<4sHH16s16sQIQ")
 HEADER_SIZE = _HEADER.size
 SUFFIX = ".kvb"
 
@@ -47,28 +52,61 @@ def block_path(base: str, key: tuple[int, int]) -> str:
     return os.path.join(base, h[:2], h + SUFFIX)
 
 
-def encode(key: tuple[int, int], fingerprint: bytes, payload: bytes | memoryview, meta: bytes = b"") -> list:
-    """The parts of a block file, to be written in order (no payload copy)."""
-    crc = zlib.crc32(payload, zlib.crc32(meta))
-    header = _HEADER.pack(MAGIC, VERSION, 0, key_bytes(key), fingerprint, len(payload), len(meta), crc)
+def _checksum(meta: bytes, payload: np.ndarray) -> int:
+    cm = int(checksum64(np.frombuffer(meta, dtype=np.uint8))) if meta else 0
+    return (int(checksum64(payload)) * 0x9E3779B97F4A7C15 + cm) & 0xFFFFFFFFFFFFFFFF
+
+
+def encode(key: tuple[int, int], fingerprint: bytes, payload: np.ndarray, meta: bytes = b"") -> list:
+    """The parts of a block file, to be written in order (the payload is not copied)."""
+    payload = np.asarray(payload, dtype=np.uint8).reshape(-1)
+    header = _HEADER.pack(MAGIC, VERSION, 0, key_bytes(key), fingerprint, payload.nbytes, len(meta),
+                          _checksum(meta, payload))
     return [header, meta, payload]
 
 
-def decode(data: bytes | memoryview, key: tuple[int, int], fingerprint: bytes,
-           payload_len: int) -> tuple[bytes, memoryview] | None:
-    """(meta, payload) of a complete, uncorrupted block file for this key and layout, else None."""
-    if len(data) < HEADER_SIZE:
+def read_into(path: str, key: tuple[int, int], fingerprint: bytes, out: np.ndarray) -> bytes | None:
+    """Read the block file at `path` into `out` (uint8, its exact payload size); returns its
+    metadata, or None when the file is missing, truncated, corrupt, or for another key or layout
+    (then `out` holds garbage and must not be used)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            head = f.read(HEADER_SIZE)
+            if len(head) != HEADER_SIZE:
+                return None
+            magic, version, _flags, k, fp, plen, mlen, checksum = _HEADER.unpack(head)
+            if (magic != MAGIC or version != VERSION or k != key_bytes(key) or fp != fingerprint
+                    or plen != out.nbytes):
+                return None
+            meta = f.read(mlen)
+            view = memoryview(out.reshape(-1))
+            got = 0
+            while got < plen:
+                n = f.readinto(view[got:])
+                if not n:
+                    return None
+                got += n
+            if len(meta) != mlen or f.read(1):
+                return None
+    except OSError:
         return None
-    magic, version, _flags, k, fp, plen, mlen, crc = _HEADER.unpack_from(data)
-    if (magic != MAGIC or version != VERSION or k != key_bytes(key) or fp != fingerprint
-            or plen != payload_len or len(data) != HEADER_SIZE + mlen + plen):
+    return meta if _checksum(meta, out.reshape(-1)) == checksum else None
+
+
+def read_meta(path: str) -> bytes | None:
+    """The metadata blob of a block file (not verified: for inspection and indexing only)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+            if len(head) != HEADER_SIZE:
+                return None
+            magic, version, _f, _k, _fp, _plen, mlen, _c = _HEADER.unpack(head)
+            if magic != MAGIC or version != VERSION:
+                return None
+            meta = f.read(mlen)
+            return meta if len(meta) == mlen else None
+    except OSError:
         return None
-    view = memoryview(data)
-    meta = bytes(view[HEADER_SIZE : HEADER_SIZE + mlen])
-    payload = view[HEADER_SIZE + mlen :]
-    if zlib.crc32(payload, zlib.crc32(meta)) != crc:
-        return None
-    return meta, payload
 
 
 def write_atomic(path: str, parts: list, fsync: bool = False) -> None:
@@ -92,14 +130,6 @@ def write_atomic(path: str, parts: list, fsync: bool = False) -> None:
         raise
     os.close(fd)
     os.replace(tmp, path)
-
-
-def read(path: str) -> bytes | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return None
 
 
 def scan(base: str) -> list[tuple[tuple[int, int], int]]:

@@ -1,0 +1,112 @@
+"""CPU tier copies and disk tier I/O against plain baselines measured in the same run.
+
+- copies: the connector's save (KV blocks -> pool slots) and load (slots -> KV blocks) of N blocks
+  against one plain torch copy of the same number of bytes. Target >= 0.9 of it.
+- disk: block files written (header, checksum, temp file + rename) and read back verified, against
+  raw per-block file writes and reads of the same bytes with the same durability (no fsync by
+  default, --fsync for both). Target >= 0.8 of it.
+
+    python benchmarks/bench_tier_io.py [--layers 8] [--blocks 256] [--disk-blocks 64] [--fsync]
+"""
+
+import argparse
+import os
+import tempfile
+import time
+import types
+
+import numpy as np
+import torch
+
+from vllm_kvbm_plugin.connector.worker import WorkerSide
+from vllm_kvbm_plugin.tiers import disk
+
+
+def best(n, fn):
+    out = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
+def make_worker(layers: int, num_blocks: int, slots: int):
+    """A WorkerSide over KV tensors shaped like vLLM's CPU attention layout (one shared buffer)."""
+    heads, block, head = 8, 32, 128
+    buf = torch.randn(layers, num_blocks, heads, block, 2 * head).to(torch.bfloat16)
+    kv = {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
+    w = WorkerSide.__new__(WorkerSide)
+    w.kv_cache_config = types.SimpleNamespace(num_blocks=num_blocks)
+    w.num_slots, w.root, w.layers = slots, (1, 2), []
+    w.register_kv_caches(kv)
+    return w, kv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--disk-blocks", type=int, default=64)
+    ap.add_argument("--fsync", action="store_true")
+    args = ap.parse_args()
+    n = args.blocks
+    w, _ = make_worker(args.layers, 2 * n, n)
+    ids = list(range(0, 2 * n, 2))  # every other block: a realistic scattered set
+    slots = list(range(n))
+    nbytes = n * w.block_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    t_plain = best(5, lambda: dst.copy_(src))
+    t_save = best(5, lambda: w._to_slots(ids, slots))
+    t_load = best(5, lambda: w._from_slots(ids, slots))
+    gb = nbytes / 2**30
+    print(f"CPU tier, {n} blocks of {w.block_bytes / 2**20:.2f} MiB ({args.layers} layers):")
+    print(f"  plain torch copy   {gb / t_plain:6.2f} GiB/s")
+    print(f"  save (KV -> slots) {gb / t_save:6.2f} GiB/s  -> {t_plain / t_save:.2f}x of plain")
+    print(f"  load (slots -> KV) {gb / t_load:6.2f} GiB/s  -> {t_plain / t_load:.2f}x of plain")
+
+    m = args.disk_blocks
+    fp = bytes(16)
+    with tempfile.TemporaryDirectory() as root:
+        ours_base = disk.block_dir(os.path.join(root, "ours"), fp, 0)
+        raw_dir = os.path.join(root, "raw")
+        os.makedirs(raw_dir)
+        pool = w.pool.numpy()
+        keys = [(i, i + 1) for i in range(m)]
+
+        def write_ours():
+            for i, k in enumerate(keys):
+                disk.write_atomic(disk.block_path(ours_base, k), disk.encode(k, fp, pool[i % n]), args.fsync)
+
+        def read_ours():
+            for i, k in enumerate(keys):
+                assert disk.read_into(disk.block_path(ours_base, k), k, fp, pool[i % n]) is not None
+
+        def write_raw():
+            for i in range(m):
+                fd = os.open(os.path.join(raw_dir, str(i)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                view = memoryview(pool[i % n])
+                while view:
+                    view = view[os.write(fd, view):]
+                if args.fsync:
+                    os.fsync(fd)
+                os.close(fd)
+
+        def read_raw():
+            for i in range(m):
+                with open(os.path.join(raw_dir, str(i)), "rb", buffering=0) as f:
+                    f.readinto(memoryview(pool[i % n]))
+
+        write_ours(), write_raw()  # warm the page cache and directories
+        t_wr_raw, t_wr = best(3, write_raw), best(3, write_ours)
+        t_rd_raw, t_rd = best(3, read_raw), best(3, read_ours)
+    gb = m * w.block_bytes / 2**30
+    print(f"disk tier, {m} blocks (fsync={args.fsync}):")
+    print(f"  write: raw {gb / t_wr_raw:6.2f} GiB/s, ours {gb / t_wr:6.2f} GiB/s -> {t_wr_raw / t_wr:.2f}x of raw")
+    print(f"  read:  raw {gb / t_rd_raw:6.2f} GiB/s, ours {gb / t_rd:6.2f} GiB/s -> {t_rd_raw / t_rd:.2f}x of raw "
+          f"(ours verifies key, layout and checksum)")
+
+
+if __name__ == "__main__":
+    main()
