@@ -38,7 +38,7 @@ class _Layer:
         # copied by the numba kernels without temporaries
         self.rows = None
         if tensor.device.type == "cpu" and dim == 0 and tensor.is_contiguous() and self.nbytes % 8 == 0:
-            self.rows = tensor.view(torch.uint8).reshape(tensor.shape[0], -1).numpy().view(np.uint64)
+            self.rows = tensor.view(torch.uint8).reshape(-1).numpy().view(np.uint64)
 
 
 class WorkerSide:
@@ -84,7 +84,7 @@ class WorkerSide:
         pin = torch.cuda.is_available()
         self.pool = torch.empty((self.num_slots, offset), dtype=torch.uint8, pin_memory=pin)
         self._word_rows = all(layer.rows is not None for layer in self.layers)
-        self._pool_words = self.pool.numpy().view(np.uint64) if self._word_rows else None
+        self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64) if self._word_rows else None
         logger.info("KVBMConnector worker: %d layers, %d bytes per block, CPU pool %d slots (%.1f MiB)%s",
                     len(self.layers), offset, self.num_slots, self.pool.numel() / 2**20,
                     ", pinned" if pin else "")
@@ -94,7 +94,8 @@ class WorkerSide:
         if self._word_rows:
             ids, sl, pool = np.asarray(block_ids, np.int64), np.asarray(slots, np.int64), self._pool_words
             for layer in self.layers:
-                rows_to_slots(layer.rows, ids, pool, sl, layer.offset // 8)
+                rows_to_slots(layer.rows, layer.nbytes // 8, ids, pool, self.block_bytes // 8, sl,
+                              layer.offset // 8)
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].tensor.device)
         sl = torch.tensor(slots, dtype=torch.long)
@@ -107,7 +108,8 @@ class WorkerSide:
         if self._word_rows:
             ids, sl, pool = np.asarray(block_ids, np.int64), np.asarray(slots, np.int64), self._pool_words
             for layer in self.layers:
-                slots_to_rows(pool, sl, layer.offset // 8, layer.rows, ids)
+                slots_to_rows(pool, self.block_bytes // 8, sl, layer.offset // 8, layer.rows,
+                              layer.nbytes // 8, ids)
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].tensor.device)
         sl = torch.tensor(slots, dtype=torch.long)
