@@ -56,6 +56,21 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self):
         return self._worker.build_worker_meta()
 
+    def get_kv_connector_stats(self):
+        return self._worker.get_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        from vllm_kvbm_plugin.connector.stats import KVBMStats
+
+        return KVBMStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics
+
+        return KVBMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()

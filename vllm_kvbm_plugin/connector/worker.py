@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.layout import key_root, rank_dir, tensor_fingerprint
 from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
+from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers.copy import rows_to_slots, slots_to_rows
@@ -65,6 +67,8 @@ class WorkerSide:
         self._disk_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._disk_broken = False
+        self.stats = KVBMStats()
+        self._stats_lock = threading.Lock()  # the disk writer thread records too
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
@@ -120,16 +124,37 @@ class WorkerSide:
             t.index_copy_(layer.dim, ids, data.movedim(0, layer.dim))
 
     # ---- connector hooks -------------------------------------------------------------------
+    def _record(self, tier: str, direction: str, blocks: int, t0: float) -> None:
+        with self._stats_lock:
+            self.stats.record(tier, direction, blocks, blocks * self.block_bytes, time.perf_counter() - t0)
+
+    def get_stats(self) -> KVBMStats | None:
+        with self._stats_lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, KVBMStats()
+            return stats
+
     def start_load_kv(self, meta: KVBMMetadata) -> None:
         for key, slot in meta.prefetches:
-            ok = self._read_block(key, slot)
-            (self.report.prefetched if ok else self.report.prefetch_failed).append(key)
+            t0 = time.perf_counter()
+            if self._read_block(key, slot):
+                self.report.prefetched.append(key)
+                self._record("disk", "read", 1, t0)
+            else:
+                self.report.prefetch_failed.append(key)
+                with self._stats_lock:
+                    self.stats.failure("read")
         if meta.loads:
+            t0 = time.perf_counter()
             self._from_slots([b for b, _ in meta.loads], [s for _, s in meta.loads])
+            self._record("cpu", "load", len(meta.loads), t0)
 
     def wait_for_save(self, meta: KVBMMetadata) -> None:
         if meta.stores:
+            t0 = time.perf_counter()
             self._to_slots([b for _, b, _ in meta.stores], [s for _, _, s in meta.stores])
+            self._record("cpu", "store", len(meta.stores), t0)
             self.report.stored += [k for k, _, _ in meta.stores]
         for key, slot, blob in meta.disk_writes:
             self._submit_write(key, slot, blob)
@@ -166,6 +191,7 @@ class WorkerSide:
                 return
             key, slot, blob = job
             ok = False
+            t0 = time.perf_counter()
             if not self._disk_broken:
                 try:
                     payload = self.pool[slot].numpy()  # pinned by the scheduler until reported
@@ -173,9 +199,13 @@ class WorkerSide:
                                          diskfmt.encode(key, self.fingerprint, payload, blob),
                                          fsync=self.cfg.disk_fsync)
                     ok = True
+                    self._record("disk", "write", 1, t0)
                 except OSError as e:
                     self._disk_broken = True
                     logger.warning("KVBMConnector: disk tier write failed (%s); no more disk writes", e)
+            if not ok:
+                with self._stats_lock:
+                    self.stats.failure("write")
             self._disk_results.put((key, ok))
 
     def wait_for_disk(self, timeout: float = 30.0) -> None:

@@ -1,0 +1,38 @@
+"""Tier metrics: vLLM's stats aggregation contract and real Prometheus counters."""
+
+import prometheus_client
+
+from vllm_kvbm_plugin.connector import KVBMConnector
+from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats
+
+
+def test_stats_aggregate_reduce_and_reset():
+    a = KVBMStats()
+    a.record("cpu", "load", 4, 4 << 20, 0.002)
+    b = KVBMConnector.build_kv_connector_stats({"cpu_load_blocks": 2, "cpu_load_bytes": 2 << 20,
+                                                "cpu_load_seconds": 0.001, "disk_read_failures": 1})
+    s = a.aggregate(b)
+    assert s.data["cpu_load_blocks"] == 6 and not s.is_empty()
+    red = s.reduce()
+    assert red["cpu_load_blocks"] == 6 and abs(red["cpu_load_GiB_per_s"] - 1.95) < 0.01
+    assert red["disk_read_failures"] == 1
+    s.reset()
+    assert s.is_empty()
+
+
+def test_prometheus_counters():
+    registry = prometheus_client.CollectorRegistry()
+
+    def counter(**kw):
+        return prometheus_client.Counter(registry=registry, **kw)
+
+    types = {prometheus_client.Gauge: prometheus_client.Gauge, prometheus_client.Counter: counter,
+             prometheus_client.Histogram: prometheus_client.Histogram}
+    cfg = type("C", (), {"kv_transfer_config": None})()
+    m = KVBMPromMetrics(cfg, types, ["engine"], {0: ["0"]})
+    m.observe({"disk_write_blocks": 3, "disk_write_bytes": 300, "disk_write_seconds": 0.5,
+               "disk_read_failures": 2})
+    get = registry.get_sample_value
+    assert get("vllm:kvbm_blocks_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 3
+    assert get("vllm:kvbm_bytes_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 300
+    assert get("vllm:kvbm_disk_failures_total", {"engine": "0", "operation": "read"}) == 2
