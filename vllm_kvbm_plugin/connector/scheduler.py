@@ -82,6 +82,7 @@ class SchedulerSide:
         self.parent_pins: dict = {}  # (medium, key) -> parent pinned until the key settles
         self.reports: Counter = Counter()
         self.events: list = []
+        self.to_event_hashes = compat.event_hash_converter()
         self.pool = None  # vLLM's BlockPool, bound later (extra keys like vLLM computes them)
         self.kv_cache_manager = None  # bound later (block ids of the requests)
         logger.info(
@@ -118,7 +119,7 @@ class SchedulerSide:
         return st.unit_keys[r - 1 : need : r]
 
     def _announcement(self, request, i: int, medium: str) -> _Announce:
-        conv = compat.event_hash_converter()
+        conv = self.to_event_hashes
         r, B = self.units_per_block, self.block_size
         hashes = request.block_hashes
         if len(hashes) < (i + 1) * r:
@@ -227,9 +228,17 @@ class SchedulerSide:
                 self.cpu.unpin(k)
             if issued:
                 return None, False  # come back once the disk blocks are verified in CPU slots
+        self._release_claim(request.request_id)
         if hits:
-            self.claims[request.request_id] = (start, keys[start : start + hits])
+            claimed = keys[start : start + hits]
+            for k in claimed:  # nothing may evict a claimed block before its load has run
+                self.cpu.pin(k)
+            self.claims[request.request_id] = (start, claimed)
         return hits * B, False
+
+    def _release_claim(self, req_id: str) -> None:
+        for k in self.claims.pop(req_id, (0, []))[1]:
+            self.cpu.unpin(k)
 
     def _prefetch(self, request, keys, blocks) -> bool:
         issued = False
@@ -245,16 +254,18 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         claim = self.claims.pop(request.request_id, None)
-        if claim is None or num_external_tokens <= 0:
+        if claim is None:
             return
         start, keys = claim
+        n = max(num_external_tokens, 0) // self.block_size
         block_ids = blocks.get_block_ids()[0]
-        for i, k in enumerate(keys[: num_external_tokens // self.block_size]):
-            e = self.cpu.ready(k)
-            self.cpu.pin(k)
+        for i, k in enumerate(keys):
+            if i >= n:
+                self.cpu.unpin(k)
+                continue
             self.cpu.touch(k)
-            self.loads_pinned.append(k)
-            self.meta.loads.append((block_ids[start + i], e.slot))
+            self.loads_pinned.append(k)  # unpinned once the metadata is built
+            self.meta.loads.append((block_ids[start + i], self.cpu.entries[k].slot))
 
     def build_connector_meta(self, scheduler_output) -> KVBMMetadata:
         for new in scheduler_output.scheduled_new_reqs:
@@ -267,6 +278,8 @@ class SchedulerSide:
         for k in self.loads_pinned:
             self.cpu.unpin(k)
         self.loads_pinned = []
+        for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
+            self._release_claim(req_id)
         meta, self.meta = self.meta, KVBMMetadata()
         return meta
 
@@ -350,7 +363,7 @@ class SchedulerSide:
 
     def request_finished(self, request) -> None:
         self.requests.pop(request.request_id, None)
-        self.claims.pop(request.request_id, None)
+        self._release_claim(request.request_id)
 
     def take_events(self) -> list:
         events, self.events = self.events, []
