@@ -15,14 +15,7 @@ from vllm.v1.request import Request
 
 from vllm_kvbm_plugin.hashing import request_keys, spec
 
-
-def best(repeat, fn):
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from timing import best
 
 
 def main() -> None:

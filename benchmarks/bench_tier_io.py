@@ -21,14 +21,7 @@ import torch
 from vllm_kvbm_plugin.connector.worker import WorkerSide
 from vllm_kvbm_plugin.tiers import disk
 
-
-def best(n, fn):
-    out = float("inf")
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        out = min(out, time.perf_counter() - t0)
-    return out
+from timing import best
 
 
 def make_worker(layers: int, num_blocks: int, slots: int):

@@ -19,6 +19,8 @@ from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored, decode_batc
 from vllm_kvbm_plugin.events.validator import Validator
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
+from timing import best
+
 
 def record(n_requests: int) -> list[bytes]:
     plugin.register()
@@ -34,15 +36,6 @@ def record(n_requests: int) -> list[bytes]:
     return [enc.encode(b) for b in h._published]
 
 
-def best_of(repeat: int, fn) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=300)
@@ -50,8 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     payloads = record(args.requests)
     batches = [decode_batch(p) for p in payloads]
-    n_hashes = sum(len(e.block_hashes) for b in batches for e in b.events if not isinstance(e, type(None))
-                   and hasattr(e, "block_hashes"))
+    n_hashes = sum(len(e.block_hashes) for b in batches for e in b.events if hasattr(e, "block_hashes"))
     print(f"recorded {len(payloads)} batches, {sum(len(b.events) for b in batches)} events, "
           f"{n_hashes} hashes, {sum(map(len, payloads)) / 1e6:.1f} MB")
 
@@ -74,7 +66,7 @@ def main() -> None:
                 elif isinstance(e, BlockRemoved):
                     held.difference_update(e.block_hashes)
 
-    t_val, t_dec, t_set = (best_of(args.repeat, f) for f in (validate, decode, bare_set))
+    t_val, t_dec, t_set = (best(args.repeat, f) for f in (validate, decode, bare_set))
     rate = lambda t: n_hashes / t / 1e6  # noqa: E731
     print(f"validator apply:      {rate(t_val):6.2f} M hashes/s")
     print(f"decode (msgspec):     {rate(t_dec):6.2f} M hashes/s")
