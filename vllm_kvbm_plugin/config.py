@@ -1,9 +1,9 @@
 """Plugin settings: environment variables for the patches, and the connector's extra config.
 
 Environment (read when used, so tests and subprocesses can set them late):
-  KVBM_DISABLE=1       the plugin applies no patch at all (vLLM behaves as without it)
-  KVBM_COARSE_EVENTS=0 hybrid models: drop vLLM's inflated-block events for full-attention
-                            groups and keep only the per-hash-unit ones (default 1: keep both)
+  KVBM_DISABLE=1        the plugin applies no patch at all (vLLM behaves as without it)
+  KVBM_COARSE_EVENTS=0  hybrid models: drop the inflated-block events of full-attention groups
+                        and keep only the per-hash-unit ones (default 1: keep both)
 """
 
 from __future__ import annotations
