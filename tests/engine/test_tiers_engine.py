@@ -182,4 +182,20 @@ def test_tier_events_validate_on_a_mixed_stream(run_engine, tmp_path):
         v.apply(b, seq)
     assert v.errors == 0, v.report()["first_problems"]
     by = v.report()["stored_by"]
-    assert by.get("CPU/g0/None/32", 0) > 0 and by.get("DISK/g0/None/32", 0) >= 6, by
+    assert by.get("CPU/g0/full_attention/32", 0) > 0 and by.get("DISK/g0/full_attention/32", 0) >= 6, by
+
+
+def test_disk_blocks_of_an_earlier_run_are_announced_after_a_restart(run_engine, tmp_path):
+    run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
+    other = [rng.randrange(10, 2000) for _ in range(70)]
+    r = run_engine(spec([{"prompts": [other]}], events=True, cpu_bytes_to_use=4 << 20,
+                        disk_path=str(tmp_path)))
+    import io
+    import json
+
+    v = Validator()
+    for seq, b in recording.read(io.StringIO("\n".join(json.dumps(e) for e in r["events"]))):
+        v.apply(b, seq)
+    assert v.errors == 0, v.report()["first_problems"]
+    assert v.report()["stored_by"].get("DISK/g0/full_attention/32", 0) >= 6 + 2  # 6 from before, 2 new
+    assert "6 announced" in r["log"]

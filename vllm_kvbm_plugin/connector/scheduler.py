@@ -19,7 +19,7 @@ from collections import Counter
 
 import msgspec
 
-from vllm.distributed.kv_events import BlockRemoved
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 
 from vllm_kvbm_plugin import compat
@@ -34,6 +34,21 @@ from vllm_kvbm_plugin.tiers.policies import make_policy
 
 logger = get_logger("connector")
 MEDIUM_CPU, MEDIUM_DISK = "CPU", "DISK"
+
+
+_ENCODE = msgspec.msgpack.Encoder().encode
+_DECODE_STORED = msgspec.msgpack.Decoder(BlockStored).decode
+
+
+def _file_info(meta: bytes | None):
+    """(block position, BlockStored) from a block file's metadata, or None."""
+    try:
+        info = msgspec.msgpack.decode(meta) if meta else None
+        if not info or not info.get("event"):
+            return None
+        return int(info["block"]), _DECODE_STORED(info["event"])
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+        return None
 
 
 @dataclasses.dataclass
@@ -64,6 +79,9 @@ class SchedulerSide:
         self.hash_unit = kv_cache_config.hash_block_size or self.block_size
         self.units_per_block = self.block_size // self.hash_unit
         self.block_bytes = spec.page_size_bytes * len(groups[0].layer_names)
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+        self.kind = get_kv_cache_spec_kind(spec).value  # tier events say what they hold
         self.world = vllm_config.parallel_config.world_size
         self.root = key_root(vllm_config, kv_cache_config, self.hash_unit)
         self.cpu = TierIndex(cfg.cpu_bytes_to_use // self.block_bytes, make_policy(cfg.eviction_policy))
@@ -73,7 +91,6 @@ class SchedulerSide:
             self.disk = TierIndex(cfg.disk_bytes_to_use // self.block_bytes, make_policy(cfg.eviction_policy))
             self.disk_bases = [rank_dir(cfg.disk_path, self.root, r) for r in range(self.world)]
             self.disk_writes_on = True
-            self._load_disk_index()
         self.requests: dict[str, _Request] = {}
         self.claims: dict[str, tuple[int, list]] = {}
         self.prefetching: dict = {}  # key -> request id that asked
@@ -85,6 +102,8 @@ class SchedulerSide:
         self.to_event_hashes = compat.event_hash_converter()
         self.pool = None  # vLLM's BlockPool, bound later (extra keys like vLLM computes them)
         self.kv_cache_manager = None  # bound later (block ids of the requests)
+        if self.disk is not None:
+            self._load_disk_index()
         logger.info(
             "KVBMConnector: CPU tier %d blocks of %d bytes (%.1f MiB), disk tier %s, eviction %s",
             self.cpu.capacity, self.block_bytes, self.cpu.capacity * self.block_bytes / 2**20,
@@ -133,6 +152,7 @@ class SchedulerSide:
             self.pool, request, block_hashes=[vhash], parent_block_hash=parent,
             token_ids=request.all_token_ids[i * B : (i + 1) * B], block_size=B, group_idx=0,
             extra_keys=extra or [None], medium=medium)
+        event.kv_cache_spec_kind = self.kind
         return _Announce(event, vhash)
 
     def _reserve(self, tier: TierIndex, medium: str, request, i: int, key, parent):
@@ -182,15 +202,29 @@ class SchedulerSide:
         self._unlink(key)
 
     def _load_disk_index(self) -> None:
+        """Index the block files of earlier runs and announce them (parents first) from the
+        BlockStored each file carries in its metadata."""
         found = diskfmt.scan(self.disk_bases[0])
+        described = []
         for key, _size in found:
             e, evicted = self.disk.reserve(key)
             for k, _ in evicted:
                 self._unlink(k)
-            if e is not None:
-                self.disk.complete(key)
+            if e is None:
+                continue
+            self.disk.complete(key)
+            info = _file_info(diskfmt.read_meta(diskfmt.block_path(self.disk_bases[0], key)))
+            if info is not None:
+                e.meta = _Announce(info[1], info[1].block_hashes[0])
+                described.append((info[0], key, e))
+        held = set()
+        for _, _, e in sorted(described, key=lambda d: d[0]):
+            if e.meta.event.parent_block_hash is None or e.meta.event.parent_block_hash in held:
+                self._announce_stored(e)
+                held.add(e.meta.vhash)
         if found:
-            logger.info("KVBMConnector: disk tier holds %d blocks from earlier runs", len(self.disk))
+            logger.info("KVBMConnector: disk tier holds %d blocks from earlier runs (%d announced)",
+                        len(self.disk), len(held))
 
     def _unlink(self, key) -> None:
         for base in self.disk_bases:
@@ -320,8 +354,10 @@ class SchedulerSide:
         if self._reserve(self.disk, MEDIUM_DISK, req, i, k, parent) is None:
             return
         self.cpu.pin(k)  # the slot is the source of the write
-        # the block's position in its prefix, for inspection tools and future re-announcement
-        self.meta.disk_writes.append((k, cpu_entry.slot, msgspec.msgpack.encode({"block": i})))
+        # the block's position and its DISK BlockStored: announced again after a restart
+        event = self.disk.entries[k].meta.event
+        blob = msgspec.msgpack.encode({"block": i, "event": _ENCODE(event) if event else None})
+        self.meta.disk_writes.append((k, cpu_entry.slot, blob))
 
     def update_connector_output(self, output) -> None:
         wm: KVBMWorkerMetadata | None = getattr(output, "kv_connector_worker_meta", None)
