@@ -107,7 +107,7 @@ class SchedulerSide:
         logger.info(
             "KVBMConnector: CPU tier %d blocks of %d bytes (%.1f MiB), disk tier %s, eviction %s",
             self.cpu.capacity, self.block_bytes, self.cpu.capacity * self.block_bytes / 2**20,
-            f"{self.disk.capacity} blocks under {cfg.disk_path}" if self.disk else "off",
+            f"{self.disk.capacity} blocks under {cfg.disk_path}" if self.disk is not None else "off",
             cfg.eviction_policy,
         )
 
