@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     v.set_defaults(func=_validate)
 
     t = sub.add_parser("tiny-model", help="build a tiny random-weight model locally (no hub)")
-    t.add_argument("kind", choices=["llama", "llama-wide", "qwen3next", "llama-big"])
+    t.add_argument("kind", choices=["llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl"])
     t.add_argument("--dir", default=None, help="cache directory (default ~/.cache/vllm-kvbm/tiny-models)")
     t.set_defaults(func=_tiny_model)
 

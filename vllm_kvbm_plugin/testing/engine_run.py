@@ -4,7 +4,9 @@
 
 Runs in its own process so each scenario gets a fresh vLLM (and plugin) state. SPEC:
     {"model": "qwen3next" | "llama" | "<dir>", "llm": {LLM kwargs}, "events": true,
-     "steps": [{"prompts": [[token ids], ...], "max_tokens": 8} | {"reset": true}, ...]}
+     "steps": [{"prompts": [[token ids] | {"text": str, "image_rgb": [r, g, b]}, ...],
+                "max_tokens": 8} | {"reset": true}, ...]}
+An image prompt gets a 56x56 image of one colour.
 RESULT: {"steps": [...per-step outputs...], "events": [recorded batches], "subscriber": {...},
          "group_metadata": [...], "hash_block_size": int, "block_size": int}
 Events go through vLLM's real ZMQ publisher on ipc:// sockets and our Subscriber.
@@ -26,6 +28,16 @@ def _model_dir(name: str) -> str:
     from vllm_kvbm_plugin.testing import tiny_models
 
     return str(tiny_models.build(name)) if name in tiny_models.KINDS else name
+
+
+def _prompt(p):
+    from vllm.inputs import TokensPrompt
+
+    if isinstance(p, dict):
+        from PIL import Image
+
+        return {"prompt": p["text"], "multi_modal_data": {"image": Image.new("RGB", (56, 56), tuple(p["image_rgb"]))}}
+    return TokensPrompt(prompt_token_ids=p)
 
 
 def _worker_hash_block_size(worker) -> int | None:
@@ -65,8 +77,7 @@ def run(spec: dict) -> dict:
             steps.append({"reset": ok})
         else:
             sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True)
-            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in step["prompts"]], sp,
-                                use_tqdm=False)
+            outs = llm.generate([_prompt(p) for p in step["prompts"]], sp, use_tqdm=False)
             steps.append({"outputs": [
                 {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
                 for o in outs]})

@@ -13,7 +13,9 @@ import pathlib
 import random
 
 SPEC_VERSION = 1
-KINDS = ("llama", "llama-wide", "qwen3next", "llama-big")
+KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl")
+# Qwen2-VL placeholders, in the tokenizer of the qwen2vl kind
+VISION_SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 
 _WORDS = (
     "the a kv cache block hash token prefix router model engine request offload tier disk cpu "
@@ -28,7 +30,7 @@ def _corpus(n_lines: int = 4000) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(n_lines)]
 
 
-def _build_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
+def _build_tokenizer(out: pathlib.Path, vocab_size: int, extra_special: list[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,14 +39,16 @@ def _build_tokenizer(out: pathlib.Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        additional_special_tokens=list(extra_special),
     )
     fast.save_pretrained(out)
+    return fast
 
 
 def _config(kind: str):
@@ -102,6 +106,22 @@ def _config(kind: str):
             pad_token_id=3,
             tie_word_embeddings=False,
         )
+    if kind == "qwen2vl":
+        from transformers import Qwen2VLConfig
+
+        # special token ids 4..7 follow <unk> <s> </s> <pad> in the trained tokenizer
+        image, video, start, end = 5, 7, 4, 6
+        return Qwen2VLConfig(
+            text_config=dict(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "mrope_section": [4, 6, 6]},
+                             bos_token_id=1, eos_token_id=2, pad_token_id=3),
+            vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+            image_token_id=image, video_token_id=video, vision_start_token_id=start,
+            vision_end_token_id=end, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+            tie_word_embeddings=False)
     raise ValueError(f"unknown tiny model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
 
 
@@ -123,10 +143,20 @@ def build(kind: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path
         return out
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(tmp, config.vocab_size)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(tmp)
+    if kind == "qwen2vl":
+        from transformers import Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        tok = _build_tokenizer(tmp, 2048, VISION_SPECIAL)
+        assert [tok.convert_tokens_to_ids(t) for t in VISION_SPECIAL] == [4, 5, 6, 7]
+        Qwen2VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(tmp)
+        Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=224 * 224),
+                         tokenizer=tok, video_processor=Qwen2VLVideoProcessor()).save_pretrained(tmp)
+    else:
+        _build_tokenizer(tmp, config.vocab_size)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
     cfg = json.loads((tmp / "config.json").read_text())
     cfg["torch_dtype"] = "bfloat16"
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
