@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.events.types import AllBlocksCleared, BlockRemoved, BlockStored
-from vllm_kvbm_plugin.events.validator import Validator
+
+from .helpers import batches, validate
 
 pytestmark = pytest.mark.engine
 ATTN = 1
@@ -23,13 +23,6 @@ SCENARIO = {
     + [{"prompts": [f]} for f in FILLERS]
     + [{"reset": True}, {"prompts": [A]}],
 }
-
-
-def batches(result):
-    import io
-    import json
-
-    return list(recording.read(io.StringIO("\n".join(json.dumps(r) for r in result["events"]))))
 
 
 def flat(result):
@@ -85,9 +78,7 @@ def test_short_prompt_yields_three_chained_units(with_plugin):
 def test_stream_validates_with_evictions_and_reset(with_plugin):
     r = with_plugin
     assert r["subscriber"]["lost"] == 0
-    v = Validator()
-    for seq, b in batches(r):
-        v.apply(b, seq)
+    v = validate(r)
     assert v.errors == 0, v.report()
     events = flat(r)
     assert any(isinstance(e, BlockRemoved) and e.group_idx == ATTN for e in events), "no eviction"

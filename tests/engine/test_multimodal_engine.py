@@ -4,7 +4,8 @@ the connector."""
 
 import pytest
 
-from .test_tiers_engine import connector, outputs
+from .helpers import outputs
+from .test_tiers_engine import connector
 
 pytestmark = pytest.mark.engine
 BEFORE = "hello world " * 10

@@ -20,7 +20,8 @@ def test_hybrid_hash_granularity_across_processes(run_engine):
 def test_tiers_across_processes(run_engine, tmp_path):
     """KVBMConnector with EngineCore and the worker in their own processes: the scheduler side
     plans, the worker copies, a second engine process hits on disk; outputs identical."""
-    from .test_tiers_engine import HIT, PROMPT, REPEAT, outputs, spec
+    from .helpers import outputs
+    from .test_tiers_engine import HIT, PROMPT, REPEAT, spec
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
     r = run_engine(spec(REPEAT, cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)), env=env)

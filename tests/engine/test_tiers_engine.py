@@ -8,9 +8,9 @@ import pytest
 
 import msgspec
 
-from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.tiers import disk
-from vllm_kvbm_plugin.events.validator import Validator
+
+from .helpers import outputs, validate
 
 pytestmark = pytest.mark.engine
 rng = random.Random(11)
@@ -35,10 +35,6 @@ REPEAT = [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]
 
 def block_index(path) -> int:
     return msgspec.msgpack.decode(disk.read_meta(str(path)))["block"]
-
-
-def outputs(r):
-    return [o for s in r["steps"] for o in s.get("outputs", [])]
 
 
 @pytest.fixture(scope="module")
@@ -174,12 +170,7 @@ def test_many_overlapping_requests_small_cpu_tier(run_engine):
 def test_tier_events_validate_on_a_mixed_stream(run_engine, tmp_path):
     r = run_engine(spec(REPEAT + [{"prompts": [PROMPT[:100] + [5] * 60]}], events=True,
                         cpu_bytes_to_use=3 * 16384, disk_path=str(tmp_path)))
-    v = Validator()
-    import io
-    import json
-
-    for seq, b in recording.read(io.StringIO("\n".join(json.dumps(e) for e in r["events"]))):
-        v.apply(b, seq)
+    v = validate(r)
     assert v.errors == 0, v.report()["first_problems"]
     by = v.report()["stored_by"]
     assert by.get("CPU/g0/full_attention/32", 0) > 0 and by.get("DISK/g0/full_attention/32", 0) >= 6, by
@@ -190,12 +181,7 @@ def test_disk_blocks_of_an_earlier_run_are_announced_after_a_restart(run_engine,
     other = [rng.randrange(10, 2000) for _ in range(70)]
     r = run_engine(spec([{"prompts": [other]}], events=True, cpu_bytes_to_use=4 << 20,
                         disk_path=str(tmp_path)))
-    import io
-    import json
-
-    v = Validator()
-    for seq, b in recording.read(io.StringIO("\n".join(json.dumps(e) for e in r["events"]))):
-        v.apply(b, seq)
+    v = validate(r)
     assert v.errors == 0, v.report()["first_problems"]
     assert v.report()["stored_by"].get("DISK/g0/full_attention/32", 0) >= 6 + 2  # 6 from before, 2 new
     assert "6 announced" in r["log"]

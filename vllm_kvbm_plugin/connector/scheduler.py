@@ -26,6 +26,7 @@ from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
 from vllm_kvbm_plugin.connector.layout import key_root, rank_dir
+from vllm_kvbm_plugin.events.types import MEDIUM_CPU, MEDIUM_DISK
 from vllm_kvbm_plugin.hashing import extra_hash, request_keys
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -33,7 +34,6 @@ from vllm_kvbm_plugin.tiers.index import TierIndex
 from vllm_kvbm_plugin.tiers.policies import make_policy
 
 logger = get_logger("connector")
-MEDIUM_CPU, MEDIUM_DISK = "CPU", "DISK"
 
 
 _ENCODE = msgspec.msgpack.Encoder().encode
@@ -93,7 +93,7 @@ class SchedulerSide:
             self.disk_writes_on = True
         self.requests: dict[str, _Request] = {}
         self.claims: dict[str, tuple[int, list]] = {}
-        self.prefetching: dict = {}  # key -> request id that asked
+        self.prefetching: set = set()  # keys being read from disk into CPU slots
         self.meta = KVBMMetadata()
         self.loads_pinned: list = []
         self.parent_pins: dict = {}  # (medium, key) -> parent pinned until the key settles
@@ -162,9 +162,6 @@ class SchedulerSide:
             tier.pin(parent)
         entry, evicted = tier.reserve(key, parent, self._announcement(request, i, medium))
         self._gone(evicted, medium)
-        if medium == MEDIUM_DISK:
-            for k, _ in evicted:
-                self._unlink(k)
         if entry is None:
             if parent is not None:
                 tier.unpin(parent)
@@ -191,15 +188,13 @@ class SchedulerSide:
             a.announced = True
 
     def _gone(self, evicted, medium: str) -> None:
-        hashes = [e.meta.vhash for _, e in evicted if e.meta is not None and e.meta.announced]
+        """Entries that left a tier: announce the removals, delete disk files."""
+        hashes = [e.meta.vhash for _, e in evicted if e is not None and e.meta is not None and e.meta.announced]
         if hashes:
             self.events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))
-
-    def _drop_disk(self, key) -> None:
-        e = self.disk.remove(key)
-        if e is not None:
-            self._gone([(key, e)], MEDIUM_DISK)
-        self._unlink(key)
+        if medium == MEDIUM_DISK:
+            for key, _ in evicted:
+                self._unlink(key)
 
     def _load_disk_index(self) -> None:
         """Index the block files of earlier runs and announce them (parents first) from the
@@ -208,8 +203,7 @@ class SchedulerSide:
         described = []
         for key, _size in found:
             e, evicted = self.disk.reserve(key)
-            for k, _ in evicted:
-                self._unlink(k)
+            self._gone(evicted, MEDIUM_DISK)  # more files than disk_bytes_to_use allows
             if e is None:
                 continue
             self.disk.complete(key)
@@ -281,7 +275,7 @@ class SchedulerSide:
             if entry is None:
                 break
             self.disk.pin(k)
-            self.prefetching[k] = request.request_id
+            self.prefetching.add(k)
             self.meta.prefetches.append((k, entry.slot))
             issued = True
         return issued
@@ -356,7 +350,7 @@ class SchedulerSide:
         self.cpu.pin(k)  # the slot is the source of the write
         # the block's position and its DISK BlockStored: announced again after a restart
         event = self.disk.entries[k].meta.event
-        blob = msgspec.msgpack.encode({"block": i, "event": _ENCODE(event) if event else None})
+        blob = _ENCODE({"block": i, "event": _ENCODE(event) if event else None})
         self.meta.disk_writes.append((k, cpu_entry.slot, blob))
 
     def update_connector_output(self, output) -> None:
@@ -366,15 +360,15 @@ class SchedulerSide:
         for k in self._done("stored", wm.stored):
             self._settle(self.cpu, MEDIUM_CPU, k, True)
         for k in self._done("prefetched", wm.prefetched):
-            self.prefetching.pop(k, None)
+            self.prefetching.discard(k)
             self.disk.unpin(k)
             self._settle(self.cpu, MEDIUM_CPU, k, True)
         for k in dict.fromkeys(wm.prefetch_failed):
-            self.prefetching.pop(k, None)
+            self.prefetching.discard(k)
             self._settle(self.cpu, MEDIUM_CPU, k, False)
             logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
                            diskfmt.key_hex(k))
-            self._drop_disk(k)
+            self._gone([(k, self.disk.remove(k))], MEDIUM_DISK)
         for k in self._done("written", wm.disk_written):
             self.cpu.unpin(k)  # the write's source slot
             self._settle(self.disk, MEDIUM_DISK, k, True)

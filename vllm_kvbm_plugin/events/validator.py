@@ -46,7 +46,6 @@ class Validator:
     def __init__(self, max_problems_kept: int = 1000):
         # (dp, medium, group) -> block size -> held hashes
         self._held: dict[tuple, dict[int, set]] = {}
-        self._sparse_groups: set[tuple] = set()
         self.counts: Counter[str] = Counter()
         self.problems: list[Problem] = []
         self.max_problems_kept = max_problems_kept
@@ -85,8 +84,6 @@ class Validator:
     def _stored(self, dp, ev: BlockStored, seq) -> None:
         gkey = (dp, ev.medium, ev.group_idx)
         sparse = ev.kv_cache_spec_kind in SPARSE_KINDS
-        if sparse:
-            self._sparse_groups.add(gkey)
         held = self._held.setdefault(gkey, {}).setdefault(ev.block_size, set())
         hashes = ev.block_hashes
         n_tokens = len(ev.token_ids)

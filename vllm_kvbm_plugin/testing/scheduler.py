@@ -123,7 +123,6 @@ class SchedulerHarness:
         self._published: list = []  # vLLM's batches, as the publisher receives them
         self.scheduler.kv_event_publisher.publish = self._published.append
         self._ids = itertools.count()
-        self.num_cached_tokens: dict[str, int] = {}
 
     @property
     def batches(self) -> list[ev.KVEventBatch]:
@@ -152,8 +151,6 @@ class SchedulerHarness:
         """One schedule + simulated model output; returns the number of scheduled tokens."""
         out = self.scheduler.schedule()
         rids = list(out.num_scheduled_tokens)
-        for new in out.scheduled_new_reqs:
-            self.num_cached_tokens.setdefault(new.req_id, new.num_computed_tokens)
         self.scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
             sampled_token_ids=[[7] for _ in rids]))
