@@ -128,6 +128,10 @@ class WorkerSide:
         with self._stats_lock:
             self.stats.record(tier, direction, blocks, blocks * self.block_bytes, time.perf_counter() - t0)
 
+    def _failed(self, operation: str) -> None:
+        with self._stats_lock:
+            self.stats.failure(operation)
+
     def get_stats(self) -> KVBMStats | None:
         with self._stats_lock:
             if self.stats.is_empty():
@@ -143,8 +147,7 @@ class WorkerSide:
                 self._record("disk", "read", 1, t0)
             else:
                 self.report.prefetch_failed.append(key)
-                with self._stats_lock:
-                    self.stats.failure("read")
+                self._failed("read")
         if meta.loads:
             t0 = time.perf_counter()
             self._from_slots([b for b, _ in meta.loads], [s for _, s in meta.loads])
@@ -204,8 +207,7 @@ class WorkerSide:
                     self._disk_broken = True
                     logger.warning("KVBMConnector: disk tier write failed (%s); no more disk writes", e)
             if not ok:
-                with self._stats_lock:
-                    self.stats.failure("write")
+                self._failed("write")
             self._disk_results.put((key, ok))
 
     def wait_for_disk(self, timeout: float = 30.0) -> None:

@@ -21,6 +21,7 @@ Mamba / linear-attention groups are left exactly as vLLM emits them.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 
 from vllm.distributed.kv_events import BlockRemoved
@@ -86,7 +87,7 @@ class UnitTracker:
                 held += conv[a + had : b]
             new = held[had:]
             # units held by another block form a prefix of this block's units; usually none
-            k = 0 if new[0] not in fine else _first_index(new, lambda h: h not in fine)
+            k = 0 if new[0] not in fine else bisect_left(new, True, key=lambda h: h not in fine)
             for h in new[:k]:
                 fine[h] += 1
             if k < len(new):
@@ -180,28 +181,14 @@ def _extend_runs(runs: list[list], first: int, end: int, hashes: list) -> None:
         runs.append([first, end, list(hashes)])
 
 
-def _first_index(seq: list, pred) -> int:
-    """First index where `pred` holds, given it holds on a suffix of `seq` (binary search)."""
-    lo, hi = 0, len(seq)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if pred(seq[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
 def _decrement(counts: dict, held: list) -> list:
     """Drop one holder of each hash in `held` (counts non-increasing); returns the hashes gone."""
-    if counts[held[0]] == 1:  # the usual case: this block was the only holder
-        deque(map(counts.pop, held), maxlen=0)  # bulk delete in C
-        return held
-    k = _first_index(held, lambda h: counts[h] == 1)
+    # the usual case: this block was the only holder of all its units (k == 0)
+    k = 0 if counts[held[0]] == 1 else bisect_left(held, True, key=lambda h: counts[h] == 1)
     for h in held[:k]:
         counts[h] -= 1
     gone = held[k:]
-    deque(map(counts.pop, gone), maxlen=0)
+    deque(map(counts.pop, gone), maxlen=0)  # bulk delete in C
     return gone
 
 
