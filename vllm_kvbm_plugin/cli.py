@@ -13,7 +13,7 @@ def _subscribe(args) -> int:
     from vllm_kvbm_plugin.events.subscriber import Subscriber
     from vllm_kvbm_plugin.events.validator import Validator
 
-    validator = Validator() if args.validate else None
+    validator = Validator(prompts=_prompts(args.prompts)) if args.validate else None
     out = open(args.out, "w") if args.out else sys.stdout
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
@@ -49,12 +49,22 @@ def _validate(args) -> int:
     from vllm_kvbm_plugin.events import recording
     from vllm_kvbm_plugin.events.validator import Validator
 
-    v = Validator()
+    v = Validator(prompts=_prompts(args.prompts))
     with open(args.file) as fp:
         for seq, batch in recording.read(fp):
             v.apply(batch, seq)
     print(json.dumps(v.report(), indent=2))
     return 1 if v.errors else 0
+
+
+def _prompts(path):
+    """The requests' prompts for the extra_keys rule, or None (rule off)."""
+    if not path:
+        return None
+    from vllm_kvbm_plugin.events.validator import read_prompts
+
+    with open(path) as fp:
+        return read_prompts(fp)
 
 
 def _tiny_model(args) -> int:
@@ -77,16 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", help="write JSON lines here instead of stdout")
     s.add_argument("--quiet", action="store_true", help="do not print batches")
     s.add_argument("--validate", action="store_true", help="check the stream like a router would")
+    s.add_argument("--prompts", help="with --validate: JSON lines of the requests' prompts, to check extra_keys")
     s.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
     s.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     s.set_defaults(func=_subscribe)
 
     v = sub.add_parser("validate", help="check a recorded stream (JSON lines from `subscribe`)")
     v.add_argument("file")
+    v.add_argument("--prompts", help='JSON lines, one per request: {"token_ids": [...], "images": '
+                   '[{"offset": N, "length": N, "identifier": optional}]}; checks each prompt block\'s extra_keys')
     v.set_defaults(func=_validate)
 
     t = sub.add_parser("tiny-model", help="build a tiny random-weight model locally (no hub)")
-    t.add_argument("kind", choices=["llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl"])
+    t.add_argument("kind", choices=tiny_models.KINDS)
     t.add_argument("--dir", default=None, help="cache directory (default ~/.cache/vllm-kvbm/tiny-models)")
     t.set_defaults(func=_tiny_model)
 

@@ -34,7 +34,7 @@ REPEAT = [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]
 
 
 def block_index(path) -> int:
-    return msgspec.msgpack.decode(disk.read_meta(str(path)))["block"]
+    return msgspec.msgpack.decode(disk.read_meta(str(path)))["end"] // 32 - 1
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,9 @@
+import json
+
+from vllm_kvbm_plugin import cli
+from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from vllm_kvbm_plugin.events.validator import Validator
+from vllm_kvbm_plugin.events.validator import Prompt, Validator
 
 
 def stored(hashes, parent=None, bs=2, n_tokens=None, group=1, kind="full_attention", medium="GPU"):
@@ -60,3 +64,84 @@ def test_all_blocks_cleared_clears_gpu_only():
     v = run(stored([1]), stored([1], medium="CPU"), AllBlocksCleared(), stored([1]))
     assert v.errors == 0
     assert v.held(medium="CPU") == {1}
+
+
+# ---- extra_keys against the prompts -------------------------------------------------------------
+# Prompt tokens 100..111 in blocks of 4; image "imgA" on tokens [2, 7): blocks 0 (offset 2) and 1 (-2).
+TOKENS = list(range(100, 112))
+IMG_A = Prompt.from_json({"name": "a", "token_ids": TOKENS,
+                          "images": [{"offset": 2, "length": 5, "identifier": "imgA"}]})
+GOOD_KEYS = [[("imgA", 2)], [("imgA", -2)], None]
+
+
+def mm_stored(hashes, extra_keys, parent=None, tokens=TOKENS, medium="GPU"):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                       block_size=4, lora_id=None, medium=medium, lora_name=None,
+                       extra_keys=extra_keys, group_idx=0, kv_cache_spec_kind="full_attention")
+
+
+def run_prompts(prompts, *events):
+    v = Validator(prompts=prompts)
+    for i, e in enumerate(events):
+        v.apply(KVEventBatch(ts=0.0, events=[e]), i)
+    return v
+
+
+def test_extra_keys_matching_the_prompts_pass():
+    # one event for the chain, then the CPU tier's one block per event, chained through parents
+    v = run_prompts([IMG_A], mm_stored([1, 2, 3], GOOD_KEYS),
+                    *[mm_stored([h], [k], parent=h - 1 or None, tokens=TOKENS[4 * i:4 * i + 4], medium="CPU")
+                      for i, (h, k) in enumerate(zip([1, 2, 3], GOOD_KEYS))])
+    assert v.errors == 0
+    assert v.report()["prompt_blocks"] == {"checked": 6, "with_images": 4}
+
+
+def test_wrong_missing_or_extra_extra_keys_are_reported():
+    for keys in ([[("imgA", 3)], [("imgA", -2)], None],       # wrong offset
+                 [[("imgB", 2)], [("imgA", -2)], None],       # wrong identifier
+                 [[("imgA", 2)], None, None],                 # missing entry
+                 [[("imgA", 2)], [("imgA", -2)], [("imgA", -6)]],  # image on a block without one
+                 [[("imgA", 2), ("imgA", 9)], [("imgA", -2)], None]):  # one image too many
+        v = run_prompts([IMG_A], mm_stored([1, 2, 3], keys))
+        assert v.counts["extra_keys"] == 1, keys
+        assert v.report()["by_rule"]["extra_keys"] == 1
+        assert "tokens [" in v.problems[0].detail
+    # no extra_keys at all on an image block
+    assert run_prompts([IMG_A], mm_stored([1, 2, 3], None)).counts["extra_keys"] == 2
+
+
+def test_prompts_with_the_same_tokens_are_told_apart_by_their_images():
+    img_b = Prompt.from_json({"name": "b", "token_ids": TOKENS,
+                              "images": [{"offset": 2, "length": 5, "identifier": "imgB"}]})
+    ok = run_prompts([IMG_A, img_b], mm_stored([1, 2, 3], [[("imgB", 2)], [("imgB", -2)], None]))
+    assert ok.errors == 0
+    # block 0 from one prompt, block 1 from the other: no prompt has this chain
+    mixed = run_prompts([IMG_A, img_b], mm_stored([1, 2, 3], [[("imgA", 2)], [("imgB", -2)], None]))
+    assert mixed.counts["extra_keys"] == 1
+
+
+def test_an_image_without_identifier_keeps_one_along_the_chain():
+    anon = Prompt.from_json({"token_ids": TOKENS, "images": [{"offset": 2, "length": 5}]})
+    assert run_prompts([anon], mm_stored([1, 2, 3], [[("h1", 2)], [("h1", -2)], None])).errors == 0
+    assert run_prompts([anon], mm_stored([1, 2, 3], [[("h1", 2)], [("h2", -2)], None])).counts["extra_keys"] == 1
+
+
+def test_blocks_off_the_prompts_and_other_keys_are_not_checked():
+    other = mm_stored([7], [[("imgA", 0)]], tokens=[1, 2, 3, 4])  # tokens of no prompt
+    salted = mm_stored([1, 2, 3], [[("imgA", 2), "salt"], [("imgA", -2)], None])  # bare cache salt
+    v = run_prompts([IMG_A], other, salted)
+    assert v.errors == 0 and v.report()["prompt_blocks"]["checked"] == 3
+    # without prompts the rule is off and the report keeps its old keys
+    assert "prompt_blocks" not in run(mm_stored([1, 2, 3], None)).report()
+
+
+def test_cli_validate_with_prompts(tmp_path, capsys):
+    events, prompts = tmp_path / "events.jsonl", tmp_path / "prompts.jsonl"
+    # the JSON recording turns tuples into lists, as on the wire
+    events.write_text(recording.dump_line(0, KVEventBatch(ts=0.0, events=[mm_stored([1, 2, 3], GOOD_KEYS)])) + "\n")
+    prompts.write_text(json.dumps({"token_ids": TOKENS, "images": [{"offset": 2, "length": 5, "identifier": "imgA"}]}) + "\n")
+    assert cli.main(["validate", str(events), "--prompts", str(prompts)]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_blocks"]["with_images"] == 2
+    prompts.write_text(json.dumps({"token_ids": TOKENS, "images": [{"offset": 3, "length": 5}]}) + "\n")
+    assert cli.main(["validate", str(events), "--prompts", str(prompts)]) == 1
+    assert json.loads(capsys.readouterr().out)["by_rule"]["extra_keys"] == 2  # both image blocks

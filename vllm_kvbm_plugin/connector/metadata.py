@@ -20,10 +20,11 @@ Key = tuple[int, int]
 class KVBMMetadata(KVConnectorMetadata):
     # disk -> CPU slot, verified; runs first (before loads) in start_load_kv
     prefetches: list[tuple[Key, int]] = dataclasses.field(default_factory=list)
-    # CPU slot -> KV block, before the forward (synchronous loads)
-    loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (block id, slot)
-    # KV block -> CPU slot, after the forward (wait_for_save)
-    stores: list[tuple[Key, int, int]] = dataclasses.field(default_factory=list)  # (key, block id, slot)
+    # CPU slot -> KV blocks, before the forward (synchronous loads). An entry of `kind` (layout.KV or
+    # layout.STATE) spans the groups of that kind: one block id per group.
+    loads: list[tuple[str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)  # (kind, ids, slot)
+    # KV blocks -> CPU slot, after the forward (wait_for_save)
+    stores: list[tuple[Key, str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)  # (key, kind, ids, slot)
     # CPU slot -> disk file, in the background after the stores; meta = file metadata blob
     disk_writes: list[tuple[Key, int, bytes]] = dataclasses.field(default_factory=list)
 

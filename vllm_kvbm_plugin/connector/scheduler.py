@@ -1,14 +1,21 @@
 """KVBMConnector, scheduler side (EngineCore): the tier indexes, load and store decisions, events.
 
 Per step:
-- `get_num_new_matched_tokens`: count the request's next blocks that the CPU tier holds; blocks
-  only on disk are first prefetched into CPU slots (the worker verifies them) and the request
-  waits a step (`None`), so a load into the KV cache only ever copies verified CPU bytes.
-- `update_state_after_alloc`: turn the claim into (block id, slot) loads; the slots stay pinned
+- `get_num_new_matched_tokens`: find the longest prefix the tiers can restore; entries only on disk
+  are first prefetched into CPU slots (the worker verifies them) and the request waits a step
+  (`None`), so a load into the KV cache only ever copies verified CPU bytes.
+- `update_state_after_alloc`: turn the claim into (block ids, slot) loads; the slots stay pinned
   until the metadata is built (the worker loads before anything reuses them).
 - `build_connector_meta`: store every newly completed block of the scheduled requests into CPU
   slots (and write them through to disk), evicting by the configured policy.
-- `update_connector_output`: mark what the workers finished; announce and remove tier blocks.
+- `update_connector_output`: mark what the workers finished; announce and remove tier entries.
+
+Hybrid models (Mamba or linear attention next to full attention, vLLM's align mode): a hit at X
+tokens needs the attention KV of [0, X) and the recurrent state at X. vLLM writes the running state
+of a request into the block of its last computed token at the end of every step, so the state
+at X is stored right after a step that ended at X, when X is a hash-unit boundary (every physical
+block boundary that ends a step, and the prompt's last unit boundary where vLLM stops a chunk).
+A block that X ends inside is stored as a partial KV entry under the key of X. See docs/tiers.md.
 """
 
 from __future__ import annotations
@@ -25,8 +32,18 @@ from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
-from vllm_kvbm_plugin.connector.layout import key_root, rank_dir
+from vllm_kvbm_plugin.connector.layout import (
+    KV,
+    STATE,
+    entry_groups,
+    key_root,
+    partial_key,
+    rank_dir,
+    slot_bytes,
+    state_key,
+)
 from vllm_kvbm_plugin.events.types import MEDIUM_CPU, MEDIUM_DISK
+from vllm_kvbm_plugin.events.validator import SPARSE_KINDS
 from vllm_kvbm_plugin.hashing import extra_hash, request_keys
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -41,20 +58,20 @@ _DECODE_STORED = msgspec.msgpack.Decoder(BlockStored).decode
 
 
 def _file_info(meta: bytes | None):
-    """(block position, BlockStored) from a block file's metadata, or None."""
+    """(token position the entry ends at, [BlockStored]) from a block file's metadata, or None."""
     try:
         info = msgspec.msgpack.decode(meta) if meta else None
-        if not info or not info.get("event"):
+        if not info or not info.get("events"):
             return None
-        return int(info["block"]), _DECODE_STORED(info["event"])
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError):
+        return int(info["end"]), [_DECODE_STORED(e) for e in info["events"]]
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, ValueError, KeyError):
         return None
 
 
 @dataclasses.dataclass
 class _Announce:
-    event: object | None  # BlockStored to publish once the bytes are in place (None: unknown)
-    vhash: object = None  # vLLM's event hash of the block, for BlockRemoved
+    events: list  # BlockStored per group, published once the bytes are in place (empty: internal)
+    vhash: object = None  # vLLM's event hash of the entry, for BlockRemoved
     announced: bool = False
 
 
@@ -65,34 +82,39 @@ class _Request:
     stored_upto: int = 0  # blocks [0, stored_upto) were offered to the tiers
 
 
+@dataclasses.dataclass
+class _Need:
+    """One tier entry a hit needs: where it goes in the request's blocks."""
+    key: tuple
+    kind: str  # KV or STATE
+    index: int  # KV: block index; STATE: the hit's token count
+
+
 class SchedulerSide:
     def __init__(self, vllm_config, kv_cache_config, cfg: KVBMConfig):
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(
-                "KVBMConnector: models with several KV cache groups (hybrid Mamba or sliding-window "
-                "attention) are not supported by the tiers yet; run without the connector"
-            )
-        spec = groups[0].kv_cache_spec
-        self.cfg = cfg
-        self.block_size = spec.block_size
-        self.hash_unit = kv_cache_config.hash_block_size or self.block_size
-        self.units_per_block = self.block_size // self.hash_unit
-        self.block_bytes = spec.page_size_bytes * len(groups[0].layer_names)
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
-        self.kind = get_kv_cache_spec_kind(spec).value  # tier events say what they hold
+        self.groups = entry_groups(kv_cache_config)  # raises for group kinds the tiers cannot hold
+        self.hybrid = bool(self.groups[STATE])
+        kv_groups = kv_cache_config.kv_cache_groups
+        self.spec_kind = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in kv_groups]
+        self.cfg = cfg
+        self.block_size = kv_groups[0].kv_cache_spec.block_size
+        self.hash_unit = kv_cache_config.hash_block_size or self.block_size
+        self.units_per_block = self.block_size // self.hash_unit
+        self.slot_bytes = slot_bytes(kv_cache_config)
         self.world = vllm_config.parallel_config.world_size
         self.root = key_root(vllm_config, kv_cache_config, self.hash_unit)
-        self.cpu = TierIndex(cfg.cpu_bytes_to_use // self.block_bytes, make_policy(cfg.eviction_policy))
+        self.cpu = TierIndex(cfg.cpu_bytes_to_use // self.slot_bytes, make_policy(cfg.eviction_policy))
         self.disk: TierIndex | None = None
         self.disk_writes_on = False
         if cfg.disk_path:
-            self.disk = TierIndex(cfg.disk_bytes_to_use // self.block_bytes, make_policy(cfg.eviction_policy))
+            self.disk = TierIndex(cfg.disk_bytes_to_use // self.slot_bytes, make_policy(cfg.eviction_policy))
             self.disk_bases = [rank_dir(cfg.disk_path, self.root, r) for r in range(self.world)]
             self.disk_writes_on = True
         self.requests: dict[str, _Request] = {}
-        self.claims: dict[str, tuple[int, list]] = {}
+        self.claims: dict[str, tuple[int, int, list[_Need]]] = {}  # req id -> (from, tokens, entries)
+        self.state_loads: dict[str, tuple[int, int]] = {}  # req id -> (hit tokens, slot): see build_connector_meta
         self.prefetching: set = set()  # keys being read from disk into CPU slots
         self.meta = KVBMMetadata()
         self.loads_pinned: list = []
@@ -105,10 +127,12 @@ class SchedulerSide:
         if self.disk is not None:
             self._load_disk_index()
         logger.info(
-            "KVBMConnector: CPU tier %d blocks of %d bytes (%.1f MiB), disk tier %s, eviction %s",
-            self.cpu.capacity, self.block_bytes, self.cpu.capacity * self.block_bytes / 2**20,
-            f"{self.disk.capacity} blocks under {cfg.disk_path}" if self.disk is not None else "off",
+            "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s",
+            self.cpu.capacity, self.slot_bytes, self.cpu.capacity * self.slot_bytes / 2**20,
+            f"{self.disk.capacity} slots under {cfg.disk_path}" if self.disk is not None else "off",
             cfg.eviction_policy,
+            f", hybrid: state groups {self.groups[STATE]}, hits every {self.hash_unit} tokens"
+            if self.hybrid else "",
         )
 
     # ---- keys and events -------------------------------------------------------------------
@@ -118,49 +142,56 @@ class SchedulerSide:
             st = self.requests[request.request_id] = _Request(request, [])
         return st
 
-    def _block_keys(self, st: _Request, n_blocks: int) -> list:
-        """Stable keys of the first n_blocks blocks (the key of each block's last unit)."""
-        r, unit = self.units_per_block, self.hash_unit
-        have, need = len(st.unit_keys), n_blocks * r
-        if need > have:
+    def _unit_keys(self, st: _Request, n_units: int) -> list:
+        """Stable keys of the request's first n_units hash units (computed once, extended)."""
+        unit, have = self.hash_unit, len(st.unit_keys)
+        if n_units > have:
             req = st.request
-            tokens = req.all_token_ids[have * unit : need * unit]
+            tokens = req.all_token_ids[have * unit : n_units * unit]
             extras = None
             if compat.has_extra_keys(req):
                 extras, mm = {}, 0
-                for u in range(have, need):
+                for u in range(have, n_units):
                     keys, mm = compat.block_extra_keys(self.pool, req, u * unit, (u + 1) * unit, mm)
                     if keys:
                         extras[u - have] = extra_hash(keys)
             parent = st.unit_keys[-1] if have else self.root
             new = request_keys(tokens, unit, parent, extras)
             st.unit_keys += [(int(a), int(b)) for a, b in new.tolist()]
-        return st.unit_keys[r - 1 : need : r]
+        return st.unit_keys
 
-    def _announcement(self, request, i: int, medium: str) -> _Announce:
+    def _block_key(self, st: _Request, i: int):
+        """Key of block i: the key of its last unit."""
+        return self._unit_keys(st, (i + 1) * self.units_per_block)[(i + 1) * self.units_per_block - 1]
+
+    def _announcement(self, request, start: int, end: int, kind: str, medium: str) -> _Announce:
+        """The BlockStored events (one per group of `kind`) of the tokens [start, end)."""
+        hashes, unit = request.block_hashes, self.hash_unit
+        if len(hashes) < end // unit:
+            return _Announce([])
         conv = self.to_event_hashes
-        r, B = self.units_per_block, self.block_size
-        hashes = request.block_hashes
-        if len(hashes) < (i + 1) * r:
-            return _Announce(None)
-        vhash = conv([hashes[(i + 1) * r - 1]])[0]
-        parent = conv([hashes[i * r - 1]])[0] if i else None
+        vhash = conv([hashes[end // unit - 1]])[0]
+        parent = conv([hashes[start // unit - 1]])[0] if start else None
         extra = None
         if compat.has_extra_keys(request):
-            extra = to_event_extra_keys([compat.block_extra_keys(self.pool, request, i * B, (i + 1) * B, 0)[0]])
-        event = compat.block_stored_event(
-            self.pool, request, block_hashes=[vhash], parent_block_hash=parent,
-            token_ids=request.all_token_ids[i * B : (i + 1) * B], block_size=B, group_idx=0,
-            extra_keys=extra or [None], medium=medium)
-        event.kv_cache_spec_kind = self.kind
-        return _Announce(event, vhash)
+            extra = to_event_extra_keys([compat.block_extra_keys(self.pool, request, start, end, 0)[0]])
+        events = []
+        for g in self.groups[kind]:
+            event = compat.block_stored_event(
+                self.pool, request, block_hashes=[vhash], parent_block_hash=parent,
+                token_ids=request.all_token_ids[start:end], block_size=end - start, group_idx=g,
+                extra_keys=extra or [None], medium=medium)
+            event.kv_cache_spec_kind = self.spec_kind[g]
+            events.append(event)
+        return _Announce(events, vhash)
 
-    def _reserve(self, tier: TierIndex, medium: str, request, i: int, key, parent):
-        """Reserve `key` in `tier`; its parent stays pinned until the key is settled, so a
-        BlockRemoved of the parent can never precede the child's BlockStored."""
+    def _reserve(self, tier: TierIndex, medium: str, key, parent, announce):
+        """Reserve `key` in `tier` (announce(medium) gives its events); its parent stays pinned
+        until the key is settled, so a BlockRemoved of the parent never precedes the child's
+        BlockStored."""
         if parent is not None:
             tier.pin(parent)
-        entry, evicted = tier.reserve(key, parent, self._announcement(request, i, medium))
+        entry, evicted = tier.reserve(key, parent, announce(medium))
         self._gone(evicted, medium)
         if entry is None:
             if parent is not None:
@@ -183,22 +214,26 @@ class SchedulerSide:
 
     def _announce_stored(self, entry) -> None:
         a = entry.meta
-        if a is not None and a.event is not None and not a.announced:
-            self.events.append(a.event)
+        if a is not None and a.events and not a.announced:
+            self.events += a.events
             a.announced = True
 
     def _gone(self, evicted, medium: str) -> None:
-        """Entries that left a tier: announce the removals, delete disk files."""
-        hashes = [e.meta.vhash for _, e in evicted if e is not None and e.meta is not None and e.meta.announced]
-        if hashes:
-            self.events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))
+        """Entries that left a tier: announce the removals (per group), delete disk files."""
+        by_group: dict[int, list] = {}
+        for _, e in evicted:
+            if e is not None and e.meta is not None and e.meta.announced:
+                for ev in e.meta.events:
+                    by_group.setdefault(ev.group_idx, []).append(e.meta.vhash)
+        for g, hashes in by_group.items():
+            self.events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=g))
         if medium == MEDIUM_DISK:
             for key, _ in evicted:
                 self._unlink(key)
 
     def _load_disk_index(self) -> None:
         """Index the block files of earlier runs and announce them (parents first) from the
-        BlockStored each file carries in its metadata."""
+        BlockStored events each file carries in its metadata."""
         found = diskfmt.scan(self.disk_bases[0])
         described = []
         for key, _size in found:
@@ -209,16 +244,17 @@ class SchedulerSide:
             self.disk.complete(key)
             info = _file_info(diskfmt.read_meta(diskfmt.block_path(self.disk_bases[0], key)))
             if info is not None:
-                e.meta = _Announce(info[1], info[1].block_hashes[0])
-                described.append((info[0], key, e))
+                e.meta = _Announce(info[1], info[1][0].block_hashes[0])
+                described.append((info[0], e))
         held = set()
-        for _, _, e in sorted(described, key=lambda d: d[0]):
-            if e.meta.event.parent_block_hash is None or e.meta.event.parent_block_hash in held:
+        for _, e in sorted(described, key=lambda d: d[0]):
+            if all(ev.kv_cache_spec_kind in SPARSE_KINDS or ev.parent_block_hash is None
+                   or (ev.group_idx, ev.parent_block_hash) in held for ev in e.meta.events):
                 self._announce_stored(e)
-                held.add(e.meta.vhash)
+                held.update((ev.group_idx, e.meta.vhash) for ev in e.meta.events)
         if found:
-            logger.info("KVBMConnector: disk tier holds %d blocks from earlier runs (%d announced)",
-                        len(self.disk), len(held))
+            logger.info("KVBMConnector: disk tier holds %d entries from earlier runs (%d announced)",
+                        len(self.disk), sum(e.meta is not None and e.meta.announced for _, e in described))
 
     def _unlink(self, key) -> None:
         for base in self.disk_bases:
@@ -229,128 +265,241 @@ class SchedulerSide:
 
     # ---- vLLM hooks ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        B = self.block_size
-        start = num_computed_tokens // B
-        limit = (request.num_tokens - 1) // B  # vLLM must compute at least one token
-        if limit <= start:
-            return 0, False
+        start = num_computed_tokens // self.block_size
+        limit = request.num_tokens - 1  # vLLM must compute at least one token
         st = self._state(request)
-        keys = self._block_keys(st, limit)
-        hits, on_disk_only = 0, []
-        for i in range(start, limit):
-            k = keys[i]
-            if k in self.prefetching:
-                return None, False  # its verification is still running
-            if not on_disk_only and self.cpu.ready(k):
-                hits += 1
-            elif self.disk is not None and self.disk.ready(k) and k not in self.cpu:
-                on_disk_only.append((i, k))
-            else:
-                break
+        plan = self._plan(st, start, limit, self._held)
+        if plan is None:
+            self._release_claim(request.request_id)
+            return 0, False
+        if any(n.key in self.prefetching for n in plan[1]):
+            return None, False  # their verification is still running
+        on_disk_only = [n for n in plan[1] if not self.cpu.ready(n.key)]
         if on_disk_only:
-            hit_keys = keys[start : start + hits]
-            for k in hit_keys:  # prefetching must not evict the blocks it extends
+            # the CPU entries before the first disk-only one are a hit on their own: keep them;
+            # later ones may make room
+            in_cpu = [n.key for n in plan[1][: plan[1].index(on_disk_only[0])]]
+            for k in in_cpu:
                 self.cpu.pin(k)
-            issued = self._prefetch(request, keys, on_disk_only)
-            for k in hit_keys:
+            issued = self._prefetch(st, on_disk_only)
+            for k in in_cpu:
                 self.cpu.unpin(k)
             if issued:
-                return None, False  # come back once the disk blocks are verified in CPU slots
+                return None, False  # come back once the disk entries are verified in CPU slots
+            plan = self._plan(st, start, limit, self.cpu.ready)  # what the CPU tier alone restores
         self._release_claim(request.request_id)
-        if hits:
-            claimed = keys[start : start + hits]
-            for k in claimed:  # nothing may evict a claimed block before its load has run
-                self.cpu.pin(k)
-            self.claims[request.request_id] = (start, claimed)
-        return hits * B, False
+        if plan is None:
+            return 0, False
+        tokens, needs = plan
+        for n in needs:  # nothing may evict a claimed entry before its load has run
+            self.cpu.pin(n.key)
+        self.claims[request.request_id] = (num_computed_tokens, tokens - num_computed_tokens, needs)
+        return tokens - num_computed_tokens, False
+
+    def _held(self, key) -> bool:
+        return bool(self.cpu.ready(key) or (self.disk is not None and self.disk.ready(key)))
+
+    def _plan(self, st: _Request, start: int, limit: int, held) -> tuple[int, list[_Need]] | None:
+        """The longest hit past block `start` (tokens, entries it needs) whose entries all pass
+        `held`, or None. A hit never covers token `limit`."""
+        B, r = self.block_size, self.units_per_block
+        full = start  # blocks [start, full) are held
+        while (full + 1) * B <= limit and held(self._block_key(st, full)):
+            full += 1
+        if not self.hybrid:
+            return (full * B, [_Need(self._block_key(st, i), KV, i) for i in range(start, full)]) if full > start else None
+        unit = self.hash_unit
+        keys = self._unit_keys(st, limit // unit)
+        for u in range(limit // unit, start * r, -1):  # the hit ends after unit u-1: X = u * unit
+            x, nb = u * unit, u // r
+            if nb > full or not held(state_key(keys[u - 1])):
+                continue
+            needs = [_Need(self._block_key(st, i), KV, i) for i in range(start, nb)]
+            if x % B:  # X ends inside block nb: a partial entry, or the whole block if held
+                if held(partial_key(keys[u - 1])):
+                    needs.append(_Need(partial_key(keys[u - 1]), KV, nb))
+                elif nb < full:
+                    needs.append(_Need(self._block_key(st, nb), KV, nb))
+                else:
+                    continue
+            needs.append(_Need(state_key(keys[u - 1]), STATE, x))
+            return x, needs
+        return None
 
     def _release_claim(self, req_id: str) -> None:
-        for k in self.claims.pop(req_id, (0, []))[1]:
-            self.cpu.unpin(k)
+        for n in self.claims.pop(req_id, (0, 0, []))[2]:
+            self.cpu.unpin(n.key)
 
-    def _prefetch(self, request, keys, blocks) -> bool:
+    def _prefetch(self, st: _Request, needs: list[_Need]) -> bool:
         issued = False
-        for i, k in blocks:
-            entry = self._reserve(self.cpu, MEDIUM_CPU, request, i, k, keys[i - 1] if i else None)
+        B = self.block_size
+        for n in needs:
+            before = n.index - 1 if n.kind == KV else n.index // B - 1  # the block this entry extends
+            parent = self._block_key(st, before) if before >= 0 else None
+            if parent is not None and parent not in self.cpu:
+                parent = None
+            entry = self._reserve(self.cpu, MEDIUM_CPU, n.key, parent, self._disk_announce(n.key))
             if entry is None:
                 break
-            self.disk.pin(k)
-            self.prefetching.add(k)
-            self.meta.prefetches.append((k, entry.slot))
+            self.disk.pin(n.key)
+            self.prefetching.add(n.key)
+            self.meta.prefetches.append((n.key, entry.slot))
             issued = True
         return issued
+
+    def _disk_announce(self, key):
+        """The CPU events of an entry coming back from disk: its DISK events, medium changed."""
+        meta = self.disk.entries[key].meta
+
+        def announce(medium):
+            if meta is None or not meta.events:
+                return _Announce([])
+            return _Announce([msgspec.structs.replace(ev, medium=medium) for ev in meta.events], meta.vhash)
+        return announce
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         claim = self.claims.pop(request.request_id, None)
         if claim is None:
             return
-        start, keys = claim
-        n = max(num_external_tokens, 0) // self.block_size
-        block_ids = blocks.get_block_ids()[0]
-        for i, k in enumerate(keys):
-            if i >= n:
-                self.cpu.unpin(k)
+        computed, claimed, needs = claim
+        if self.hybrid and 0 < num_external_tokens != claimed:
+            # the state at the claimed end cannot be cut shorter; no vLLM path does this today
+            logger.error("KVBMConnector: vLLM took %d of the %d tokens claimed for request %s; "
+                         "nothing is loaded", num_external_tokens, claimed, request.request_id)
+            num_external_tokens = 0
+        end = computed + max(num_external_tokens, 0)
+        block_ids = blocks.get_block_ids()
+        for n in needs:
+            if n.kind == STATE:
+                wanted = num_external_tokens > 0
+            else:  # a whole block, or the partial block a hybrid hit ends inside
+                wanted = (n.index + 1) * self.block_size <= end or (self.hybrid and num_external_tokens > 0)
+            if not wanted:
+                self.cpu.unpin(n.key)
                 continue
-            self.cpu.touch(k)
-            self.loads_pinned.append(k)  # unpinned once the metadata is built
-            self.meta.loads.append((block_ids[start + i], self.cpu.entries[k].slot))
+            self.cpu.touch(n.key)
+            self.loads_pinned.append(n.key)  # unpinned once the metadata is built
+            slot = self.cpu.entries[n.key].slot
+            if n.kind == STATE:
+                self.state_loads[request.request_id] = (n.index, slot)
+            else:
+                self.meta.loads.append((KV, tuple(block_ids[g][n.index] for g in self.groups[KV]), slot))
 
     def build_connector_meta(self, scheduler_output) -> KVBMMetadata:
         for new in scheduler_output.scheduled_new_reqs:
-            self._store(new.req_id, new.num_computed_tokens
-                        + scheduler_output.num_scheduled_tokens[new.req_id])
+            scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
+            self._load_state(new.req_id, scheduled)
+            self._store(new.req_id, new.num_computed_tokens + scheduled, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            self._store(req_id, cached.num_computed_tokens[i]
-                        + scheduler_output.num_scheduled_tokens[req_id])
+            self._load_state(req_id, scheduler_output.num_scheduled_tokens[req_id])  # resumed requests
+            self._store(req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id],
+                        scheduler_output)
         for k in self.loads_pinned:
             self.cpu.unpin(k)
         self.loads_pinned = []
         for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
             self._release_claim(req_id)
+        self.state_loads.clear()
         meta, self.meta = self.meta, KVBMMetadata()
         return meta
 
-    def _store(self, req_id: str, computed_after_step: int) -> None:
+    def _load_state(self, req_id: str, scheduled: int) -> None:
+        """Load a hit's recurrent state into the block vLLM reads it from, (X-1)//B, and into the
+        block this step's state goes to: vLLM copies the first into the second before the
+        forward but after nothing of ours ran (preprocess_mamba precedes start_load_kv)."""
+        pending = self.state_loads.pop(req_id, None)
+        if pending is None:
+            return
+        x, slot = pending
+        B = self.block_size
+        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+        null = self.pool.null_block.block_id
+        for index in sorted({(x - 1) // B, (x + scheduled + B - 1) // B - 1}):
+            ids = tuple(block_ids[g][index] for g in self.groups[STATE])
+            if null in ids:
+                logger.error("KVBMConnector: request %s has no state block at index %d", req_id, index)
+                continue
+            self.meta.loads.append((STATE, ids, slot))
+
+    def _store(self, req_id: str, computed_after_step: int, scheduler_output) -> None:
         st = self.requests.get(req_id)
         if st is None:
             return
         req = st.request
-        n_full = computed_after_step // self.block_size
-        if self.cfg.offload_prompt_only:
-            n_full = min(n_full, req.num_prompt_tokens // self.block_size)
-        if n_full <= st.stored_upto:
-            return
-        keys = self._block_keys(st, n_full)
+        B = self.block_size
+        prompt_only = self.cfg.offload_prompt_only
+        n_full = computed_after_step // B
+        if prompt_only:
+            n_full = min(n_full, req.num_prompt_tokens // B)
         block_ids = None
         i = st.stored_upto
         while i < n_full:
-            k, parent = keys[i], keys[i - 1] if i else None
+            k, parent = self._block_key(st, i), self._block_key(st, i - 1) if i else None
             if parent is not None and parent not in self.cpu:
                 break  # a tier holds whole prefixes: no block without its parent
             entry = self.cpu.entries.get(k)
+            announce = self._announcer(req, i * B, (i + 1) * B, KV)
             if entry is None:
-                entry = self._reserve(self.cpu, MEDIUM_CPU, req, i, k, parent)
+                entry = self._reserve(self.cpu, MEDIUM_CPU, k, parent, announce)
                 if entry is None:
                     break
                 if block_ids is None:
-                    block_ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-                self.meta.stores.append((k, block_ids[i], entry.slot))
+                    block_ids = self.kv_cache_manager.get_block_ids(req_id)
+                self.meta.stores.append((k, KV, tuple(block_ids[g][i] for g in self.groups[KV]), entry.slot))
             else:
                 self.cpu.touch(k)
-            self._write_through(req, i, k, parent, entry)
+            self._write_through(k, parent, entry, (i + 1) * B, announce)
             i += 1
-        st.stored_upto = i
+        st.stored_upto = max(st.stored_upto, i)
+        x = computed_after_step
+        if (self.hybrid and x % self.hash_unit == 0 and x >= self.hash_unit
+                and (x % B == 0 or x <= req.num_prompt_tokens) and not (prompt_only and x > req.num_prompt_tokens)
+                and not scheduler_output.scheduled_spec_decode_tokens.get(req_id)):
+            self._store_state(st, x)
 
-    def _write_through(self, req, i: int, k, parent, cpu_entry) -> None:
+    def _store_state(self, st: _Request, x: int) -> None:
+        """The recurrent state at x (and the KV block x ends inside), right after the step that
+        ended at x wrote it."""
+        B, req = self.block_size, st.request
+        nb = x // B
+        parent = self._block_key(st, nb - 1) if nb else None
+        if parent is not None and parent not in self.cpu:
+            return  # useless without every block before it
+        block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        unit_key = self._unit_keys(st, x // self.hash_unit)[x // self.hash_unit - 1]
+        # the state's events mirror vLLM's: a whole block at block ends, else the last hash unit
+        first = x - (self.hash_unit if x % B else B)
+        entries = [(state_key(unit_key), STATE, (x - 1) // B, self._announcer(req, first, x, STATE))]
+        if x % B:
+            entries.append((partial_key(unit_key), KV, nb, lambda medium: _Announce([])))
+        null = self.pool.null_block.block_id
+        for k, kind, index, announce in entries:
+            ids = tuple(block_ids[g][index] for g in self.groups[kind])
+            if null in ids:
+                return
+            entry = self.cpu.entries.get(k)
+            if entry is None:
+                entry = self._reserve(self.cpu, MEDIUM_CPU, k, parent, announce)
+                if entry is None:
+                    return
+                self.meta.stores.append((k, kind, ids, entry.slot))
+            else:
+                self.cpu.touch(k)
+            self._write_through(k, parent, entry, x, announce)
+
+    def _announcer(self, request, start: int, end: int, kind: str):
+        return lambda medium: self._announcement(request, start, end, kind, medium)
+
+    def _write_through(self, k, parent, cpu_entry, end: int, announce) -> None:
         if not self.disk_writes_on or k in self.disk or (parent is not None and parent not in self.disk):
             return
-        if self._reserve(self.disk, MEDIUM_DISK, req, i, k, parent) is None:
+        if self._reserve(self.disk, MEDIUM_DISK, k, parent, announce) is None:
             return
         self.cpu.pin(k)  # the slot is the source of the write
-        # the block's position and its DISK BlockStored: announced again after a restart
-        event = self.disk.entries[k].meta.event
-        blob = _ENCODE({"block": i, "event": _ENCODE(event) if event else None})
+        # where the entry ends and its DISK events: announced again after a restart
+        events = self.disk.entries[k].meta.events
+        blob = _ENCODE({"end": end, "events": [_ENCODE(e) for e in events]})
         self.meta.disk_writes.append((k, cpu_entry.slot, blob))
 
     def update_connector_output(self, output) -> None:

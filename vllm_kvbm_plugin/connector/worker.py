@@ -1,8 +1,9 @@
 """KVBMConnector, worker side: the CPU pool, copies against vLLM's KV tensors, disk I/O.
 
-Each block is one contiguous pool slot: the block's bytes of every layer, one after another, so a
-copy moves whole slots and a disk file is a slot. Copies are batched per layer with
-index_select / index_copy_ over all blocks of a step. Disk writes run on a background thread
+Each tier entry is one contiguous pool slot: a block's bytes of every attention layer, one after
+another (or, for hybrid models, the Mamba state of every state layer at one position), so a disk
+file is a slot. Copies are batched per layer over all entries of a step: numba page copies for
+vLLM's CPU layout, index_select / index_copy_ otherwise. Disk writes run on a background thread
 from slots the scheduler keeps pinned until the write is reported; disk reads (prefetches) are
 verified before their bytes reach a slot.
 """
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.layout import key_root, rank_dir, tensor_fingerprint
+from vllm_kvbm_plugin.connector.layout import entry_groups, key_root, rank_dir, slot_bytes, tensor_fingerprint
 from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
@@ -28,29 +29,37 @@ logger = get_logger("connector.worker")
 
 
 class _Layer:
-    __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape", "rows")
+    __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape", "pages")
 
-    def __init__(self, tensor: torch.Tensor, dim: int, offset: int):
-        self.tensor, self.dim, self.offset = tensor, dim, offset
+    def __init__(self, tensor: torch.Tensor, dim: int):
+        self.tensor, self.dim, self.offset = tensor, dim, 0
         shape = list(tensor.shape)
         del shape[dim]
         self.block_shape = tuple(shape)
         self.nbytes = tensor[(slice(None),) * dim + (0,)].numel() * tensor.element_size()
-        # CPU tensors with blocks on dim 0 (vLLM's CPU attention layout): a uint8 row per block,
-        # copied by the numba kernels without temporaries
-        self.rows = None
-        if tensor.device.type == "cpu" and dim == 0 and tensor.is_contiguous() and self.nbytes % 8 == 0:
-            self.rows = tensor.view(torch.uint8).reshape(-1).numpy().view(np.uint64)
+        # CPU tensors with blocks on dim 0 (vLLM's CPU layout): whole pages as uint64 words, copied
+        # by the numba kernels without temporaries. A page can be longer than the block's data
+        # (Mamba state views are padded to the attention page): the padding belongs to the same
+        # block, so copying it is harmless.
+        self.pages = None
+        page = tensor.stride(0) * tensor.element_size() if tensor.dim() else 0
+        start = tensor.storage_offset() * tensor.element_size()
+        n = tensor.shape[0] if tensor.dim() else 0
+        if (tensor.device.type == "cpu" and dim == 0 and page >= self.nbytes and page % 8 == 0
+                and start % 8 == 0 and start + n * page <= tensor.untyped_storage().nbytes()):
+            flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (n * page,))
+            self.pages = flat.numpy().view(np.uint64)
+            self.nbytes = page
 
 
 class WorkerSide:
     def __init__(self, vllm_config, kv_cache_config, cfg: KVBMConfig):
         self.cfg = cfg
         self.kv_cache_config = kv_cache_config
+        self.groups = entry_groups(kv_cache_config)
+        self.slot_bytes = slot_bytes(kv_cache_config)
+        self.num_slots = cfg.cpu_bytes_to_use // self.slot_bytes  # the scheduler side's count
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        n_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
-        # the same slot count the scheduler side computes
-        self.num_slots = cfg.cpu_bytes_to_use // (spec.page_size_bytes * n_layers)
         hbs = kv_cache_config.hash_block_size or spec.block_size
         self.root = key_root(vllm_config, kv_cache_config, hbs)
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -60,7 +69,8 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - not initialised in some test harnesses
             self.rank = 0
         self.disk_base = rank_dir(cfg.disk_path, self.root, self.rank) if cfg.disk_path else None
-        self.layers: list[_Layer] = []
+        # kind -> per group of that kind, its layers (each with its offset inside a slot)
+        self.layers: dict[str, list[list[_Layer]]] = {}
         self.pool: torch.Tensor | None = None
         self.report = KVBMWorkerMetadata()
         self._disk_results: queue.SimpleQueue = queue.SimpleQueue()
@@ -72,61 +82,76 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        offset = 0
         described = []
-        for name in sorted(kv_caches):
-            t = kv_caches[name]
-            dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
-            if not dims:
-                raise ValueError(f"KVBMConnector: cannot find the block dimension of {name} {tuple(t.shape)}")
-            layer = _Layer(t, dims[0], offset)
-            offset += layer.nbytes
-            self.layers.append(layer)
-            described.append((name, layer.block_shape, str(t.dtype), layer.dim))
-        self.block_bytes = offset
+        for kind, group_ids in self.groups.items():
+            offset, per_group = 0, []
+            for g in group_ids:
+                layers = []
+                for name in self.kv_cache_config.kv_cache_groups[g].layer_names:
+                    t = kv_caches[name]
+                    dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
+                    if not dims:
+                        raise ValueError(f"KVBMConnector: cannot find the block dimension of {name} {tuple(t.shape)}")
+                    layer = _Layer(t, dims[0])
+                    layer.offset, offset = offset, offset + layer.nbytes
+                    layers.append(layer)
+                    described.append((name, layer.block_shape, str(t.dtype), layer.dim))
+                per_group.append(layers)
+            if offset > self.slot_bytes:
+                raise ValueError(f"KVBMConnector: a {kind} entry needs {offset} bytes, slots have {self.slot_bytes}")
+            self.layers[kind] = per_group
         self.fingerprint = tensor_fingerprint(self.root, described)
         pin = torch.cuda.is_available()
-        self.pool = torch.empty((self.num_slots, offset), dtype=torch.uint8, pin_memory=pin)
-        self._word_rows = all(layer.rows is not None for layer in self.layers)
-        self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64) if self._word_rows else None
-        logger.info("KVBMConnector worker: %d layers, %d bytes per block, CPU pool %d slots (%.1f MiB)%s",
-                    len(self.layers), offset, self.num_slots, self.pool.numel() / 2**20,
+        self.pool = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64)
+        n_layers = sum(len(ls) for gs in self.layers.values() for ls in gs)
+        logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB)%s",
+                    n_layers, self.slot_bytes, self.num_slots, self.pool.numel() / 2**20,
                     ", pinned" if pin else "")
 
     # ---- copies ----------------------------------------------------------------------------
-    def _to_slots(self, block_ids: list[int], slots: list[int]) -> None:
-        if self._word_rows:
-            ids, sl, pool = np.asarray(block_ids, np.int64), np.asarray(slots, np.int64), self._pool_words
-            for layer in self.layers:
-                rows_to_slots(layer.rows, layer.nbytes // 8, ids, pool, self.block_bytes // 8, sl,
-                              layer.offset // 8)
-            return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].tensor.device)
-        sl = torch.tensor(slots, dtype=torch.long)
-        for layer in self.layers:
-            data = layer.tensor.index_select(layer.dim, ids).movedim(layer.dim, 0)
-            data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
-            self.pool[sl, layer.offset : layer.offset + layer.nbytes] = data
+    def _copy(self, ops: list[tuple[str, tuple[int, ...], int]], to_pool: bool) -> None:
+        """Run (kind, block id per group, slot) copies, batched per kind, group and layer."""
+        by_kind: dict[str, list] = {}
+        for kind, ids, slot in ops:
+            by_kind.setdefault(kind, []).append((ids, slot))
+        total = self.slot_bytes // 8
+        for kind, items in by_kind.items():
+            slots = [s for _, s in items]
+            sl = np.asarray(slots, np.int64)
+            for gi, layers in enumerate(self.layers[kind]):
+                block_ids = [ids[gi] for ids, _ in items]
+                ids = np.asarray(block_ids, np.int64)
+                for layer in layers:
+                    if layer.pages is not None:
+                        if to_pool:
+                            rows_to_slots(layer.pages, layer.nbytes // 8, ids, self._pool_words, total, sl,
+                                          layer.offset // 8)
+                        else:
+                            slots_to_rows(self._pool_words, total, sl, layer.offset // 8, layer.pages,
+                                          layer.nbytes // 8, ids)
+                    elif to_pool:
+                        self._layer_to_slots(layer, block_ids, slots)
+                    else:
+                        self._slots_to_layer(layer, block_ids, slots)
 
-    def _from_slots(self, block_ids: list[int], slots: list[int]) -> None:
-        if self._word_rows:
-            ids, sl, pool = np.asarray(block_ids, np.int64), np.asarray(slots, np.int64), self._pool_words
-            for layer in self.layers:
-                slots_to_rows(pool, self.block_bytes // 8, sl, layer.offset // 8, layer.rows,
-                              layer.nbytes // 8, ids)
-            return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].tensor.device)
-        sl = torch.tensor(slots, dtype=torch.long)
-        for layer in self.layers:
-            t = layer.tensor
-            data = self.pool[sl, layer.offset : layer.offset + layer.nbytes].view(t.dtype)
-            data = data.reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
-            t.index_copy_(layer.dim, ids, data.movedim(0, layer.dim))
+    def _layer_to_slots(self, layer: _Layer, block_ids: list[int], slots: list[int]) -> None:
+        ids = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
+        data = layer.tensor.index_select(layer.dim, ids).movedim(layer.dim, 0)
+        data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
+        self.pool[torch.tensor(slots, dtype=torch.long), layer.offset : layer.offset + layer.nbytes] = data
+
+    def _slots_to_layer(self, layer: _Layer, block_ids: list[int], slots: list[int]) -> None:
+        t = layer.tensor
+        data = self.pool[torch.tensor(slots, dtype=torch.long), layer.offset : layer.offset + layer.nbytes]
+        data = data.view(t.dtype).reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
+        t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device),
+                      data.movedim(0, layer.dim))
 
     # ---- connector hooks -------------------------------------------------------------------
     def _record(self, tier: str, direction: str, blocks: int, t0: float) -> None:
         with self._stats_lock:
-            self.stats.record(tier, direction, blocks, blocks * self.block_bytes, time.perf_counter() - t0)
+            self.stats.record(tier, direction, blocks, blocks * self.slot_bytes, time.perf_counter() - t0)
 
     def _failed(self, operation: str) -> None:
         with self._stats_lock:
@@ -150,15 +175,15 @@ class WorkerSide:
                 self._failed("read")
         if meta.loads:
             t0 = time.perf_counter()
-            self._from_slots([b for b, _ in meta.loads], [s for _, s in meta.loads])
+            self._copy(meta.loads, to_pool=False)
             self._record("cpu", "load", len(meta.loads), t0)
 
     def wait_for_save(self, meta: KVBMMetadata) -> None:
         if meta.stores:
             t0 = time.perf_counter()
-            self._to_slots([b for _, b, _ in meta.stores], [s for _, _, s in meta.stores])
+            self._copy([op[1:] for op in meta.stores], to_pool=True)
             self._record("cpu", "store", len(meta.stores), t0)
-            self.report.stored += [k for k, _, _ in meta.stores]
+            self.report.stored += [op[0] for op in meta.stores]
         for key, slot, blob in meta.disk_writes:
             self._submit_write(key, slot, blob)
 

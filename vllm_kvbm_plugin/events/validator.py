@@ -5,7 +5,15 @@ announced. Rules checked:
 - unknown_parent: a BlockStored whose parent hash is not held at the same block size;
 - duplicate_store: a hash stored again while still held at the same block size;
 - unknown_removal: a BlockRemoved hash that is not held at any block size of its group;
-- token_count: len(token_ids) != len(block_hashes) * block_size.
+- token_count: len(token_ids) != len(block_hashes) * block_size;
+- extra_keys (only given the prompts, `Prompt`): a block whose token chain is a prefix of a prompt
+  must carry exactly the images overlapping its tokens, as vLLM 0.32 puts them in events: one
+  `(identifier, offset of the image start from the block start)` pair per image, in prompt order,
+  none for blocks without an image. Identifiers are compared when the prompt gives them; otherwise
+  the same image must keep one identifier along a chain. Prompts with the same tokens but other
+  images are told apart by the extra_keys themselves. Other entries (bare LoRA names, cache salts,
+  prompt-embed digests) are not described by prompts and are ignored, as are sparse groups and
+  blocks that reach past the prompt into generated tokens.
 Groups of sparse kinds (Mamba state, sliding windows) keep only some blocks, so vLLM announces
 fewer hashes than token blocks and parents that were never stored: for them the first and last
 rule are relaxed to "token count is a multiple of block_size and covers the hashes".
@@ -19,7 +27,10 @@ AllBlocksCleared clears the GPU medium (vLLM emits it from the GPU prefix cache 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
+from collections.abc import Iterable
+from typing import IO
 
 from vllm_kvbm_plugin.events.types import (
     MEDIUM_GPU,
@@ -32,7 +43,7 @@ from vllm_kvbm_plugin.events.types import (
 SPARSE_KINDS = frozenset(
     {"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"}
 )
-RULES = ("unknown_parent", "duplicate_store", "unknown_removal", "token_count")
+RULES = ("unknown_parent", "duplicate_store", "unknown_removal", "token_count", "extra_keys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +53,43 @@ class Problem:
     detail: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Image:
+    """A multimodal placeholder range of a prompt (vLLM's PlaceholderRange) and, if known, the
+    identifier vLLM hashes it under (the client's uuid, or vLLM's content hash)."""
+    offset: int
+    length: int
+    identifier: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    images: tuple[Image, ...] = ()
+    name: str = ""
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Prompt":
+        """`{"token_ids": [...], "images": [{"offset", "length", "identifier"?}], "name"?}`"""
+        images = sorted((Image(int(i["offset"]), int(i["length"]), i.get("identifier"))
+                         for i in d.get("images") or ()), key=lambda i: i.offset)
+        return cls(tuple(d["token_ids"]), tuple(images), str(d.get("name", "")))
+
+
+def read_prompts(fp: IO[str]) -> list[Prompt]:
+    """Prompts as JSON lines, one request per line (see `Prompt.from_json`)."""
+    out = []
+    for lineno, line in enumerate(fp, 1):
+        if line.strip():
+            try:
+                out.append(Prompt.from_json(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"line {lineno}: not a prompt: {e}") from e
+    return out
+
+
 class Validator:
-    def __init__(self, max_problems_kept: int = 1000):
+    def __init__(self, max_problems_kept: int = 1000, prompts: Iterable[Prompt] | None = None):
         # (dp, medium, group) -> block size -> held hashes
         self._held: dict[tuple, dict[int, set]] = {}
         self.counts: Counter[str] = Counter()
@@ -53,6 +99,11 @@ class Validator:
         self.stored_hashes = 0
         self.removed_hashes = 0
         self.stored_by: Counter[str] = Counter()  # "medium/g<group>/<kind>/<block size>" -> hashes
+        self.prompts = list(prompts) if prompts is not None else None
+        # (block size, hash) -> (start token, {prompt index: (identifier bound per image, ok)}) for
+        # blocks placed on a prompt; kept after removal, since a hash names the same tokens forever
+        self._placed: dict[tuple, tuple[int, dict[int, tuple]]] = {}
+        self.prompt_blocks: Counter[str] = Counter()  # "checked", "with_images"
 
     @property
     def errors(self) -> int:
@@ -102,8 +153,46 @@ class Validator:
             self._problem("duplicate_store", seq, f"{_short(h)} already held in {gkey} at block size {ev.block_size}")
         if len(held) - before != len(hashes) - len(dup):
             self._problem("duplicate_store", seq, f"a hash repeats within one event in {gkey}")
+        if self.prompts is not None and not sparse:
+            self._check_extra_keys(ev, seq)
         self.stored_hashes += len(hashes)
         self.stored_by[f"{ev.medium}/g{ev.group_idx}/{ev.kv_cache_spec_kind}/{ev.block_size}"] += len(hashes)
+
+    def _check_extra_keys(self, ev: BlockStored, seq) -> None:
+        """Place each block on the prompts its token chain is a prefix of and compare its extra_keys.
+        A prompt stays "ok" along a chain while every block matched it, so a chain cannot borrow
+        one block's images from a prompt and the next block's from another."""
+        bs, prompts = ev.block_size, self.prompts
+        keys = ev.extra_keys or []
+        parent = ev.parent_block_hash
+        for i, h in enumerate(ev.block_hashes):
+            if parent is None:
+                start, cands = 0, {p: ((None,) * len(pr.images), True) for p, pr in enumerate(prompts)}
+            elif (bs, parent) in self._placed:
+                start, cands = self._placed[(bs, parent)]
+                start += bs
+            else:
+                return  # not on a prompt (or after generated tokens): nothing to compare
+            parent = h
+            toks = tuple(ev.token_ids[i * bs:(i + 1) * bs])
+            cands = {p: c for p, c in cands.items() if prompts[p].token_ids[start:start + bs] == toks}
+            if len(toks) != bs or not cands:
+                return
+            got = _mm_keys(keys[i] if i < len(keys) else None)
+            placed = {}
+            for p, (bound, ok) in cands.items():
+                b = _match(prompts[p], start, bs, got, bound)
+                placed[p] = (bound, False) if b is None else (b, ok)
+            self.prompt_blocks["checked"] += 1
+            if got or any(_images_in(prompts[p], start, bs) for p in cands):
+                self.prompt_blocks["with_images"] += 1
+            if not any(ok for _, ok in placed.values()):
+                p = min(cands)
+                want = [(im.identifier or "?", off) for _, im, off in _images_in(prompts[p], start, bs)]
+                self._problem("extra_keys", seq, f"{_short(h)} = tokens [{start}, {start + bs}) of prompt "
+                              f"{prompts[p].name or p}: extra_keys {got or None}, expected {want or None}")
+                placed = {p: (b, True) for p, (b, _) in placed.items()}  # reported once, not per child
+            self._placed[(bs, h)] = (start, placed)
 
     def _removed(self, dp, ev: BlockRemoved, seq) -> None:
         sizes = self._held.get((dp, ev.medium, ev.group_idx), {})
@@ -125,7 +214,7 @@ class Validator:
             self.problems.append(Problem(rule, seq, detail))
 
     def report(self) -> dict:
-        return {
+        rep = {
             "batches": self.batches,
             "stored_hashes": self.stored_hashes,
             "removed_hashes": self.removed_hashes,
@@ -135,6 +224,35 @@ class Validator:
             "by_rule": {r: self.counts[r] for r in RULES},
             "first_problems": [dataclasses.asdict(p) for p in self.problems[:20]],
         }
+        if self.prompts is not None:
+            rep["prompt_blocks"] = {k: self.prompt_blocks[k] for k in ("checked", "with_images")}
+        return rep
+
+
+def _images_in(prompt: Prompt, start: int, bs: int) -> list[tuple[int, Image, int]]:
+    """(index, image, offset from start) of the images overlapping tokens [start, start + bs),
+    as vLLM's _gen_mm_extra_hash_keys finds them."""
+    return [(k, im, im.offset - start) for k, im in enumerate(prompt.images)
+            if im.offset < start + bs and start < im.offset + im.length]
+
+
+def _mm_keys(entry) -> list[tuple]:
+    """The image pairs of one block's event extra_keys entry (other entries are bare values)."""
+    return [tuple(k) for k in entry or () if isinstance(k, (list, tuple)) and len(k) == 2]
+
+
+def _match(prompt: Prompt, start: int, bs: int, got: list[tuple], bound: tuple) -> tuple | None:
+    """The per-image identifiers bound after this block if `got` is what `prompt` expects, else None."""
+    want = _images_in(prompt, start, bs)
+    if len(want) != len(got):
+        return None
+    bound = list(bound)
+    for (k, im, off), (ident, got_off) in zip(want, got):
+        expected = im.identifier or bound[k]  # None: any identifier, bound from here on
+        if got_off != off or (expected is not None and ident != expected):
+            return None
+        bound[k] = ident
+    return tuple(bound)
 
 
 def _short(h) -> str:

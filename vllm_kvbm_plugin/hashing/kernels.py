@@ -91,3 +91,36 @@ def checksum64(data):
         b = (b ^ np.uint64(data[j])) * _P2
     h = _mix64(a) ^ _mix64(b + _P1) ^ _mix64(c + _P2) ^ _mix64(d + _P3)
     return _mix64(h ^ np.uint64(n))
+
+
+_BA, _BB = np.uint64(spec.BYTES_SEEDS[0]), np.uint64(spec.BYTES_SEEDS[1])
+
+
+@numba.njit(cache=True, nogil=True)
+def bytes_hash(data):
+    """spec.hash_bytes of a bytes object (or uint8 array): both lanes over its little-endian
+    64-bit words (the last one zero-padded), then its length in bytes, then the word count."""
+    n = len(data)
+    ha = _BA
+    hb = _BB
+    full = n // 8
+    for i in range(full):
+        base = i * 8
+        w = np.uint64(0)
+        for j in range(8):
+            w |= np.uint64(data[base + j]) << np.uint64(8 * j)
+        ha = _absorb(ha, w)
+        hb = _absorb(hb, w)
+    nwords = full
+    if full * 8 < n:  # zero-padded tail word
+        w = np.uint64(0)
+        for j in range(n - full * 8):
+            w |= np.uint64(data[full * 8 + j]) << np.uint64(8 * j)
+        ha = _absorb(ha, w)
+        hb = _absorb(hb, w)
+        nwords += 1
+    ln = np.uint64(n)
+    ha = _absorb(ha, ln)
+    hb = _absorb(hb, ln)
+    cnt = np.uint64(nwords + 1)
+    return _mix64(ha ^ cnt), _mix64(hb ^ cnt)

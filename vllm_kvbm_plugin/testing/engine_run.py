@@ -6,7 +6,9 @@ Runs in its own process so each scenario gets a fresh vLLM (and plugin) state. S
     {"model": "qwen3next" | "llama" | "<dir>", "llm": {LLM kwargs}, "events": true,
      "steps": [{"prompts": [[token ids] | {"text": str, "image_rgb": [r, g, b]}, ...],
                 "max_tokens": 8} | {"reset": true}, ...]}
-An image prompt gets a 56x56 image of one colour.
+An image prompt gets a 56x56 image of one colour. It may give "tokens" (ids with the model's image
+placeholders) instead of "text", several colours ("image_rgb": [[r, g, b], ...], one image each)
+and "image_size": [w, h]. Outputs carry "prompt_len", the prompt after placeholder expansion.
 RESULT: {"steps": [...per-step outputs...], "events": [recorded batches], "subscriber": {...},
          "group_metadata": [...], "hash_block_size": int, "block_size": int}
 Events go through vLLM's real ZMQ publisher on ipc:// sockets and our Subscriber.
@@ -36,7 +38,12 @@ def _prompt(p):
     if isinstance(p, dict):
         from PIL import Image
 
-        return {"prompt": p["text"], "multi_modal_data": {"image": Image.new("RGB", (56, 56), tuple(p["image_rgb"]))}}
+        size, rgb = tuple(p.get("image_size", (56, 56))), p["image_rgb"]
+        images = [Image.new("RGB", size, tuple(c)) for c in (rgb if isinstance(rgb[0], list) else [rgb])]
+        data = {"image": images if len(images) > 1 else images[0]}
+        if "tokens" in p:  # exact positions: placeholders where the images go
+            return TokensPrompt(prompt_token_ids=p["tokens"], multi_modal_data=data)
+        return {"prompt": p["text"], "multi_modal_data": data}
     return TokensPrompt(prompt_token_ids=p)
 
 
@@ -79,7 +86,8 @@ def run(spec: dict) -> dict:
             sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True)
             outs = llm.generate([_prompt(p) for p in step["prompts"]], sp, use_tqdm=False)
             steps.append({"outputs": [
-                {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens}
+                {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                 "prompt_len": len(o.prompt_token_ids)}
                 for o in outs]})
         drain(300)
     drain(1000)

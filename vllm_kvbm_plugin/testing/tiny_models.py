@@ -13,9 +13,10 @@ import pathlib
 import random
 
 SPEC_VERSION = 1
-KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl")
+KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl", "llava")
 # Qwen2-VL placeholders, in the tokenizer of the qwen2vl kind
 VISION_SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+LLAVA_IMAGE_TOKENS = 16  # a 56x56 CLIP input in 14-pixel patches, CLS dropped
 
 _WORDS = (
     "the a kv cache block hash token prefix router model engine request offload tier disk cpu "
@@ -122,6 +123,18 @@ def _config(kind: str):
             image_token_id=image, video_token_id=video, vision_start_token_id=start,
             vision_end_token_id=end, bos_token_id=1, eos_token_id=2, pad_token_id=3,
             tie_word_embeddings=False)
+    if kind == "llava":
+        from transformers import LlavaConfig
+
+        # <image> is token 4, right after <unk> <s> </s> <pad> in the trained tokenizer
+        return LlavaConfig(
+            vision_config=dict(model_type="clip_vision_model", hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=2, image_size=56, patch_size=14,
+                               projection_dim=64),
+            text_config=dict(model_type="llama", vocab_size=2048, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                             max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=3),
+            image_token_index=4, image_seq_length=LLAVA_IMAGE_TOKENS, tie_word_embeddings=False)
     raise ValueError(f"unknown tiny model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
 
 
@@ -154,6 +167,23 @@ def build(kind: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path
         Qwen2VLForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(tmp)
         Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=224 * 224),
                          tokenizer=tok, video_processor=Qwen2VLVideoProcessor()).save_pretrained(tmp)
+    elif kind == "llava":
+        from safetensors.torch import load_file, save_file
+        from transformers import LlavaForConditionalGeneration, LlavaProcessor
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        tok = _build_tokenizer(tmp, 2048, ["<image>"])
+        assert tok.convert_tokens_to_ids("<image>") == config.image_token_index
+        LlavaForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(tmp)
+        # transformers 5 saves the CLIP tower without its vision_model level, where vLLM looks
+        weights = tmp / "model.safetensors"
+        tensors = {k.replace("vision_tower.", "vision_tower.vision_model.", 1): v
+                   for k, v in load_file(weights).items()}
+        save_file(tensors, weights, metadata={"format": "pt"})
+        LlavaProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 56},
+                                                             crop_size={"height": 56, "width": 56}),
+                       tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+                       num_additional_image_tokens=1).save_pretrained(tmp)
     else:
         _build_tokenizer(tmp, config.vocab_size)
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
