@@ -18,6 +18,7 @@ import types
 import numpy as np
 import torch
 
+from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.connector.worker import WorkerSide
 from vllm_kvbm_plugin.tiers import disk
 
@@ -25,13 +26,17 @@ from timing import best
 
 
 def make_worker(layers: int, num_blocks: int, slots: int):
-    """A WorkerSide over KV tensors shaped like vLLM's CPU attention layout (one shared buffer)."""
+    """A real WorkerSide over KV tensors shaped like vLLM's CPU attention layout (one shared buffer,
+    one attention group), built without a vLLM config: only the fields register_kv_caches reads."""
     heads, block, head = 8, 32, 128
     buf = torch.randn(layers, num_blocks, heads, block, 2 * head).to(torch.bfloat16)
     kv = {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
+    group = types.SimpleNamespace(layer_names=list(kv))
     w = WorkerSide.__new__(WorkerSide)
-    w.kv_cache_config = types.SimpleNamespace(num_blocks=num_blocks)
-    w.num_slots, w.root, w.layers = slots, (1, 2), []
+    w.kv_cache_config = types.SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[group])
+    w.groups = {KV: [0]}
+    w.slot_bytes = layers * buf[0, 0].numel() * buf.element_size()
+    w.num_slots, w.root, w.layers = slots, (1, 2), {}
     w.register_kv_caches(kv)
     return w, kv
 
@@ -47,14 +52,17 @@ def main() -> None:
     w, _ = make_worker(args.layers, 2 * n, n)
     ids = list(range(0, 2 * n, 2))  # every other block: a realistic scattered set
     slots = list(range(n))
-    nbytes = n * w.block_bytes
+    nbytes = n * w.slot_bytes
     src = torch.empty(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     t_plain = best(5, lambda: dst.copy_(src))
-    t_save = best(5, lambda: w._to_slots(ids, slots))
-    t_load = best(5, lambda: w._from_slots(ids, slots))
+    ops = [(KV, (b,), s) for b, s in zip(ids, slots)]
+    w._copy(ops, to_pool=True)  # compile / warm
+    w._copy(ops, to_pool=False)
+    t_save = best(5, lambda: w._copy(ops, to_pool=True))
+    t_load = best(5, lambda: w._copy(ops, to_pool=False))
     gb = nbytes / 2**30
-    print(f"CPU tier, {n} blocks of {w.block_bytes / 2**20:.2f} MiB ({args.layers} layers):")
+    print(f"CPU tier, {n} blocks of {w.slot_bytes / 2**20:.2f} MiB ({args.layers} layers):")
     print(f"  plain torch copy   {gb / t_plain:6.2f} GiB/s")
     print(f"  save (KV -> slots) {gb / t_save:6.2f} GiB/s  -> {t_plain / t_save:.2f}x of plain")
     print(f"  load (slots -> KV) {gb / t_load:6.2f} GiB/s  -> {t_plain / t_load:.2f}x of plain")
@@ -94,7 +102,7 @@ def main() -> None:
         write_ours(), write_raw()  # warm the page cache and directories
         t_wr_raw, t_wr = best(3, write_raw), best(3, write_ours)
         t_rd_raw, t_rd = best(3, read_raw), best(3, read_ours)
-    gb = m * w.block_bytes / 2**30
+    gb = m * w.slot_bytes / 2**30
     print(f"disk tier, {m} blocks (fsync={args.fsync}):")
     print(f"  write: raw {gb / t_wr_raw:6.2f} GiB/s, ours {gb / t_wr:6.2f} GiB/s -> {t_wr_raw / t_wr:.2f}x of raw")
     print(f"  read:  raw {gb / t_rd_raw:6.2f} GiB/s, ours {gb / t_rd:6.2f} GiB/s -> {t_rd_raw / t_rd:.2f}x of raw "

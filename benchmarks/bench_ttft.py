@@ -1,12 +1,14 @@
 """Time to first token of a long prompt: recompute vs a CPU-tier hit vs a disk-tier hit.
 
-Model: a random-weight Llama (8 layers, hidden 1024) built locally; prompts of --tokens tokens.
+Model: a random-weight Llama (8 layers, hidden 1024) built locally, or with --model qwen3next the
+tiny hybrid Qwen3-Next (GatedDeltaNet + attention: a hit restores attention KV and the recurrent
+state); prompts of --tokens tokens.
 Per prompt: generate 1 token (recompute, nothing cached), reset vLLM's prefix cache, generate again
 (the CPU tier serves the prefix). A second engine process with the same disk_path and an empty CPU
 tier then measures disk hits (blocks read and verified into CPU slots, then loaded). Medians of
 --reps prompts. Target: CPU hit >= 10x faster than recompute.
 
-    python benchmarks/bench_ttft.py [--tokens 1856] [--reps 5]
+    python benchmarks/bench_ttft.py [--model llama-big|qwen3next] [--tokens 1856] [--reps 5]
 """
 
 import argparse
@@ -22,12 +24,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
-def engine(disk_path: str):
+def engine(model: str, disk_path: str):
     from vllm import LLM
 
     from vllm_kvbm_plugin.testing import tiny_models
 
-    return LLM(model=str(tiny_models.build("llama-big")), dtype="bfloat16", max_model_len=2048,
+    return LLM(model=str(tiny_models.build(model)), dtype="bfloat16", max_model_len=2048,
                enforce_eager=True, block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1,
                kv_transfer_config={"kv_connector": "KVBMConnector",
                                    "kv_connector_module_path": "vllm_kvbm_plugin.connector",
@@ -54,7 +56,7 @@ def prompts(n: int, reps: int) -> list[list[int]]:
 
 
 def phase_store(args) -> dict:
-    llm = engine(args.disk)
+    llm = engine(args.model, args.disk)
     res = {"recompute": [], "cpu": [], "tokens": []}
     for i, p in enumerate(prompts(args.tokens, args.reps)):
         t_re, _, tok = ttft(llm, p)
@@ -73,7 +75,7 @@ def phase_store(args) -> dict:
 
 
 def phase_disk(args) -> dict:
-    llm = engine(args.disk)
+    llm = engine(args.model, args.disk)
     res = {"disk": [], "tokens": []}
     for i, p in enumerate(prompts(args.tokens, args.reps)):
         t, cached, tok = ttft(llm, p)
@@ -86,6 +88,7 @@ def phase_disk(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-big", choices=["llama-big", "qwen3next"])
     ap.add_argument("--tokens", type=int, default=1856)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--phase", choices=["store", "disk"])
@@ -101,13 +104,14 @@ def main() -> None:
         for phase in ("store", "disk"):
             f = os.path.join(d, phase + ".json")
             subprocess.run([sys.executable, __file__, "--phase", phase, "--disk", os.path.join(d, "kv"),
-                            "--out", f, "--tokens", str(args.tokens), "--reps", str(args.reps)],
+                            "--out", f, "--tokens", str(args.tokens), "--reps", str(args.reps),
+                            "--model", args.model],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             phases[phase] = json.load(open(f))
             out.update(phases[phase])
     med = {k: statistics.median(out[k]) for k in ("recompute", "cpu", "disk")}
     same = phases["store"]["tokens"] == phases["disk"]["tokens"]
-    print(f"{args.tokens}-token prompts, llama 8x1024 (random weights), medians of {args.reps}:")
+    print(f"{args.tokens}-token prompts, {args.model} (random weights), medians of {args.reps}:")
     print(f"  recompute      {med['recompute'] * 1e3:8.1f} ms")
     print(f"  CPU-tier hit   {med['cpu'] * 1e3:8.1f} ms  -> {med['recompute'] / med['cpu']:.1f}x "
           f"({out['cached']} tokens from the tier)")

@@ -46,14 +46,30 @@ def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_
     )
 
 
+_generate_extra_keys = None  # 0.32's generate_block_hash_extra_keys, imported on first use
+
+
 def block_extra_keys(pool, request, start: int, end: int, mm_idx: int):
     """Extra keys of the tokens [start, end) exactly as vLLM puts them into block hashes."""
+    global _generate_extra_keys
     gen = getattr(pool, "_generate_event_extra_keys", None)  # 0.33
     if gen is not None:
         return gen(request, start, end, mm_idx)
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+    if _generate_extra_keys is None:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys as _generate_extra_keys
+    return _generate_extra_keys(request, start, end, mm_idx)
 
-    return generate_block_hash_extra_keys(request, start, end, mm_idx)
+
+def units_with_extra_keys(request, unit: int, lo: int, hi: int):
+    """The hash units in [lo, hi) whose extra keys can be non-empty: all of them with a LoRA,
+    cache salt or prompt embeddings, else only those overlapping an image (or other mm item)."""
+    if request.lora_request is not None or request.cache_salt or getattr(request, "prompt_embeds", None) is not None:
+        return range(lo, hi)
+    units: set[int] = set()
+    for f in request.mm_features or ():
+        pos = f.mm_position
+        units.update(range(max(lo, pos.offset // unit), min(hi, (pos.offset + pos.length - 1) // unit + 1)))
+    return sorted(units)
 
 
 def hash_lookahead_tokens(pool) -> int:

@@ -150,9 +150,9 @@ class SchedulerSide:
             tokens = req.all_token_ids[have * unit : n_units * unit]
             extras = None
             if compat.has_extra_keys(req):
-                extras, mm = {}, 0
-                for u in range(have, n_units):
-                    keys, mm = compat.block_extra_keys(self.pool, req, u * unit, (u + 1) * unit, mm)
+                extras = {}
+                for u in compat.units_with_extra_keys(req, unit, have, n_units):
+                    keys, _ = compat.block_extra_keys(self.pool, req, u * unit, (u + 1) * unit, 0)
                     if keys:
                         extras[u - have] = extra_hash(keys)
             parent = st.unit_keys[-1] if have else self.root

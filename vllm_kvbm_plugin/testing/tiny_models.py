@@ -13,7 +13,7 @@ import pathlib
 import random
 
 SPEC_VERSION = 1
-KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl", "llava")
+KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl", "llava", "granite-hybrid")
 # Qwen2-VL placeholders, in the tokenizer of the qwen2vl kind
 VISION_SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 LLAVA_IMAGE_TOKENS = 16  # a 56x56 CLIP input in 14-pixel patches, CLS dropped
@@ -101,6 +101,38 @@ def _config(kind: str):
             moe_intermediate_size=64,
             shared_expert_intermediate_size=64,
             decoder_sparse_step=1,
+            max_position_embeddings=2048,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=3,
+            tie_word_embeddings=False,
+        )
+    if kind == "granite-hybrid":
+        from transformers import GraniteMoeHybridConfig
+
+        # Mamba2 + attention, dense (no experts). Mamba page: conv 3*(256+2*16)*2 B + SSM state
+        # 8*32*16*4 B (float32) = 18112 B; attention 2*2*32*2 = 256 B per token, so vLLM inflates
+        # --block-size 32 to 96. On CPU, Mamba2's align mode (prefix caching) needs
+        # max_num_batched_tokens equal to that block size (docs: vllm-on-cpu notes, case 5).
+        return GraniteMoeHybridConfig(
+            vocab_size=2048,
+            hidden_size=128,
+            intermediate_size=256,
+            shared_intermediate_size=256,
+            num_hidden_layers=2,
+            layer_types=["mamba", "attention"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=0,
+            num_experts_per_tok=0,
+            mamba_n_heads=8,
+            mamba_n_groups=1,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=64,
+            position_embedding_type="rope",
             max_position_embeddings=2048,
             bos_token_id=1,
             eos_token_id=2,
