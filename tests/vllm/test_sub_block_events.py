@@ -173,3 +173,28 @@ def test_patches_are_idempotent_and_removable():
     finally:
         plugin.register()
     assert hasattr(BlockPool.cache_full_blocks, "__kvbm_original__")
+
+
+def test_image_units_carry_vllms_extra_keys():
+    """Per-unit events of an image request carry, for each unit, the image identifier and the
+    offset of the image start from that unit's start, like vLLM's own events do for their blocks."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    from vllm_kvbm_plugin.events.validator import Image, Prompt
+
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32))
+    prompt = list(range(100, 400))
+    image = MultiModalFeatureSpec(data=None, modality="image", identifier="img-a", mm_hash="img-a",
+                                  mm_position=PlaceholderRange(offset=40, length=50))
+    h.add(prompt, mm_features=[image])
+    h.run()
+    fine = events(h, block_size=32)
+    keys = [k for e in fine for k in e.extra_keys]
+    # units 0..8 (block 0 and the prompt's tail up to 288): the image covers tokens 40..89
+    assert keys[:4] == [None, [["img-a", 8]], [["img-a", -24]], None]
+    assert all(k is None for k in keys[4:]) and len(keys) == 9
+    assert [e.extra_keys for e in events(h, block_size=160)] == [[[["img-a", 40]]]]  # vLLM's own
+    v = Validator(prompts=[Prompt(tuple(prompt), (Image(40, 50, "img-a"),))])
+    for i, b in enumerate(h.batches):
+        v.apply(b, i)
+    assert v.errors == 0 and v.prompt_blocks["with_images"] >= 3, v.report()

@@ -122,6 +122,11 @@ class SchedulerHarness:
         self._hasher = get_request_block_hasher(hbs, fn)
         self._published: list = []  # vLLM's batches, as the publisher receives them
         self.scheduler.kv_event_publisher.publish = self._published.append
+        # room for simulated image encoder outputs (the config-only model is text-only, which
+        # would leave vLLM no encoder budget and stall requests that carry mm_features)
+        self.scheduler.max_num_encoder_input_tokens = cfg.max_num_batched_tokens
+        self.scheduler.encoder_cache_manager = type(self.scheduler.encoder_cache_manager).create_manager(
+            cache_size=cfg.max_num_batched_tokens, vllm_config=self.vllm_config)
         self._ids = itertools.count()
 
     @property
@@ -132,11 +137,12 @@ class SchedulerHarness:
         enc = msgspec.msgpack.Encoder()
         return [ev.decode_batch(enc.encode(b)) for b in self._published]
 
-    def add(self, prompt: list[int], max_tokens: int = 4) -> str:
+    def add(self, prompt: list[int], max_tokens: int = 4, **request_kwargs) -> str:
+        """Queue a request; request_kwargs go to vLLM's Request (e.g. cache_salt, mm_features)."""
         rid = f"r{next(self._ids)}"
         self.scheduler.add_request(Request(
             rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            None, block_hasher=self._hasher))
+            None, block_hasher=self._hasher, **request_kwargs))
         return rid
 
     def unit_hashes(self, tokens: list[int]) -> list:
