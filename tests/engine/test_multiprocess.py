@@ -30,3 +30,30 @@ def test_tiers_across_processes(run_engine, tmp_path):
     r2 = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)), env=env)
     (o,) = outputs(r2)
     assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]
+
+
+def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
+    """Two tensor-parallel workers: each keeps its own KV shard in its pool and its own rank
+    directory; the scheduler side counts a block done once both reported it; a CPU hit and, in a
+    new engine process, a disk hit give the tokens of the run that computed them."""
+    from .helpers import outputs
+    from .test_tiers_engine import HIT, PROMPT, REPEAT, spec
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node here: vLLM cannot bind 2 workers
+
+    def tp(steps):
+        s = spec(steps, cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path))
+        s["llm"]["tensor_parallel_size"] = 2
+        return run_engine(s, env=env)
+
+    r = tp(REPEAT)
+    first, again = outputs(r)
+    assert again["num_cached_tokens"] == HIT and again["tokens"] == first["tokens"]
+    ranks = {p.parent.parent.name: {f.name for f in p.parent.parent.rglob("*.kvb")}
+             for p in tmp_path.rglob("*.kvb")}
+    assert sorted(ranks) == ["r0", "r1"] and ranks["r0"] == ranks["r1"] and len(ranks["r0"]) == HIT // 32
+    # the two shards differ: each rank wrote its own half of the heads
+    f0 = sorted(tmp_path.rglob("r0/*/*.kvb"))[0]
+    assert f0.read_bytes() != (f0.parents[2] / "r1" / f0.parent.name / f0.name).read_bytes()
+    (o,) = outputs(tp([{"prompts": [PROMPT]}]))
+    assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]
