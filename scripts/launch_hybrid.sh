@@ -12,53 +12,21 @@ BLOCK_SIZE=${BLOCK_SIZE:-32}
 READY_TIMEOUT=${READY_TIMEOUT:-240}
 MODEL=${1:-$("$PY" -m vllm_kvbm_plugin.cli tiny-model qwen3next 2>/dev/null | tail -n 1)}
 
-WORK=$(mktemp -d -t kvbm-launch-XXXXXX)
-chmod 700 "$WORK"
-SERVER_PID="" SUB_PID=""
-cleanup() {
-  local rc=$?
-  [ -n "$SUB_PID" ] && kill "$SUB_PID" 2>/dev/null || true
-  if [ -n "$SERVER_PID" ]; then
-    kill -TERM -- "-$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
-  fi
-  if [ "${KEEP_WORKDIR:-0}" = 1 ]; then echo "[launch] logs kept in $WORK"; else rm -rf "$WORK"; fi
-  exit $rc
-}
-trap cleanup EXIT INT TERM
+source "$ROOT/scripts/serve_common.sh"
 
-PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-EVENTS="ipc://$WORK/kv-events"   # local sockets: nothing listens on the network
-REPLAY="ipc://$WORK/kv-replay"
 echo "[launch] model $MODEL, block size $BLOCK_SIZE, http://127.0.0.1:$PORT, events $EVENTS"
 
 setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --dtype bfloat16 --max-model-len 2048 --enforce-eager --block-size "$BLOCK_SIZE" \
   --enable-prefix-caching --enable-prompt-tokens-details --served-model-name model \
-  --kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"$EVENTS\",\"replay_endpoint\":\"$REPLAY\",\"topic\":\"kv\"}" \
+  --kv-events-config "$EVENTS_CONFIG" \
   > "$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 
-deadline=$((SECONDS + READY_TIMEOUT))
-until curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null; do
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "[launch] ERROR: vllm serve exited during startup; last log lines:" >&2
-    tail -n 40 "$WORK/server.log" >&2; exit 1
-  fi
-  if [ $SECONDS -ge $deadline ]; then
-    echo "[launch] ERROR: vllm serve not ready after ${READY_TIMEOUT}s; last log lines:" >&2
-    tail -n 40 "$WORK/server.log" >&2; exit 1
-  fi
-  sleep 1
-done
-echo "[launch] server ready after ${SECONDS}s"
+wait_ready
 grep -E "hash granularity preserved|KV events per|Setting attention block size" "$WORK/server.log" | sed 's/^/[server] /' || true
 
-"$PY" -m vllm_kvbm_plugin.cli subscribe --endpoint "$EVENTS" --replay-endpoint "$REPLAY" --topic kv \
-  --out "$WORK/events.jsonl" 2> "$WORK/subscriber.json" &
-SUB_PID=$!
-sleep 1
+start_subscriber
 
 complete() {  # $1 = label, $2 = prompt text
   local body
@@ -73,7 +41,7 @@ complete long "$LONG"
 complete "long again" "$LONG"
 sleep 2
 
-kill -TERM "$SUB_PID"; wait "$SUB_PID" || true; SUB_PID=""
+stop_subscriber
 echo "[launch] event summary (validated like a router would):"
 "$PY" -m vllm_kvbm_plugin.cli validate "$WORK/events.jsonl" | tee "$WORK/summary.json"
 "$PY" - "$WORK/subscriber.json" "$WORK/summary.json" <<'PY'

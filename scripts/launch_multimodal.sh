@@ -15,25 +15,8 @@ READY_TIMEOUT=${READY_TIMEOUT:-300}
 CPU_BYTES=${CPU_BYTES:-67108864}
 MODEL=${1:-$("$PY" -m vllm_kvbm_plugin.cli tiny-model qwen2vl 2>/dev/null | tail -n 1)}
 
-WORK=$(mktemp -d -t kvbm-launch-XXXXXX)
-chmod 700 "$WORK"
-SERVER_PID="" SUB_PID=""
-cleanup() {
-  local rc=$?
-  [ -n "$SUB_PID" ] && kill "$SUB_PID" 2>/dev/null || true
-  if [ -n "$SERVER_PID" ]; then
-    kill -TERM -- "-$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 30); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$SERVER_PID" 2>/dev/null || true
-  fi
-  if [ "${KEEP_WORKDIR:-0}" = 1 ]; then echo "[launch] logs kept in $WORK"; else rm -rf "$WORK"; fi
-  exit $rc
-}
-trap cleanup EXIT INT TERM
+source "$ROOT/scripts/serve_common.sh"
 
-PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-EVENTS="ipc://$WORK/kv-events"   # local sockets: nothing listens on the network
-REPLAY="ipc://$WORK/kv-replay"
 echo "[launch] model $MODEL, block size $BLOCK_SIZE, http://127.0.0.1:$PORT, events $EVENTS"
 # The tiny model has no chat template; this one keeps vLLM's "string" content format, so vLLM puts
 # each image's placeholder (<|vision_start|><|image_pad|><|vision_end|>) in front of the text.
@@ -49,29 +32,14 @@ VLLM_SERVER_DEV_MODE=1 setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" --host 127.0
   --enable-prefix-caching --enable-prompt-tokens-details --served-model-name model \
   --chat-template "$WORK/chat_template.jinja" --limit-mm-per-prompt '{"image":2}' \
   --kv-transfer-config "{\"kv_connector\":\"KVBMConnector\",\"kv_connector_module_path\":\"vllm_kvbm_plugin.connector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":$CPU_BYTES}}" \
-  --kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"$EVENTS\",\"replay_endpoint\":\"$REPLAY\",\"topic\":\"kv\"}" \
+  --kv-events-config "$EVENTS_CONFIG" \
   > "$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 
-deadline=$((SECONDS + READY_TIMEOUT))
-until curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null; do
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "[launch] ERROR: vllm serve exited during startup; last log lines:" >&2
-    tail -n 40 "$WORK/server.log" >&2; exit 1
-  fi
-  if [ $SECONDS -ge $deadline ]; then
-    echo "[launch] ERROR: vllm serve not ready after ${READY_TIMEOUT}s; last log lines:" >&2
-    tail -n 40 "$WORK/server.log" >&2; exit 1
-  fi
-  sleep 1
-done
-echo "[launch] server ready after ${SECONDS}s"
+wait_ready
 grep -E "KVBMConnector( worker)?: " "$WORK/server.log" | sed 's/^/[server] /' || true
 
-"$PY" -m vllm_kvbm_plugin.cli subscribe --endpoint "$EVENTS" --replay-endpoint "$REPLAY" --topic kv \
-  --out "$WORK/events.jsonl" 2> "$WORK/subscriber.json" &
-SUB_PID=$!
-sleep 1
+start_subscriber
 
 # Requests, and the prompts file for the validator: prompt token ids come from the server
 # (return_token_ids); image placeholder ranges are the runs of the model's image token, checked
@@ -191,7 +159,7 @@ fi
 sleep 2
 grep -E "KV Transfer metrics" "$WORK/server.log" | tail -n 1 | sed 's/^/[server] /' || true
 
-kill -TERM "$SUB_PID"; wait "$SUB_PID" || true; SUB_PID=""
+stop_subscriber
 echo "[launch] event summary (validated like a router would, extra_keys against the prompts):"
 "$PY" -m vllm_kvbm_plugin.cli validate "$WORK/events.jsonl" --prompts "$WORK/prompts.jsonl" \
   | tee "$WORK/summary.json" || true

@@ -7,6 +7,8 @@ import json
 import signal
 import sys
 
+from vllm_kvbm_plugin.testing.tiny_models import KINDS
+
 
 def _subscribe(args) -> int:
     from vllm_kvbm_plugin.events import recording
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     v.set_defaults(func=_validate)
 
     t = sub.add_parser("tiny-model", help="build a tiny random-weight model locally (no hub)")
-    t.add_argument("kind", choices=tiny_models.KINDS)
+    t.add_argument("kind", choices=KINDS)
     t.add_argument("--dir", default=None, help="cache directory (default ~/.cache/vllm-kvbm/tiny-models)")
     t.set_defaults(func=_tiny_model)
 
