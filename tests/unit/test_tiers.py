@@ -1,9 +1,12 @@
 import os
 import stat
+import threading
 
 import numpy as np
 import pytest
 
+from vllm_kvbm_plugin.hashing.kernels import checksum64
+from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers import disk
 from vllm_kvbm_plugin.tiers.index import TierIndex
 from vllm_kvbm_plugin.tiers.policies import LRU, Lineage, MultiLRU, make_policy
@@ -116,3 +119,150 @@ def test_disk_corruption_is_a_miss(tmp_path):
     assert read_with(good) == b"meta"
     os.unlink(path)
     assert disk.read_into(path, KEY, FP, out) is None  # deleted
+
+
+# ---- CPU tier copies (tiers/copy.py) and the faster disk paths --------------------------------
+
+def _layers(rng, n_blocks, widths):
+    return [rng.integers(0, 2**63, n_blocks * w, dtype=np.int64).view(np.uint64) for w in widths]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_copy_kernels_are_bit_exact(stream):
+    # odd word counts and offsets: streaming stores need a head and a tail around 64-byte lines
+    rng = np.random.default_rng(0)
+    widths, n_blocks, n_slots = [13, 64, 1, 37], 9, 6
+    total = sum(widths) + 3
+    offsets = np.cumsum([0] + widths[:-1]) + 1
+    layers = _layers(rng, n_blocks, widths)
+    pool = np.zeros(n_slots * total, np.uint64)
+    ids, slots = np.array([7, 0, 3, 8], np.int64), np.array([5, 1, 0, 2], np.int64)
+    for pages, w, off in zip(layers, widths, offsets):
+        tcopy.rows_to_slots(pages, w, ids, pool, total, slots, off, stream)
+    expect = np.zeros_like(pool).reshape(n_slots, total)
+    for pages, w, off in zip(layers, widths, offsets):
+        expect[slots, off : off + w] = pages.reshape(n_blocks, w)[ids]
+    assert (pool.reshape(n_slots, total) == expect).all()  # nothing outside the parts written
+    back = [np.zeros_like(p) for p in layers]
+    for pages, w, off in zip(back, widths, offsets):
+        tcopy.slots_to_rows(pool, total, slots, off, pages, w, ids, stream)
+    for got, src, w in zip(back, layers, widths):
+        want = np.zeros_like(src).reshape(n_blocks, w)
+        want[ids] = src.reshape(n_blocks, w)[ids]
+        assert (got.reshape(n_blocks, w) == want).all()
+
+
+def test_copy_kernels_refuse_out_of_range_ids():
+    pages, pool = np.zeros(4 * 8, np.uint64), np.zeros(2 * 8, np.uint64)
+    with pytest.raises(IndexError):
+        tcopy.rows_to_slots(pages, 8, np.array([4], np.int64), pool, 8, np.array([0], np.int64), 0)
+    with pytest.raises(IndexError):
+        tcopy.slots_to_rows(pool, 8, np.array([2], np.int64), 0, pages, 8, np.array([0], np.int64))
+    with pytest.raises(IndexError):
+        tcopy.rows_to_slots(pages, 8, np.array([-1], np.int64), pool, 8, np.array([0], np.int64), 0, True)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("to_pool", [True, False])
+def test_copy_pages_split_over_threads_is_bit_exact(monkeypatch, threads, to_pool):
+    monkeypatch.setattr(tcopy, "MIN_SPLIT_BYTES", 64)  # split even these small copies
+    seen = set()
+    run_part = tcopy._run_part
+
+    def spy(*args):
+        seen.add(threading.get_ident())
+        run_part(*args)
+
+    monkeypatch.setattr(tcopy, "_run_part", spy)
+    rng = np.random.default_rng(threads)
+    widths, n_blocks, n_slots = [24, 8, 40], 64, 40
+    total, offsets = sum(widths), np.cumsum([0] + widths[:-1])
+    layers = _layers(rng, n_blocks, widths)
+    pool = rng.integers(0, 2**63, n_slots * total, dtype=np.int64).view(np.uint64)
+    ids = rng.permutation(n_blocks)[:33].astype(np.int64)
+    slots = rng.permutation(n_slots)[:33].astype(np.int64)
+    # the last job copies fewer blocks (another kind of entry in the same step)
+    jobs = [(p, w, int(o), ids, slots) for p, w, o in zip(layers[:2], widths[:2], offsets[:2])]
+    jobs.append((layers[2], widths[2], int(offsets[2]), ids[:5], slots[:5]))
+    pool_before, layers_before = pool.copy(), [p.copy() for p in layers]
+    for _ in range(20):  # helpers start late or early: every interleaving must give the same bytes
+        tcopy.copy_pages(jobs, pool, total, to_pool, threads=threads)
+    for p, w, o, i, s in jobs:
+        rows, slot_parts = p.reshape(n_blocks, w), pool.reshape(n_slots, total)[:, o : o + w]
+        assert (rows[i] == slot_parts[s]).all()
+    if to_pool:  # untouched elsewhere
+        mask = np.ones((n_slots, total), bool)
+        for p, w, o, i, s in jobs:
+            mask[s, o : o + w] = False
+        assert (pool.reshape(n_slots, total)[mask] == pool_before.reshape(n_slots, total)[mask]).all()
+    else:
+        for p, before, (_, w, _, i, _) in zip(layers, layers_before, jobs):
+            mask = np.ones(n_blocks, bool)
+            mask[i] = False
+            assert (p.reshape(n_blocks, w)[mask] == before.reshape(n_blocks, w)[mask]).all()
+    pool_, avail = tcopy.helpers()
+    if threads > 1 and avail > 1:
+        assert pool_ is not None  # and every chunk ran on this thread or a helper
+        assert seen <= {threading.get_ident()} | {t.ident for t in pool_._threads}
+
+
+def test_copy_pages_raises_only_after_every_part_is_done(monkeypatch):
+    monkeypatch.setattr(tcopy, "MIN_SPLIT_BYTES", 64)
+    pages, pool = np.zeros(64 * 8, np.uint64), np.zeros(64 * 8, np.uint64)
+    ids = np.arange(64, dtype=np.int64)
+    bad = ids.copy()
+    bad[-1] = 64  # out of range, in the last chunk (a helper's)
+    with pytest.raises(IndexError):
+        tcopy.copy_pages([(pages, 8, 0, bad, ids)], pool, 8, True, threads=2)
+    tcopy.copy_pages([(pages, 8, 0, ids, ids)], pool, 8, True, threads=2)  # the pool still works
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 4096 + 7, 3 * disk._CHUNK + 13])
+def test_checksum_in_pieces_equals_checksum64(n):
+    data = np.frombuffer(os.urandom(n), dtype=np.uint8)
+    for cut in sorted({0, n // 64 * 32, n // 32 * 32}):
+        lanes = disk._LANES.copy()
+        disk._checksum_step(lanes, data[:cut], n, False)
+        assert disk._checksum_step(lanes, data[cut:], n, True) == checksum64(data)
+
+
+BIG = 3 * disk._CHUNK + 13  # several read chunks and a short last one
+
+
+@pytest.mark.parametrize("helper", [True, False])
+@pytest.mark.parametrize("size", [0, 4096, BIG])
+def test_write_block_matches_the_reference_encoding(tmp_path, monkeypatch, helper, size):
+    if not helper:
+        monkeypatch.setattr(disk, "helpers", lambda: (None, 1))
+    payload = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    base = disk.block_dir(str(tmp_path), FP, 0)
+    path = disk.block_path(base, KEY)
+    disk.write_block(path, KEY, FP, payload, b"meta")  # also makes the missing directories
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    ours = open(path, "rb").read()
+    disk.write_atomic(path, disk.encode(KEY, FP, payload, b"meta"))
+    assert ours == open(path, "rb").read()
+    assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
+    out = np.empty(size, dtype=np.uint8)
+    assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()
+
+
+def test_disk_corruption_anywhere_in_a_large_block_is_a_miss(tmp_path):
+    payload = np.frombuffer(os.urandom(BIG), dtype=np.uint8)
+    _, path = write(tmp_path, payload)
+    good = open(path, "rb").read()
+    start = disk.HEADER_SIZE + len(b"meta")
+    out = np.empty(BIG, dtype=np.uint8)
+    # header fields, metadata, first chunk, a middle chunk, the chunk boundary, the short last chunk
+    for pos in [0, 5, 8, 30, disk.HEADER_SIZE - 1, disk.HEADER_SIZE, start, start + disk._CHUNK - 1,
+                start + disk._CHUNK, start + 2 * disk._CHUNK + 100, len(good) - 1]:
+        flipped = bytearray(good)
+        flipped[pos] ^= 0x10
+        open(path, "wb").write(flipped)
+        assert disk.read_into(path, KEY, FP, out) is None, pos
+    for data in (good[:-1], good[: start + disk._CHUNK], good[:10], good + b"\0"):
+        open(path, "wb").write(data)
+        assert disk.read_into(path, KEY, FP, out) is None, len(data)
+    open(path, "wb").write(good)
+    assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()

@@ -157,7 +157,7 @@ class SchedulerSide:
                         extras[u - have] = extra_hash(keys)
             parent = st.unit_keys[-1] if have else self.root
             new = request_keys(tokens, unit, parent, extras)
-            st.unit_keys += [(int(a), int(b)) for a, b in new.tolist()]
+            st.unit_keys += map(tuple, new.tolist())  # (int, int): hashable tier keys
         return st.unit_keys
 
     def _block_key(self, st: _Request, i: int):

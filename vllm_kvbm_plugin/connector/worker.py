@@ -23,7 +23,7 @@ from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers.copy import rows_to_slots, slots_to_rows
+from vllm_kvbm_plugin.tiers.copy import copy_pages
 
 logger = get_logger("connector.worker")
 
@@ -111,11 +111,13 @@ class WorkerSide:
 
     # ---- copies ----------------------------------------------------------------------------
     def _copy(self, ops: list[tuple[str, tuple[int, ...], int]], to_pool: bool) -> None:
-        """Run (kind, block id per group, slot) copies, batched per kind, group and layer."""
+        """Run (kind, block id per group, slot) copies, batched per kind, group and layer. Page copies
+        (vLLM's CPU layout) are collected and run together, split over threads; torch copies stay on
+        this thread (torch ops from a helper thread would start a second OpenMP team)."""
         by_kind: dict[str, list] = {}
         for kind, ids, slot in ops:
             by_kind.setdefault(kind, []).append((ids, slot))
-        total = self.slot_bytes // 8
+        jobs = []
         for kind, items in by_kind.items():
             slots = [s for _, s in items]
             sl = np.asarray(slots, np.int64)
@@ -124,16 +126,12 @@ class WorkerSide:
                 ids = np.asarray(block_ids, np.int64)
                 for layer in layers:
                     if layer.pages is not None:
-                        if to_pool:
-                            rows_to_slots(layer.pages, layer.nbytes // 8, ids, self._pool_words, total, sl,
-                                          layer.offset // 8)
-                        else:
-                            slots_to_rows(self._pool_words, total, sl, layer.offset // 8, layer.pages,
-                                          layer.nbytes // 8, ids)
+                        jobs.append((layer.pages, layer.nbytes // 8, layer.offset // 8, ids, sl))
                     elif to_pool:
                         self._layer_to_slots(layer, block_ids, slots)
                     else:
                         self._slots_to_layer(layer, block_ids, slots)
+        copy_pages(jobs, self._pool_words, self.slot_bytes // 8, to_pool)
 
     def _layer_to_slots(self, layer: _Layer, block_ids: list[int], slots: list[int]) -> None:
         ids = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
@@ -223,9 +221,8 @@ class WorkerSide:
             if not self._disk_broken:
                 try:
                     payload = self.pool[slot].numpy()  # pinned by the scheduler until reported
-                    diskfmt.write_atomic(diskfmt.block_path(self.disk_base, key),
-                                         diskfmt.encode(key, self.fingerprint, payload, blob),
-                                         fsync=self.cfg.disk_fsync)
+                    diskfmt.write_block(diskfmt.block_path(self.disk_base, key), key, self.fingerprint, payload,
+                                        blob, fsync=self.cfg.disk_fsync)
                     ok = True
                     self._record("disk", "write", 1, t0)
                 except OSError as e:
