@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+from vllm_kvbm_plugin.hashing import kernels
 from vllm_kvbm_plugin.hashing.kernels import checksum64
 from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers import disk
@@ -221,9 +222,9 @@ def test_copy_pages_raises_only_after_every_part_is_done(monkeypatch):
 def test_checksum_in_pieces_equals_checksum64(n):
     data = np.frombuffer(os.urandom(n), dtype=np.uint8)
     for cut in sorted({0, n // 64 * 32, n // 32 * 32}):
-        lanes = disk._LANES.copy()
-        disk._checksum_step(lanes, data[:cut], n, False)
-        assert disk._checksum_step(lanes, data[cut:], n, True) == checksum64(data)
+        lanes = kernels.CHECKSUM_LANES.copy()
+        kernels.checksum_step(lanes, data[:cut], n, False)
+        assert kernels.checksum_step(lanes, data[cut:], n, True) == checksum64(data)
 
 
 BIG = 3 * disk._CHUNK + 13  # several read chunks and a short last one

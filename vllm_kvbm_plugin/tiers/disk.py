@@ -20,10 +20,9 @@ import os
 import struct
 from concurrent.futures import wait
 
-import numba
 import numpy as np
 
-from vllm_kvbm_plugin.hashing.kernels import _P1, _P2, _P3, _P4, _mix64, checksum64
+from vllm_kvbm_plugin.hashing.kernels import CHECKSUM_LANES, checksum64, checksum_step
 from vllm_kvbm_plugin.tiers.copy import helpers, run_or_cancel
 
 MAGIC = b"KVBM"
@@ -36,7 +35,6 @@ _CHUNK = 128 << 10  # read + checksum step: small enough to be checksummed while
 _HELP_MIN = 256 << 10  # a smaller payload is not worth a helper hand-off
 _RFLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-_LANES = np.array([_P1, _P2, _P3, _P4], dtype=np.uint64)  # checksum64's starting lanes
 
 
 def key_hex(key: tuple[int, int]) -> str:
@@ -64,34 +62,6 @@ def block_dir(root: str, fingerprint: bytes, rank: int) -> str:
 def block_path(base: str, key: tuple[int, int]) -> str:
     h = key_hex(key)
     return os.path.join(base, h[:2], h + SUFFIX)
-
-
-@numba.njit(cache=True, nogil=True)
-def _checksum_step(lanes, data, total, last):
-    """checksum64 in pieces, so each piece is checksummed right after it is read: feeds uint8
-    `data` into `lanes` (a copy of _LANES; every piece but the last a multiple of 32 bytes); the
-    last piece returns checksum64 of all `total` bytes (tests hold it equal)."""
-    n = data.shape[0]
-    nwords = n // 8
-    words = data[: nwords * 8].view(np.uint64)
-    a, b, c, d = lanes[0], lanes[1], lanes[2], lanes[3]
-    i = 0
-    while i + 4 <= nwords:
-        a = (a ^ words[i]) * _P1
-        b = (b ^ words[i + 1]) * _P2
-        c = (c ^ words[i + 2]) * _P3
-        d = (d ^ words[i + 3]) * _P4
-        i += 4
-    lanes[0], lanes[1], lanes[2], lanes[3] = a, b, c, d
-    if not last:
-        return np.uint64(0)
-    while i < nwords:
-        a = (a ^ words[i]) * _P1
-        i += 1
-    for j in range(nwords * 8, n):
-        b = (b ^ np.uint64(data[j])) * _P2
-    h = _mix64(a) ^ _mix64(b + _P1) ^ _mix64(c + _P2) ^ _mix64(d + _P3)
-    return _mix64(h ^ np.uint64(total))
 
 
 def _combine(payload_sum: int, meta) -> int:
@@ -151,7 +121,7 @@ def _read_verified(fd: int, key, fingerprint: bytes, out: np.ndarray) -> bytes |
     if mlen < 0:
         return None
     base, view = HEADER_SIZE + mlen, memoryview(out).cast("B")
-    head, lanes, done = bytearray(base), _LANES.copy(), 0
+    head, lanes, done = bytearray(base), CHECKSUM_LANES.copy(), 0
     if not _io_exact(os.preadv, fd, [head, view[:_CHUNK]], 0):
         return None
     magic, version, _flags, k, fp, hplen, hmlen, checksum = _HEADER.unpack_from(head)
@@ -163,10 +133,10 @@ def _read_verified(fd: int, key, fingerprint: bytes, out: np.ndarray) -> bytes |
         if a and not _read_part(fd, view[a:b], base + a):
             return None
         if b - a == _CHUNK:  # a short last chunk goes with the final step
-            _checksum_step(lanes, out[a:b], plen, False)
+            checksum_step(lanes, out[a:b], plen, False)
             done = b
     meta = bytes(head[HEADER_SIZE:])
-    return meta if _combine(_checksum_step(lanes, out[done:], plen, True), meta) == checksum else None
+    return meta if _combine(checksum_step(lanes, out[done:], plen, True), meta) == checksum else None
 
 
 def _read_part(fd: int, view: memoryview, offset: int) -> bool:
