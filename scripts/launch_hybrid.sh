@@ -16,11 +16,7 @@ source "$ROOT/scripts/serve_common.sh"
 
 echo "[launch] model $MODEL, block size $BLOCK_SIZE, http://127.0.0.1:$PORT, events $EVENTS"
 
-setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-  --dtype bfloat16 --max-model-len 2048 --enforce-eager --block-size "$BLOCK_SIZE" \
-  --enable-prefix-caching --enable-prompt-tokens-details --served-model-name model \
-  --kv-events-config "$EVENTS_CONFIG" \
-  > "$WORK/server.log" 2>&1 &
+setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" "${SERVE_ARGS[@]}" > "$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 
 wait_ready

@@ -27,12 +27,9 @@ JINJA
 
 # Dev mode only for POST /reset_prefix_cache (GPU prefix cache only; the CPU tier keeps its blocks).
 # The server listens on 127.0.0.1 only.
-VLLM_SERVER_DEV_MODE=1 setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
-  --dtype bfloat16 --max-model-len 2048 --enforce-eager --block-size "$BLOCK_SIZE" \
-  --enable-prefix-caching --enable-prompt-tokens-details --served-model-name model \
+VLLM_SERVER_DEV_MODE=1 setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" "${SERVE_ARGS[@]}" \
   --chat-template "$WORK/chat_template.jinja" --limit-mm-per-prompt '{"image":2}' \
   --kv-transfer-config "{\"kv_connector\":\"KVBMConnector\",\"kv_connector_module_path\":\"vllm_kvbm_plugin.connector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":$CPU_BYTES}}" \
-  --kv-events-config "$EVENTS_CONFIG" \
   > "$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 

@@ -1,4 +1,4 @@
-# Sourced by the launch scripts (needs ROOT, PY, READY_TIMEOUT): a private work directory, cleanup of
+# Sourced by the launch scripts (needs ROOT, PY, READY_TIMEOUT, BLOCK_SIZE): a private work directory, cleanup of
 # every process they start, a free loopback port, local event sockets, and helpers to wait for
 # `vllm serve` (failing loudly with the log tail) and to run the event subscriber.
 WORK=$(mktemp -d -t kvbm-launch-XXXXXX)
@@ -21,6 +21,10 @@ PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); pri
 EVENTS="ipc://$WORK/kv-events"   # local sockets: nothing listens on the network
 REPLAY="ipc://$WORK/kv-replay"
 EVENTS_CONFIG="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"$EVENTS\",\"replay_endpoint\":\"$REPLAY\",\"topic\":\"kv\"}"
+# the `vllm serve` flags every launch script uses (loopback only, KV events on the local sockets)
+SERVE_ARGS=(--host 127.0.0.1 --port "$PORT" --dtype bfloat16 --max-model-len 2048 --enforce-eager
+  --block-size "$BLOCK_SIZE" --enable-prefix-caching --enable-prompt-tokens-details
+  --served-model-name model --kv-events-config "$EVENTS_CONFIG")
 
 wait_ready() {  # until /v1/models answers; the server must have been started with setsid into SERVER_PID
   local deadline=$((SECONDS + READY_TIMEOUT))
