@@ -178,10 +178,14 @@ def test_tier_events_validate_on_a_mixed_stream(run_engine, tmp_path):
 
 def test_disk_blocks_of_an_earlier_run_are_announced_after_a_restart(run_engine, tmp_path):
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
+    # a file of another format version (or an unreadable one) is removed at startup, never indexed
+    stale = next(tmp_path.rglob("*.kvb")).parent.parent / "ab" / ("ab" * 16 + ".kvb")
+    stale.parent.mkdir(exist_ok=True)
+    stale.write_bytes(b"KVBM\x01\x00" + bytes(200))
     other = [rng.randrange(10, 2000) for _ in range(70)]
     r = run_engine(spec([{"prompts": [other]}], events=True, cpu_bytes_to_use=4 << 20,
                         disk_path=str(tmp_path)))
     v = validate(r)
     assert v.errors == 0, v.report()["first_problems"]
     assert v.report()["stored_by"].get("DISK/g0/full_attention/32", 0) >= 6 + 2  # 6 from before, 2 new
-    assert "6 announced" in r["log"]
+    assert "6 announced, 1 unreadable files removed" in r["log"] and not stale.exists()

@@ -5,8 +5,8 @@ import threading
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.hashing import kernels
-from vllm_kvbm_plugin.hashing.kernels import checksum64
+from vllm_kvbm_plugin.tiers import checksum
+from vllm_kvbm_plugin.tiers.checksum import checksum64
 from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers import disk
 from vllm_kvbm_plugin.tiers.index import TierIndex
@@ -221,10 +221,25 @@ def test_copy_pages_raises_only_after_every_part_is_done(monkeypatch):
 @pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 4096 + 7, 3 * disk._CHUNK + 13])
 def test_checksum_in_pieces_equals_checksum64(n):
     data = np.frombuffer(os.urandom(n), dtype=np.uint8)
-    for cut in sorted({0, n // 64 * 32, n // 32 * 32}):
-        lanes = kernels.CHECKSUM_LANES.copy()
-        kernels.checksum_step(lanes, data[:cut], n, False)
-        assert kernels.checksum_step(lanes, data[cut:], n, True) == checksum64(data)
+    for cut in sorted({0, n // 64 * 8, n // 8 * 8}):
+        acc = np.zeros(2, dtype=np.uint64)
+        checksum.checksum_update(acc, data[cut:], cut)  # pieces in any order
+        checksum.checksum_update(acc, data[:cut], 0)
+        assert checksum.checksum_final(acc, n) == checksum64(data)
+
+
+def test_checksum_sees_every_bit_flip_and_moved_pages():
+    data = np.frombuffer(os.urandom(4 * 4096 + 5), dtype=np.uint8).copy()
+    base = checksum64(data)
+    for i in range(0, len(data), 7):
+        for bit in (0, 5):
+            data[i] ^= 1 << bit
+            assert checksum64(data) != base, (i, bit)
+            data[i] ^= 1 << bit
+    swapped = data.copy()
+    swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]
+    assert checksum64(swapped) != base
+    assert checksum64(np.concatenate([data, np.zeros(3, np.uint8)])) != base  # the length counts
 
 
 BIG = 3 * disk._CHUNK + 13  # several read chunks and a short last one

@@ -235,14 +235,19 @@ class SchedulerSide:
         """Index the block files of earlier runs and announce them (parents first) from the
         BlockStored events each file carries in its metadata."""
         found = diskfmt.scan(self.disk_bases[0])
-        described = []
+        described, unreadable = [], 0
         for key, _size in found:
+            meta = diskfmt.read_meta(diskfmt.block_path(self.disk_bases[0], key))
+            if meta is None:  # unreadable, or another format version: it could never be a hit
+                self._unlink(key)
+                unreadable += 1
+                continue
             e, evicted = self.disk.reserve(key)
             self._gone(evicted, MEDIUM_DISK)  # more files than disk_bytes_to_use allows
             if e is None:
                 continue
             self.disk.complete(key)
-            info = _file_info(diskfmt.read_meta(diskfmt.block_path(self.disk_bases[0], key)))
+            info = _file_info(meta)
             if info is not None:
                 e.meta = _Announce(info[1], info[1][0].block_hashes[0])
                 described.append((info[0], e))
@@ -253,8 +258,9 @@ class SchedulerSide:
                 self._announce_stored(e)
                 held.update((ev.group_idx, e.meta.vhash) for ev in e.meta.events)
         if found:
-            logger.info("KVBMConnector: disk tier holds %d entries from earlier runs (%d announced)",
-                        len(self.disk), sum(e.meta is not None and e.meta.announced for _, e in described))
+            announced = sum(e.meta.announced for _, e in described)
+            logger.info("KVBMConnector: disk tier holds %d entries from earlier runs (%d announced, %d "
+                        "unreadable files removed)", len(self.disk), announced, unreadable)
 
     def _unlink(self, key) -> None:
         for base in self.disk_bases:

@@ -61,52 +61,6 @@ def unit_keys(tokens, unit, root_a, root_b, extras):
     return out
 
 
-_P1 = np.uint64(0x9E3779B185EBCA87)
-_P2 = np.uint64(0xC2B2AE3D27D4EB4F)
-_P3 = np.uint64(0x165667B19E3779F9)
-_P4 = np.uint64(0x85EBCA77C2B2AE63)
-
-
-CHECKSUM_LANES = np.array([_P1, _P2, _P3, _P4], dtype=np.uint64)  # checksum64's starting lanes
-
-
-@numba.njit(cache=True, nogil=True)
-def checksum_step(lanes, data, total, last):
-    """checksum64 in pieces, so each piece is checksummed right after it is read: feeds uint8
-    `data` into `lanes` (a copy of CHECKSUM_LANES; every piece but the last a multiple of 32 bytes); the
-    last piece returns checksum64 of all `total` bytes (tests hold it equal)."""
-    n = data.shape[0]
-    nwords = n // 8
-    words = data[: nwords * 8].view(np.uint64)
-    a, b, c, d = lanes[0], lanes[1], lanes[2], lanes[3]
-    i = 0
-    while i + 4 <= nwords:
-        a = (a ^ words[i]) * _P1
-        b = (b ^ words[i + 1]) * _P2
-        c = (c ^ words[i + 2]) * _P3
-        d = (d ^ words[i + 3]) * _P4
-        i += 4
-    lanes[0], lanes[1], lanes[2], lanes[3] = a, b, c, d
-    if not last:
-        return np.uint64(0)
-    while i < nwords:
-        a = (a ^ words[i]) * _P1
-        i += 1
-    for j in range(nwords * 8, n):
-        b = (b ^ np.uint64(data[j])) * _P2
-    h = _mix64(a) ^ _mix64(b + _P1) ^ _mix64(c + _P2) ^ _mix64(d + _P3)
-    return _mix64(h ^ np.uint64(total))
-
-
-@numba.njit(cache=True, nogil=True)
-def checksum64(data):
-    """64-bit checksum of a uint8 array at memory speed: four multiply-xor lanes over 64-bit
-    words, then the tail bytes and the length, finalised with mix64. Every change of a single
-    word changes the result (the lane update is a bijection); other corruptions collide with
-    probability about 2^-64. Not a cryptographic hash."""
-    return checksum_step(CHECKSUM_LANES.copy(), data, data.shape[0], True)
-
-
 _BA, _BB = np.uint64(spec.BYTES_SEEDS[0]), np.uint64(spec.BYTES_SEEDS[1])
 
 

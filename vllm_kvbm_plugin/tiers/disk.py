@@ -1,17 +1,20 @@
 """The disk block format and file layout.
 
 File: <root>/<layout fingerprint hex>/r<rank>/<key hex[:2]>/<key hex>.kvb, directories 0700,
-files 0600, names derived only from hex. Content: a fixed header, a msgpack metadata blob, the
-payload. A file is written to a temporary name in the same directory and renamed into place, so a
-crash leaves either the whole block or no block. Reads check magic, version, key, fingerprint,
-lengths and the 64-bit checksum of metadata and payload (hashing.kernels.checksum64, memory
-speed): anything else is a miss, never data. A block is read straight into its destination.
+files 0600, names derived only from hex. Content: a fixed 64-byte header, the payload, a msgpack
+metadata blob. A file is written to a temporary name in the same directory and renamed into place,
+so a crash leaves either the whole block or no block, and a file is never changed in place. Reads
+check magic, version, key, fingerprint, lengths and the 64-bit checksum of payload and metadata
+(hashing.kernels.checksum64, memory speed): anything else is a miss, never data.
 
 Speed: a few syscalls per block (os.open/fstat/preadv/pwritev/rename, no file objects), no
-intermediate bytes, and the checksum pass over the payload kept cheap: a write hands it to a helper
-thread (tiers.copy.helpers) while the payload is written, the header going in last; a read
-checksums chunk by chunk right after each chunk is read, while it is still in cache. (Reading half
-of a block on a helper was faster with an idle second core but much slower with a busy one.)
+intermediate bytes, and the checksum kept cheap (tiers.checksum, vectorized). A read goes straight
+into its destination chunk by chunk, each chunk checksummed right after it is read, while it is
+still in cache. A write hands the payload's checksum to a helper thread (tiers.copy.helpers) while
+the payload is written; the header goes in last. (Measured and not kept: reading half of a block on
+a helper, fast with an idle second core, much slower with a busy one; mapping the file and copying
+it out with the checksum in the same pass, a few percent faster but a disk error or an outside
+truncation would then be a SIGBUS instead of a miss.)
 """
 
 from __future__ import annotations
@@ -22,16 +25,16 @@ from concurrent.futures import wait
 
 import numpy as np
 
-from vllm_kvbm_plugin.hashing.kernels import CHECKSUM_LANES, checksum64, checksum_step
+from vllm_kvbm_plugin.tiers.checksum import checksum64, checksum_final, checksum_update
 from vllm_kvbm_plugin.tiers.copy import helpers, run_or_cancel
 
 MAGIC = b"KVBM"
-VERSION = 1
-# magic, version, flags, key, layout fingerprint, payload length, meta length, checksum
-_HEADER = struct.Struct("<4sHH16s16sQIQ")
-HEADER_SIZE = _HEADER.size
+VERSION = 2  # 2: payload before metadata, checksum64 with position keys (version 1 files are misses)
+# magic, version, flags, key, layout fingerprint, payload length, meta length, checksum, reserved (0)
+_HEADER = struct.Struct("<4sHH16s16sQIQI")
+HEADER_SIZE = _HEADER.size  # 64: the payload starts cache-line aligned
 SUFFIX = ".kvb"
-_CHUNK = 128 << 10  # read + checksum step: small enough to be checksummed while still in cache
+_CHUNK = 128 << 10  # preadv + checksum step: small enough to be checksummed while still in cache
 _HELP_MIN = 256 << 10  # a smaller payload is not worth a helper hand-off
 _RFLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 _WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
@@ -72,13 +75,13 @@ def _combine(payload_sum: int, meta) -> int:
 
 def _header(key: tuple[int, int], fingerprint: bytes, plen: int, meta: bytes, payload_sum: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, 0, key_bytes(key), fingerprint, plen, len(meta),
-                        _combine(payload_sum, meta))
+                        _combine(payload_sum, meta), 0)
 
 
 def encode(key: tuple[int, int], fingerprint: bytes, payload: np.ndarray, meta: bytes = b"") -> list:
     """The parts of a block file, to be written in order (the payload is not copied)."""
     payload = np.asarray(payload, dtype=np.uint8).reshape(-1)
-    return [_header(key, fingerprint, payload.nbytes, meta, checksum64(payload)), meta, payload]
+    return [_header(key, fingerprint, payload.nbytes, meta, checksum64(payload)), payload, meta]
 
 
 def _io_exact(op, fd: int, parts: list, offset: int) -> bool:
@@ -114,33 +117,24 @@ def read_into(path: str, key: tuple[int, int], fingerprint: bytes, out: np.ndarr
 
 
 def _read_verified(fd: int, key, fingerprint: bytes, out: np.ndarray) -> bytes | None:
-    """Header and metadata come with the first chunk; each whole chunk is checksummed right after it
-    is read, while still in cache (a second pass over `out` would read it from memory again)."""
-    plen = out.nbytes
+    """The header comes with the first chunk, the metadata with the last; each chunk is checksummed
+    right after it is read, while still in cache (a second pass would read it from memory again)."""
+    plen, view = out.nbytes, memoryview(out).cast("B")
     mlen = os.fstat(fd).st_size - HEADER_SIZE - plen  # exact size: no truncation, no trailing bytes
     if mlen < 0:
         return None
-    base, view = HEADER_SIZE + mlen, memoryview(out).cast("B")
-    head, lanes, done = bytearray(base), CHECKSUM_LANES.copy(), 0
-    if not _io_exact(os.preadv, fd, [head, view[:_CHUNK]], 0):
-        return None
-    magic, version, _flags, k, fp, hplen, hmlen, checksum = _HEADER.unpack_from(head)
-    if (magic != MAGIC or version != VERSION or k != key_bytes(key) or fp != fingerprint or hplen != plen
-            or hmlen != mlen):
-        return None
-    for a in range(0, plen, _CHUNK):
-        b = min(a + _CHUNK, plen)
-        if a and not _read_part(fd, view[a:b], base + a):
+    head, meta, acc = bytearray(HEADER_SIZE), bytearray(mlen), np.zeros(2, dtype=np.uint64)
+    for a in range(0, max(plen, 1), _CHUNK):
+        parts = ([head] if a == 0 else []) + [view[a:a + _CHUNK]] + ([meta] if a + _CHUNK >= plen else [])
+        if not _io_exact(os.preadv, fd, parts, HEADER_SIZE + a if a else 0):
             return None
-        if b - a == _CHUNK:  # a short last chunk goes with the final step
-            checksum_step(lanes, out[a:b], plen, False)
-            done = b
-    meta = bytes(head[HEADER_SIZE:])
-    return meta if _combine(checksum_step(lanes, out[done:], plen, True), meta) == checksum else None
-
-
-def _read_part(fd: int, view: memoryview, offset: int) -> bool:
-    return _io_exact(os.preadv, fd, [view], offset)
+        if a == 0:
+            magic, version, flags, k, fp, hplen, hmlen, checksum, reserved = _HEADER.unpack(head)
+            if (magic != MAGIC or version != VERSION or flags or reserved or k != key_bytes(key)
+                    or fp != fingerprint or hplen != plen or hmlen != mlen):
+                return None
+        checksum_update(acc, out[a:a + _CHUNK], a)
+    return bytes(meta) if _combine(checksum_final(acc, plen), meta) == checksum else None
 
 
 def read_meta(path: str) -> bytes | None:
@@ -150,9 +144,10 @@ def read_meta(path: str) -> bytes | None:
             head = f.read(HEADER_SIZE)
             if len(head) != HEADER_SIZE:
                 return None
-            magic, version, _f, _k, _fp, _plen, mlen, _c = _HEADER.unpack(head)
+            magic, version, _f, _k, _fp, plen, mlen, _c, _r = _HEADER.unpack(head)
             if magic != MAGIC or version != VERSION:
                 return None
+            f.seek(HEADER_SIZE + plen)
             meta = f.read(mlen)
             return meta if len(meta) == mlen else None
     except OSError:
@@ -203,7 +198,7 @@ def write_block(path: str, key: tuple[int, int], fingerprint: bytes, payload: np
     def fill(fd: int) -> None:
         fut = pool.submit(checksum64, payload) if pool is not None and payload.nbytes >= _HELP_MIN else None
         try:
-            _write_exact(fd, [meta, payload], HEADER_SIZE)
+            _write_exact(fd, [payload, meta], HEADER_SIZE)
         except BaseException:
             if fut is not None and not fut.cancel():
                 wait([fut])  # the caller may reuse the payload's memory once we return
