@@ -55,3 +55,13 @@ def test_hybrid_hits_from_cpu_then_disk_in_a_new_process(run_engine, baseline, t
     assert [o["num_cached_tokens"] for o in outs2] == [expected_hit(n) for n in LENGTHS]
     assert [o["tokens"] for o in outs2] == baseline
     assert validate(r2).errors == 0
+
+    # and with a CPU tier of two slots: the rest of each hit is read from disk straight into the
+    # KV cache (attention blocks, partial blocks and states alike)
+    head = next(tmp_path.rglob("*.kvb")).read_bytes()[:64]
+    slot = int.from_bytes(head[40:48], "little")  # the header's payload length
+    r3 = run(run_engine, [{"prompts": PROMPTS}], cpu_bytes_to_use=2 * slot, disk_path=str(tmp_path))
+    outs3 = outputs(r3)
+    assert [o["num_cached_tokens"] for o in outs3] == [expected_hit(n) for n in LENGTHS]
+    assert [o["tokens"] for o in outs3] == baseline
+    assert r3["connector"]["direct"] == 0 and r3["connector"]["disk"]["busy"] == 0

@@ -35,14 +35,15 @@ def test_tiers_across_processes(run_engine, tmp_path):
 def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
     """Two tensor-parallel workers: each keeps its own KV shard in its pool and its own rank
     directory; the scheduler side counts a block done once both reported it; a CPU hit and, in a
-    new engine process, a disk hit give the tokens of the run that computed them."""
+    new engine process with a CPU tier smaller than the hit (direct disk loads on both ranks), a
+    disk hit give the tokens of the run that computed them."""
     from .helpers import outputs
     from .test_tiers_engine import HIT, PROMPT, REPEAT, spec
 
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node here: vLLM cannot bind 2 workers
 
-    def tp(steps):
-        s = spec(steps, cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path))
+    def tp(steps, cpu=4 << 20):
+        s = spec(steps, cpu_bytes_to_use=cpu, disk_path=str(tmp_path))
         s["llm"]["tensor_parallel_size"] = 2
         return run_engine(s, env=env)
 
@@ -55,5 +56,6 @@ def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
     # the two shards differ: each rank wrote its own half of the heads
     f0 = sorted(tmp_path.rglob("r0/*/*.kvb"))[0]
     assert f0.read_bytes() != (f0.parents[2] / "r1" / f0.parent.name / f0.name).read_bytes()
-    (o,) = outputs(tp([{"prompts": [PROMPT]}]))
+    r = tp([{"prompts": [PROMPT]}], cpu=2 * 8192)  # two slots of a rank's half block
+    (o,) = outputs(r)
     assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]

@@ -56,8 +56,10 @@ def test_disk_tier_when_cpu_is_too_small_and_after_restart(run_engine, baseline,
     tiny_cpu = 2 * 16384  # two blocks
     r = run_engine(spec(REPEAT, cpu_bytes_to_use=tiny_cpu, disk_path=str(tmp_path)))
     first, again = outputs(r)
-    assert again["num_cached_tokens"] == 64, "two blocks fit the CPU tier: they come back from disk"
+    # two blocks fit the CPU tier: they come back through it, the other four straight from disk
+    assert again["num_cached_tokens"] == HIT
     assert again["tokens"] == first["tokens"] == outputs(baseline)[0]["tokens"]
+    assert r["connector"]["direct"] == 0 and r["connector"]["disk"]["busy"] == 0
     files = list(tmp_path.rglob("*.kvb"))
     assert len(files) == 6
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
@@ -65,26 +67,36 @@ def test_disk_tier_when_cpu_is_too_small_and_after_restart(run_engine, baseline,
     r2 = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
     (o,) = outputs(r2)
     assert o["num_cached_tokens"] == HIT and o["tokens"] == outputs(baseline)[0]["tokens"]
+    # and with the two-slot CPU tier: requests sharing the prefix in one batch, each loading it
+    # (or part of it) straight from disk, or from vLLM's cache once another request computed it
+    branch = PROMPT[:150] + [7] * 30
+    r3 = run_engine(spec([{"prompts": [PROMPT, branch, PROMPT]}], cpu_bytes_to_use=tiny_cpu,
+                         disk_path=str(tmp_path)))
+    a, b, c = outputs(r3)
+    assert [a["num_cached_tokens"], b["num_cached_tokens"], c["num_cached_tokens"]] == [HIT, 128, HIT]
+    assert a["tokens"] == c["tokens"] == outputs(baseline)[0]["tokens"]
+    assert r3["connector"]["direct"] == 0 and r3["connector"]["disk"]["busy"] == 0
 
 
-def test_corrupt_truncated_or_missing_disk_blocks_are_misses(run_engine, baseline, tmp_path):
+@pytest.mark.parametrize("cpu", [4 << 20, 2 * 16384], ids=["via-cpu-slots", "direct-to-kv"])
+def test_corrupt_truncated_or_missing_disk_blocks_are_misses(run_engine, baseline, tmp_path, cpu):
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
     files = sorted(tmp_path.rglob("*.kvb"), key=block_index)
     assert [block_index(f) for f in files] == list(range(6))
     data = bytearray(files[3].read_bytes())
-    data[-10] ^= 0xFF  # block 3: one flipped byte
+    data[disk.HEADER_SIZE + 100] ^= 0xFF  # block 3: one flipped payload byte
     files[3].write_bytes(bytes(data))
-    r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
+    r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=cpu, disk_path=str(tmp_path)))
     (o,) = outputs(r)
     assert o["num_cached_tokens"] == 3 * 32 and o["tokens"] == outputs(baseline)[0]["tokens"]
     assert "corrupt or missing" in r["log"]
     assert files[3].read_bytes() != bytes(data), "the corrupt block was dropped, then stored anew"
     files[1].write_bytes(files[1].read_bytes()[:100])  # block 1: truncated
-    r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
+    r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=cpu, disk_path=str(tmp_path)))
     (o,) = outputs(r)
     assert o["num_cached_tokens"] == 32 and o["tokens"] == outputs(baseline)[0]["tokens"]
     files[0].unlink()  # block 0: deleted
-    r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
+    r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=cpu, disk_path=str(tmp_path)))
     (o,) = outputs(r)
     assert o["num_cached_tokens"] == 0 and o["tokens"] == outputs(baseline)[0]["tokens"]
 
@@ -153,7 +165,7 @@ def test_models_sharing_a_disk_path_never_hit_each_other(run_engine, tmp_path):
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2  # one directory per model/layout
 
 
-def test_many_overlapping_requests_small_cpu_tier(run_engine):
+def test_many_overlapping_requests_small_cpu_tier(run_engine, tmp_path):
     rng2 = random.Random(3)
     systems = [[rng2.randrange(10, 2000) for _ in range(96)] for _ in range(4)]
     prompts = [rng2.choice(systems) + [rng2.randrange(10, 2000) for _ in range(rng2.randrange(10, 120))]
@@ -165,6 +177,14 @@ def test_many_overlapping_requests_small_cpu_tier(run_engine):
     assert [o["tokens"] for o in outputs(r)] == [o["tokens"] for o in outputs(plain)]
     assert sum(o["num_cached_tokens"] for o in outputs(r)[64:]) > 0
     assert r["connector"]["cpu"]["busy"] == 0 and r["connector"]["prefetching"] == 0
+    # with a disk tier behind it: more hits (prefetches into the 24 slots, the rest direct from
+    # disk), the same tokens, nothing left pinned or open
+    d = run_engine(spec(steps, cpu_bytes_to_use=24 * 16384, disk_path=str(tmp_path)))
+    assert [o["tokens"] for o in outputs(d)] == [o["tokens"] for o in outputs(plain)]
+    hits = sum(o["num_cached_tokens"] for o in outputs(d)[64:])
+    assert hits > sum(o["num_cached_tokens"] for o in outputs(r)[64:])
+    assert {k: d["connector"][k] for k in ("prefetching", "direct")} == {"prefetching": 0, "direct": 0}
+    assert d["connector"]["cpu"]["busy"] == d["connector"]["disk"]["busy"] == 0
 
 
 def test_tier_events_validate_on_a_mixed_stream(run_engine, tmp_path):

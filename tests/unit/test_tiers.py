@@ -282,3 +282,21 @@ def test_disk_corruption_anywhere_in_a_large_block_is_a_miss(tmp_path):
         assert disk.read_into(path, KEY, FP, out) is None, len(data)
     open(path, "wb").write(good)
     assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()
+
+
+def test_an_open_verified_block_reads_the_same_bytes_after_unlink_or_replace(tmp_path):
+    payload = np.frombuffer(os.urandom(3 * 4096), dtype=np.uint8)
+    _, path = write(tmp_path, payload)
+    fd, meta = disk.open_verified(path, KEY, FP, np.empty(payload.size, np.uint8))
+    try:
+        assert meta == b"meta"
+        os.unlink(path)  # evicted meanwhile (this engine never does it to an open entry; another may)
+        write(tmp_path, np.zeros_like(payload))  # and rewritten by someone else
+        parts = [np.empty(4096, np.uint8), np.empty(2 * 4096, np.uint8)]  # e.g. one view per layer
+        assert disk.read_payload(fd, parts)
+        assert (np.concatenate(parts) == payload).all()
+        assert not disk.read_payload(fd, [np.empty(payload.size + 4096, np.uint8)])  # past the file: short
+    finally:
+        os.close(fd)
+    open(path, "r+b").write(b"X")  # corrupt: no descriptor
+    assert disk.open_verified(path, KEY, FP, np.empty(payload.size, np.uint8)) is None

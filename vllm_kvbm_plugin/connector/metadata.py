@@ -27,9 +27,15 @@ class KVBMMetadata(KVConnectorMetadata):
     stores: list[tuple[Key, str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)  # (key, kind, ids, slot)
     # CPU slot -> disk file, in the background after the stores; meta = file metadata blob
     disk_writes: list[tuple[Key, int, bytes]] = dataclasses.field(default_factory=list)
+    # direct disk loads, for entries the CPU tier has no room for: `opens` verifies a block file and
+    # keeps it open (first, in start_load_kv); `disk_loads` reads open files straight into KV blocks
+    # (after the CPU loads); `closes` closes them (last)
+    opens: list[Key] = dataclasses.field(default_factory=list)
+    disk_loads: list[tuple[str, tuple[int, ...], Key]] = dataclasses.field(default_factory=list)  # (kind, ids, key)
+    closes: list[Key] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefetches or self.loads or self.stores or self.disk_writes)
+        return any(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 @dataclasses.dataclass
@@ -39,6 +45,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     prefetch_failed: list[Key] = dataclasses.field(default_factory=list)
     disk_written: list[Key] = dataclasses.field(default_factory=list)
     disk_failed: list[Key] = dataclasses.field(default_factory=list)
+    opened: list[Key] = dataclasses.field(default_factory=list)
+    open_failed: list[Key] = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: "KVBMWorkerMetadata") -> "KVBMWorkerMetadata":
         # Concatenated; the scheduler side counts a key done once every worker reported it.

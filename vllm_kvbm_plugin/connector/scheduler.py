@@ -3,7 +3,9 @@
 Per step:
 - `get_num_new_matched_tokens`: find the longest prefix the tiers can restore; entries only on disk
   are first prefetched into CPU slots (the worker verifies them) and the request waits a step
-  (`None`), so a load into the KV cache only ever copies verified CPU bytes.
+  (`None`), so a load into the KV cache only ever copies verified bytes. Entries the CPU tier has
+  no room for are verified the same way and kept open by the workers, then read straight into
+  the KV blocks (direct disk loads), so a prefix longer than the CPU tier still comes back whole.
 - `update_state_after_alloc`: turn the claim into (block ids, slot) loads; the slots stay pinned
   until the metadata is built (the worker loads before anything reuses them).
 - `build_connector_meta`: store every newly completed block of the scheduled requests into CPU
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 from collections import Counter
 
 import msgspec
@@ -88,6 +91,23 @@ class _Need:
     key: tuple
     kind: str  # KV or STATE
     index: int  # KV: block index; STATE: the hit's token count
+    direct: bool = False  # loaded from its open disk file, not from a CPU slot
+
+
+@dataclasses.dataclass
+class _Direct:
+    """A disk entry the workers verify and keep open for a direct load."""
+    ready: bool = False  # every worker verified it
+    requests: set = dataclasses.field(default_factory=set)  # the requests waiting for it
+
+
+def _max_direct() -> int:
+    """Disk entries held open per worker at once: a quarter of the file descriptor limit."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 8192 if soft == resource.RLIM_INFINITY else max(16, min(8192, soft // 4))
+
+
+MAX_DIRECT = _max_direct()
 
 
 class SchedulerSide:
@@ -114,8 +134,10 @@ class SchedulerSide:
             self.disk_writes_on = True
         self.requests: dict[str, _Request] = {}
         self.claims: dict[str, tuple[int, int, list[_Need]]] = {}  # req id -> (from, tokens, entries)
-        self.state_loads: dict[str, tuple[int, int]] = {}  # req id -> (hit tokens, slot): see build_connector_meta
+        self.state_loads: dict[str, tuple[int, tuple]] = {}  # req id -> (hit tokens, source): see _load_state
         self.prefetching: set = set()  # keys being read from disk into CPU slots
+        self.direct: dict = {}  # key -> _Direct: disk entries verified and held open by the workers
+        self.direct_loaded: list = []  # keys loaded this step: closed once the metadata is built
         self.meta = KVBMMetadata()
         self.loads_pinned: list = []
         self.parent_pins: dict = {}  # (medium, key) -> parent pinned until the key settles
@@ -278,29 +300,65 @@ class SchedulerSide:
         if plan is None:
             self._release_claim(request.request_id)
             return 0, False
-        if any(n.key in self.prefetching for n in plan[1]):
+        if any(n.key in self.prefetching or (n.key in self.direct and not self.direct[n.key].ready)
+               for n in plan[1]):
             return None, False  # their verification is still running
-        on_disk_only = [n for n in plan[1] if not self.cpu.ready(n.key)]
+        on_disk_only = [n for n in plan[1] if not self._loadable(n.key)]
         if on_disk_only:
-            # the CPU entries before the first disk-only one are a hit on their own: keep them;
-            # later ones may make room
-            in_cpu = [n.key for n in plan[1][: plan[1].index(on_disk_only[0])]]
-            for k in in_cpu:
+            in_cpu = [n.key for n in plan[1] if self.cpu.ready(n.key)]
+            for k in in_cpu:  # a prefetch may evict CPU entries, but none this hit needs
                 self.cpu.pin(k)
             issued = self._prefetch(st, on_disk_only)
+            issued = self._open_direct(request.request_id, on_disk_only[issued:]) or issued
             for k in in_cpu:
                 self.cpu.unpin(k)
             if issued:
-                return None, False  # come back once the disk entries are verified in CPU slots
-            plan = self._plan(st, start, limit, self.cpu.ready)  # what the CPU tier alone restores
+                return None, False  # come back once the disk entries are verified
+            plan = self._plan(st, start, limit, self._loadable)  # what can be loaded now
         self._release_claim(request.request_id)
         if plan is None:
             return 0, False
         tokens, needs = plan
-        for n in needs:  # nothing may evict a claimed entry before its load has run
-            self.cpu.pin(n.key)
+        for n in needs:  # nothing may evict a claimed entry or close its file before its load has run
+            if self.cpu.ready(n.key):
+                self.cpu.pin(n.key)
+            else:
+                n.direct = True
+                self.direct[n.key].requests.add(request.request_id)
         self.claims[request.request_id] = (num_computed_tokens, tokens - num_computed_tokens, needs)
         return tokens - num_computed_tokens, False
+
+    def _loadable(self, key) -> bool:
+        """In a CPU slot, or verified and held open for a direct load."""
+        return bool(self.cpu.ready(key) or (key in self.direct and self.direct[key].ready))
+
+    def _open_direct(self, req_id: str, needs: list[_Need]) -> int:
+        """Ask the workers to verify and hold open the disk entries of `needs` (as many as
+        MAX_DIRECT allows); returns how many were newly asked for."""
+        issued = 0
+        for n in needs:
+            d = self.direct.get(n.key)
+            if d is None:
+                if len(self.direct) >= MAX_DIRECT:
+                    break
+                d = self.direct[n.key] = _Direct()
+                self.disk.pin(n.key)
+                self.meta.opens.append(n.key)
+                issued += 1
+            d.requests.add(req_id)
+        return issued
+
+    def _close_direct(self, key) -> None:
+        if self.direct.pop(key, None) is not None:
+            self.disk.unpin(key)
+            self.meta.closes.append(key)
+
+    def _drop_direct(self, req_id: str) -> None:
+        """`req_id` no longer waits for its direct entries: close those no one else waits for."""
+        for key, d in list(self.direct.items()):
+            d.requests.discard(req_id)
+            if d.ready and not d.requests and key not in self.direct_loaded:
+                self._close_direct(key)
 
     def _held(self, key) -> bool:
         return bool(self.cpu.ready(key) or (self.disk is not None and self.disk.ready(key)))
@@ -334,24 +392,25 @@ class SchedulerSide:
 
     def _release_claim(self, req_id: str) -> None:
         for n in self.claims.pop(req_id, (0, 0, []))[2]:
-            self.cpu.unpin(n.key)
+            if not n.direct:
+                self.cpu.unpin(n.key)
 
-    def _prefetch(self, st: _Request, needs: list[_Need]) -> bool:
-        issued = False
+    def _prefetch(self, st: _Request, needs: list[_Need]) -> int:
+        """Read disk entries into CPU slots, in order, until the CPU tier has no room; returns how
+        many were issued."""
         B = self.block_size
-        for n in needs:
+        for i, n in enumerate(needs):
             before = n.index - 1 if n.kind == KV else n.index // B - 1  # the block this entry extends
             parent = self._block_key(st, before) if before >= 0 else None
             if parent is not None and parent not in self.cpu:
                 parent = None
             entry = self._reserve(self.cpu, MEDIUM_CPU, n.key, parent, self._disk_announce(n.key))
             if entry is None:
-                break
+                return i
             self.disk.pin(n.key)
             self.prefetching.add(n.key)
             self.meta.prefetches.append((n.key, entry.slot))
-            issued = True
-        return issued
+        return len(needs)
 
     def _disk_announce(self, key):
         """The CPU events of an entry coming back from disk: its DISK events, medium changed."""
@@ -381,15 +440,27 @@ class SchedulerSide:
             else:  # a whole block, or the partial block a hybrid hit ends inside
                 wanted = (n.index + 1) * self.block_size <= end or (self.hybrid and num_external_tokens > 0)
             if not wanted:
-                self.cpu.unpin(n.key)
+                if not n.direct:
+                    self.cpu.unpin(n.key)
                 continue
-            self.cpu.touch(n.key)
-            self.loads_pinned.append(n.key)  # unpinned once the metadata is built
-            slot = self.cpu.entries[n.key].slot
-            if n.kind == STATE:
-                self.state_loads[request.request_id] = (n.index, slot)
+            if n.direct:
+                self.direct_loaded.append(n.key)  # held open until the metadata is built
+                source = ("disk", n.key)
             else:
-                self.meta.loads.append((KV, tuple(block_ids[g][n.index] for g in self.groups[KV]), slot))
+                self.cpu.touch(n.key)
+                self.loads_pinned.append(n.key)  # unpinned once the metadata is built
+                source = ("cpu", self.cpu.entries[n.key].slot)
+            if n.kind == STATE:
+                self.state_loads[request.request_id] = (n.index, source)
+            else:
+                self._add_load(KV, tuple(block_ids[g][n.index] for g in self.groups[KV]), source)
+        self._drop_direct(request.request_id)
+
+    def _add_load(self, kind: str, ids: tuple, source: tuple) -> None:
+        if source[0] == "cpu":
+            self.meta.loads.append((kind, ids, source[1]))
+        else:
+            self.meta.disk_loads.append((kind, ids, source[1]))
 
     def build_connector_meta(self, scheduler_output) -> KVBMMetadata:
         for new in scheduler_output.scheduled_new_reqs:
@@ -404,6 +475,9 @@ class SchedulerSide:
         for k in self.loads_pinned:
             self.cpu.unpin(k)
         self.loads_pinned = []
+        loaded, self.direct_loaded = self.direct_loaded, []
+        for k in loaded:  # the workers read them before they close them
+            self._close_direct(k)
         for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
             self._release_claim(req_id)
         self.state_loads.clear()
@@ -417,7 +491,7 @@ class SchedulerSide:
         pending = self.state_loads.pop(req_id, None)
         if pending is None:
             return
-        x, slot = pending
+        x, source = pending
         B = self.block_size
         block_ids = self.kv_cache_manager.get_block_ids(req_id)
         null = self.pool.null_block.block_id
@@ -426,7 +500,7 @@ class SchedulerSide:
             if null in ids:
                 logger.error("KVBMConnector: request %s has no state block at index %d", req_id, index)
                 continue
-            self.meta.loads.append((STATE, ids, slot))
+            self._add_load(STATE, ids, source)
 
     def _store(self, req_id: str, computed_after_step: int, scheduler_output) -> None:
         st = self.requests.get(req_id)
@@ -521,9 +595,16 @@ class SchedulerSide:
         for k in dict.fromkeys(wm.prefetch_failed):
             self.prefetching.discard(k)
             self._settle(self.cpu, MEDIUM_CPU, k, False)
-            logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
-                           diskfmt.key_hex(k))
-            self._gone([(k, self.disk.remove(k))], MEDIUM_DISK)
+            self._lost_on_disk(k)
+        for k in self._done("opened", wm.opened):
+            if k in self.direct:
+                self.direct[k].ready = True
+                if not self.direct[k].requests:
+                    self._close_direct(k)
+        for k in dict.fromkeys(wm.open_failed):
+            self.reports.pop(("opened", k), None)
+            self._close_direct(k)  # on the workers that did open it
+            self._lost_on_disk(k)
         for k in self._done("written", wm.disk_written):
             self.cpu.unpin(k)  # the write's source slot
             self._settle(self.disk, MEDIUM_DISK, k, True)
@@ -535,6 +616,10 @@ class SchedulerSide:
             self.disk_writes_on = False
             logger.warning("KVBMConnector: disk writes failed (%d blocks); the disk tier stops "
                            "storing and keeps serving what it holds", len(failed))
+
+    def _lost_on_disk(self, key) -> None:
+        logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)", diskfmt.key_hex(key))
+        self._gone([(key, self.disk.remove(key))], MEDIUM_DISK)
 
     def _done(self, kind: str, keys: list) -> list:
         """Keys every worker has reported for `kind` (one report per worker)."""
@@ -549,6 +634,7 @@ class SchedulerSide:
     def request_finished(self, request) -> None:
         self.requests.pop(request.request_id, None)
         self._release_claim(request.request_id)
+        self._drop_direct(request.request_id)
 
     def take_events(self) -> list:
         events, self.events = self.events, []

@@ -1,8 +1,8 @@
 """Tier transfer metrics in vLLM's connector-stats and Prometheus style.
 
 Workers count blocks, bytes and seconds per (tier, direction): cpu/store (KV -> CPU slots),
-cpu/load (CPU slots -> KV), disk/write, disk/read (verified prefetches), plus failed disk reads and
-writes. vLLM aggregates them across workers and steps (`aggregate`), logs `reduce()` with its
+cpu/load (CPU slots -> KV), disk/write, disk/read (verified reads: prefetches into CPU slots and
+checks before a direct load), disk/load (disk -> KV directly), plus failed disk reads and writes. vLLM aggregates them across workers and steps (`aggregate`), logs `reduce()` with its
 "KV Transfer metrics" line, and feeds Prometheus through `KVBMPromMetrics`:
     vllm:kvbm_blocks_total, vllm:kvbm_bytes_total, vllm:kvbm_transfer_seconds_total
         {tier, direction}
@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-DIRECTIONS = (("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"))
+DIRECTIONS = (("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"), ("disk", "load"))
 FIELDS = ("blocks", "bytes", "seconds")
 
 

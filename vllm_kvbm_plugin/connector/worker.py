@@ -10,6 +10,7 @@ verified before their bytes reach a slot.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -77,6 +78,7 @@ class WorkerSide:
         self._disk_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._disk_broken = False
+        self.held: dict = {}  # key -> open, verified block file (direct disk loads)
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
 
@@ -103,6 +105,7 @@ class WorkerSide:
         self.fingerprint = tensor_fingerprint(self.root, described)
         pin = torch.cuda.is_available()
         self.pool = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.scratch = torch.empty((1, self.slot_bytes), dtype=torch.uint8)  # direct loads: verify, odd layouts
         self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64)
         n_layers = sum(len(ls) for gs in self.layers.values() for ls in gs)
         logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB)%s",
@@ -139,12 +142,36 @@ class WorkerSide:
         data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
         self.pool[torch.tensor(slots, dtype=torch.long), layer.offset : layer.offset + layer.nbytes] = data
 
-    def _slots_to_layer(self, layer: _Layer, block_ids: list[int], slots: list[int]) -> None:
+    def _slots_to_layer(self, layer: _Layer, block_ids: list[int], slots: list[int], pool=None) -> None:
         t = layer.tensor
-        data = self.pool[torch.tensor(slots, dtype=torch.long), layer.offset : layer.offset + layer.nbytes]
+        pool = self.pool if pool is None else pool
+        data = pool[torch.tensor(slots, dtype=torch.long), layer.offset : layer.offset + layer.nbytes]
         data = data.view(t.dtype).reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
         t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device),
                       data.movedim(0, layer.dim))
+
+    def _load_direct(self, kind: str, ids: tuple[int, ...], fd: int) -> bool:
+        """Read an open entry file's payload straight into its blocks: a view of the block's page per
+        layer, in slot order (layers without page views go through the scratch slot)."""
+        scratch = self.scratch[0].numpy()
+        parts, via_scratch, end = [], [], 0
+        for gi, layers in enumerate(self.layers[kind]):
+            for layer in layers:
+                if layer.pages is not None:
+                    w = layer.nbytes // 8
+                    if not 0 <= ids[gi] < layer.pages.shape[0] // w:
+                        raise IndexError(f"block id {ids[gi]} out of range")
+                    parts.append(layer.pages[ids[gi] * w:(ids[gi] + 1) * w])
+                else:
+                    parts.append(scratch[layer.offset:layer.offset + layer.nbytes])
+                    via_scratch.append((layer, ids[gi]))
+                end = layer.offset + layer.nbytes
+        parts.append(scratch[end:])  # the slot's unused tail (slots fit the larger entry kind)
+        if not diskfmt.read_payload(fd, parts):
+            return False
+        for layer, block_id in via_scratch:
+            self._slots_to_layer(layer, [block_id], [0], self.scratch)
+        return True
 
     # ---- connector hooks -------------------------------------------------------------------
     def _record(self, tier: str, direction: str, blocks: int, t0: float) -> None:
@@ -163,6 +190,20 @@ class WorkerSide:
             return stats
 
     def start_load_kv(self, meta: KVBMMetadata) -> None:
+        for key in meta.opens:
+            t0 = time.perf_counter()
+            path = diskfmt.block_path(self.disk_base, key)
+            opened = diskfmt.open_verified(path, key, self.fingerprint, self.scratch[0].numpy())
+            if opened is not None:
+                old = self.held.pop(key, None)
+                if old is not None:
+                    os.close(old)
+                self.held[key] = opened[0]
+                self.report.opened.append(key)
+                self._record("disk", "read", 1, t0)
+            else:
+                self.report.open_failed.append(key)
+                self._failed("read")
         for key, slot in meta.prefetches:
             t0 = time.perf_counter()
             if self._read_block(key, slot):
@@ -175,6 +216,19 @@ class WorkerSide:
             t0 = time.perf_counter()
             self._copy(meta.loads, to_pool=False)
             self._record("cpu", "load", len(meta.loads), t0)
+        if meta.disk_loads:
+            t0 = time.perf_counter()
+            for kind, ids, key in meta.disk_loads:
+                fd = self.held.get(key)
+                if fd is None or not self._load_direct(kind, ids, fd):
+                    # verified a step ago and held open since: only a failing device gets here
+                    logger.error("KVBMConnector: direct load of disk block %s failed", diskfmt.key_hex(key))
+                    self._failed("read")
+            self._record("disk", "load", len(meta.disk_loads), t0)
+        for key in meta.closes:
+            fd = self.held.pop(key, None)
+            if fd is not None:
+                os.close(fd)
 
     def wait_for_save(self, meta: KVBMMetadata) -> None:
         if meta.stores:
@@ -241,3 +295,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self.wait_for_disk()
+        for fd in self.held.values():
+            os.close(fd)
+        self.held.clear()

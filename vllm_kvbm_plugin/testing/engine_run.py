@@ -104,6 +104,7 @@ def run(spec: dict) -> dict:
             connector = {name: {"blocks": len(t), "busy": t.busy()} for name, t in tiers.items()
                          if t is not None}
             connector["prefetching"] = len(side.prefetching)
+            connector["direct"] = len(side.direct)
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = connector = None

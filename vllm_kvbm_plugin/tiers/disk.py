@@ -104,16 +104,38 @@ def read_into(path: str, key: tuple[int, int], fingerprint: bytes, out: np.ndarr
     """Read the block file at `path` into `out` (uint8, its exact payload size); returns its
     metadata, or None when the file is missing, truncated, corrupt, or for another key or layout
     (then `out` holds garbage and must not be used)."""
+    opened = open_verified(path, key, fingerprint, out)
+    if opened is None:
+        return None
+    os.close(opened[0])
+    return opened[1]
+
+
+def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, out: np.ndarray):
+    """read_into, keeping the file open: (fd, metadata) or None. A block file is never changed in
+    place (writes replace it by a rename, eviction unlinks it), so later reads through this fd
+    (read_payload) return the verified bytes, whatever happens to the path meanwhile."""
     try:
         fd = os.open(path, _RFLAGS)
     except OSError:
         return None
     try:
-        return _read_verified(fd, key, fingerprint, out.reshape(-1))
+        meta = _read_verified(fd, key, fingerprint, out.reshape(-1))
     except OSError:
-        return None
-    finally:
+        meta = None
+    if meta is None:
         os.close(fd)
+        return None
+    return fd, meta
+
+
+def read_payload(fd: int, parts: list) -> bool:
+    """Read the payload of the open block file `fd` (verified by open_verified) into `parts`, in
+    order (e.g. one view per layer, straight into the KV cache); False on a short read."""
+    try:
+        return _io_exact(os.preadv, fd, parts, HEADER_SIZE)
+    except OSError:
+        return False
 
 
 def _read_verified(fd: int, key, fingerprint: bytes, out: np.ndarray) -> bytes | None:
