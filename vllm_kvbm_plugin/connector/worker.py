@@ -193,7 +193,7 @@ class WorkerSide:
         for key in meta.opens:
             t0 = time.perf_counter()
             path = diskfmt.block_path(self.disk_base, key)
-            opened = diskfmt.open_verified(path, key, self.fingerprint, self.scratch[0].numpy())
+            opened = diskfmt.open_verified(path, key, self.fingerprint, self.slot_bytes)
             if opened is not None:
                 old = self.held.pop(key, None)
                 if old is not None:

@@ -13,6 +13,7 @@ import numba
 import numpy as np
 
 from vllm_kvbm_plugin.hashing.kernels import _G, _mix64
+from vllm_kvbm_plugin.tiers.copy import _copy_words, _fence
 
 _CK = np.uint64(0x9E3779B185EBCA87)  # position key step
 _LO32 = np.uint64(0xFFFFFFFF)
@@ -36,10 +37,12 @@ def _tail(acc, data, nwords, c):
 
 
 @numba.njit(cache=True, nogil=True)
-def checksum_update(acc, data, offset):
+def checksum_update(acc, data, offset, copy_to=None):
     """Feed uint8 `data`, which starts `offset` bytes into the checksummed bytes (a multiple of 8),
     into `acc` (uint64[2], zeros to start). Only the last piece may end off a word boundary; pieces
-    may come in any order, so each chunk of a read is checksummed as soon as it arrives."""
+    may come in any order, so each chunk of a read is checksummed as soon as it arrives. With
+    `copy_to` (as long as `data`), data is then copied there, with streaming stores when both are
+    whole words (it is read from cache once more; the destination is not read at all)."""
     nwords = data.shape[0] // 8
     words = data[: nwords * 8].view(np.uint64)
     h1, h2 = acc[0], acc[1]
@@ -49,6 +52,12 @@ def checksum_update(acc, data, offset):
         c += _CK
     acc[0], acc[1] = h1, h2
     _tail(acc, data, nwords, c)
+    if copy_to is not None:
+        if nwords * 8 == data.shape[0] and copy_to.ctypes.data % 8 == 0:
+            _copy_words(copy_to.view(np.uint64), 0, words, 0, nwords, True)
+            _fence()
+        else:
+            copy_to[:] = data
 
 
 @numba.njit(cache=True, nogil=True)
