@@ -13,31 +13,14 @@ import argparse
 import os
 import shutil
 import tempfile
-import types
 
 import torch
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.worker import WorkerSide
+from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
 
 from timing import best
-
-
-def make_worker(layers: int, num_blocks: int, slots: int):
-    """A real WorkerSide over KV tensors shaped like vLLM's CPU attention layout (one shared buffer,
-    one attention group), built without a vLLM config: only the fields register_kv_caches reads."""
-    heads, block, head = 8, 32, 128
-    buf = torch.randn(layers, num_blocks, heads, block, 2 * head).to(torch.bfloat16)
-    kv = {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
-    group = types.SimpleNamespace(layer_names=list(kv))
-    w = WorkerSide.__new__(WorkerSide)
-    w.kv_cache_config = types.SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[group])
-    w.groups = {KV: [0]}
-    w.slot_bytes = layers * buf[0, 0].numel() * buf.element_size()
-    w.num_slots, w.root, w.layers = slots, (1, 2), {}
-    w.register_kv_caches(kv)
-    return w, kv
 
 
 def interleaved(rounds: int, *fns, settle=None) -> list[float]:
@@ -65,7 +48,7 @@ def main() -> None:
     ap.add_argument("--rewrite", action="store_true", help="disk writes replace the same files every run")
     args = ap.parse_args()
     n = args.blocks
-    w, _ = make_worker(args.layers, 2 * n, n)
+    w, _ = cpu_layout_worker(args.layers, 2 * n, (8, 32, 2 * 128), slots=n)  # 8 heads, block 32, K|V 128
     ids = list(range(0, 2 * n, 2))  # every other block: a realistic scattered set
     slots = list(range(n))
     nbytes = n * w.slot_bytes

@@ -53,6 +53,9 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         if meta:
             self._worker.wait_for_save(meta)
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
     def build_connector_worker_meta(self):
         return self._worker.build_worker_meta()
 

@@ -70,6 +70,10 @@ class WorkerSide:
         except Exception:  # noqa: BLE001 - not initialised in some test harnesses
             self.rank = 0
         self.disk_base = rank_dir(cfg.disk_path, self.root, self.rank) if cfg.disk_path else None
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """What the worker builds up at run time (testing.worker builds a worker without vLLM)."""
         # kind -> per group of that kind, its layers (each with its offset inside a slot)
         self.layers: dict[str, list[list[_Layer]]] = {}
         self.pool: torch.Tensor | None = None
@@ -79,6 +83,7 @@ class WorkerSide:
         self._writer: threading.Thread | None = None
         self._disk_broken = False
         self.held: dict = {}  # key -> open, verified block file (direct disk loads)
+        self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
 
@@ -221,9 +226,7 @@ class WorkerSide:
             for kind, ids, key in meta.disk_loads:
                 fd = self.held.get(key)
                 if fd is None or not self._load_direct(kind, ids, fd):
-                    # verified a step ago and held open since: only a failing device gets here
-                    logger.error("KVBMConnector: direct load of disk block %s failed", diskfmt.key_hex(key))
-                    self._failed("read")
+                    self._direct_load_failed(key, ids)
             self._record("disk", "load", len(meta.disk_loads), t0)
         for key in meta.closes:
             fd = self.held.pop(key, None)
@@ -248,6 +251,24 @@ class WorkerSide:
             (self.report.disk_written if ok else self.report.disk_failed).append(key)
         report, self.report = self.report, KVBMWorkerMetadata()
         return report if any(getattr(report, f) for f in report.__dataclass_fields__) else None
+
+    def _direct_load_failed(self, key, ids: tuple[int, ...]) -> None:
+        """Verified a step ago and held open since: only a failing device gets here. vLLM takes
+        block-level load errors for one KV cache group only (its kv_load_failure_policy: recompute
+        them, or fail the request); with several groups it would stop the engine, so then the
+        error is only logged."""
+        self._failed("read")
+        if len(self.kv_cache_config.kv_cache_groups) == 1:
+            self.load_errors.update(ids)
+            logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM",
+                         diskfmt.key_hex(key))
+        else:
+            logger.error("KVBMConnector: direct load of disk block %s failed; the request that loads "
+                         "it may produce wrong tokens", diskfmt.key_hex(key))
+
+    def take_load_errors(self) -> set:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
 
     # ---- disk ------------------------------------------------------------------------------
     def _read_block(self, key, slot: int) -> bool:
