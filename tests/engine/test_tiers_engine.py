@@ -212,3 +212,19 @@ def test_disk_blocks_of_an_earlier_run_are_announced_after_a_restart(run_engine,
     assert v.errors == 0, v.report()["first_problems"]
     assert v.report()["stored_by"].get("DISK/g0/full_attention/32", 0) >= 6 + 2  # 6 from before, 2 new
     assert "6 announced, 1 unreadable files removed" in r["log"] and not stale.exists()
+
+
+def test_disk_blocks_after_a_gpu_hit_keep_the_cpu_medium_prefix_closed(run_engine, baseline, tmp_path):
+    """A hit that starts after vLLM's own cache, on a block whose parent the CPU tier no longer
+    holds: its disk blocks are loaded directly rather than prefetched into CPU slots, so no CPU
+    BlockStored ever names a parent the CPU medium does not hold."""
+    run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
+    other = [rng.randrange(10, 2000) for _ in range(70)]
+    r = run_engine(spec([{"prompts": [PROMPT[:40]]},  # block 0 from disk, now in vLLM's cache
+                         {"prompts": [other]},  # its two blocks push block 0 out of the 2-slot CPU tier
+                         {"prompts": [PROMPT]}],  # vLLM hits block 0, blocks 1-5 come from disk
+                        events=True, cpu_bytes_to_use=2 * 16384, disk_path=str(tmp_path)))
+    *_, o = outputs(r)
+    assert o["num_cached_tokens"] == HIT and o["tokens"] == outputs(baseline)[0]["tokens"]
+    v = validate(r)
+    assert v.errors == 0, v.report()["first_problems"]

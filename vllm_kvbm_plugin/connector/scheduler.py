@@ -308,8 +308,8 @@ class SchedulerSide:
             in_cpu = [n.key for n in plan[1] if self.cpu.ready(n.key)]
             for k in in_cpu:  # a prefetch may evict CPU entries, but none this hit needs
                 self.cpu.pin(k)
-            issued = self._prefetch(st, on_disk_only)
-            issued = self._open_direct(request.request_id, on_disk_only[issued:]) or issued
+            rest = self._prefetch(st, on_disk_only)
+            issued = self._open_direct(request.request_id, rest) + len(on_disk_only) - len(rest)
             for k in in_cpu:
                 self.cpu.unpin(k)
             if issued:
@@ -395,22 +395,23 @@ class SchedulerSide:
             if not n.direct:
                 self.cpu.unpin(n.key)
 
-    def _prefetch(self, st: _Request, needs: list[_Need]) -> int:
-        """Read disk entries into CPU slots, in order, until the CPU tier has no room; returns how
-        many were issued."""
+    def _prefetch(self, st: _Request, needs: list[_Need]) -> list[_Need]:
+        """Read disk entries into CPU slots, in order, while the CPU tier has room and holds the
+        block each one extends (so the CPU medium stays prefix-closed, as stores keep it: a router
+        never sees a CPU block without its parent); returns the needs left for direct loads."""
         B = self.block_size
         for i, n in enumerate(needs):
             before = n.index - 1 if n.kind == KV else n.index // B - 1  # the block this entry extends
             parent = self._block_key(st, before) if before >= 0 else None
             if parent is not None and parent not in self.cpu:
-                parent = None
+                return needs[i:]
             entry = self._reserve(self.cpu, MEDIUM_CPU, n.key, parent, self._disk_announce(n.key))
             if entry is None:
-                return i
+                return needs[i:]
             self.disk.pin(n.key)
             self.prefetching.add(n.key)
             self.meta.prefetches.append((n.key, entry.slot))
-        return len(needs)
+        return []
 
     def _disk_announce(self, key):
         """The CPU events of an entry coming back from disk: its DISK events, medium changed."""
