@@ -137,7 +137,6 @@ class SchedulerSide:
         self.state_loads: dict[str, tuple[int, tuple]] = {}  # req id -> (hit tokens, source): see _load_state
         self.prefetching: set = set()  # keys being read from disk into CPU slots
         self.direct: dict = {}  # key -> _Direct: disk entries verified and held open by the workers
-        self.direct_loaded: list = []  # keys loaded this step: closed once the metadata is built
         self.meta = KVBMMetadata()
         self.loads_pinned: list = []
         self.parent_pins: dict = {}  # (medium, key) -> parent pinned until the key settles
@@ -354,11 +353,9 @@ class SchedulerSide:
             self.meta.closes.append(key)
 
     def _drop_direct(self, req_id: str) -> None:
-        """`req_id` no longer waits for its direct entries: close those no one else waits for."""
-        for key, d in list(self.direct.items()):
+        """`req_id` no longer waits for its direct entries (loaded, or not needed any more)."""
+        for d in self.direct.values():
             d.requests.discard(req_id)
-            if d.ready and not d.requests and key not in self.direct_loaded:
-                self._close_direct(key)
 
     def _held(self, key) -> bool:
         return bool(self.cpu.ready(key) or (self.disk is not None and self.disk.ready(key)))
@@ -445,8 +442,7 @@ class SchedulerSide:
                     self.cpu.unpin(n.key)
                 continue
             if n.direct:
-                self.direct_loaded.append(n.key)  # held open until the metadata is built
-                source = ("disk", n.key)
+                source = ("disk", n.key)  # held open until the metadata is built
             else:
                 self.cpu.touch(n.key)
                 self.loads_pinned.append(n.key)  # unpinned once the metadata is built
@@ -476,8 +472,9 @@ class SchedulerSide:
         for k in self.loads_pinned:
             self.cpu.unpin(k)
         self.loads_pinned = []
-        loaded, self.direct_loaded = self.direct_loaded, []
-        for k in loaded:  # the workers read them before they close them
+        # files no request waits for any more are closed once per step, after every load of the step
+        # (the workers read before they close), so a file is never closed and opened in one step
+        for k in [k for k, d in self.direct.items() if d.ready and not d.requests]:
             self._close_direct(k)
         for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
             self._release_claim(req_id)
@@ -600,8 +597,6 @@ class SchedulerSide:
         for k in self._done("opened", wm.opened):
             if k in self.direct:
                 self.direct[k].ready = True
-                if not self.direct[k].requests:
-                    self._close_direct(k)
         for k in dict.fromkeys(wm.open_failed):
             self.reports.pop(("opened", k), None)
             self._close_direct(k)  # on the workers that did open it
