@@ -107,17 +107,12 @@ def read_into(path: str, key: tuple[int, int], fingerprint: bytes, out: np.ndarr
     """Read the block file at `path` into `out` (uint8, its exact payload size); returns its
     metadata, or None when the file is missing, truncated, corrupt, or for another key or layout
     (then `out` holds garbage and must not be used)."""
-    try:
-        fd = os.open(path, _RFLAGS)
-    except OSError:
+    out = out.reshape(-1)
+    opened = _open_verified(path, key, fingerprint, out.nbytes, out)
+    if opened is None:
         return None
-    try:
-        out = out.reshape(-1)
-        return _read_verified(fd, key, fingerprint, out.nbytes, out)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    os.close(opened[0])
+    return opened[1]
 
 
 def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, payload_bytes: int):
@@ -125,12 +120,16 @@ def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, payload_b
     metadata) or None. A block file is never changed in place (writes replace it by a rename,
     eviction unlinks it), so later reads through this fd (read_payload) return the verified bytes,
     whatever happens to the path meanwhile."""
+    return _open_verified(path, key, fingerprint, payload_bytes, None)
+
+
+def _open_verified(path: str, key, fingerprint: bytes, plen: int, out: np.ndarray | None):
     try:
         fd = os.open(path, _RFLAGS)
     except OSError:
         return None
     try:
-        meta = _read_verified(fd, key, fingerprint, payload_bytes, None)
+        meta = _read_verified(fd, key, fingerprint, plen, out)
     except OSError:
         meta = None
     if meta is None:
