@@ -26,6 +26,7 @@ import struct
 import threading
 from concurrent.futures import wait
 
+import msgspec
 import numpy as np
 
 from vllm_kvbm_plugin.tiers.checksum import checksum64, checksum_final, checksum_update
@@ -282,3 +283,23 @@ def scan(base: str) -> list[tuple[tuple[int, int], int]]:
                 except OSError:
                     pass
     return out
+
+
+# The metadata blob of a block file: where the entry ends (token position) and the tier events it
+# was announced with (each an encoded BlockStored), so a restarted engine can announce it again.
+def encode_meta(end: int, events: list[bytes]) -> bytes:
+    return msgspec.msgpack.encode({"end": end, "events": events})
+
+
+def decode_meta(blob: bytes | None) -> tuple[int, list[bytes]] | None:
+    """(end, encoded events) of a metadata blob, or None when it describes nothing we can use."""
+    try:
+        info = msgspec.msgpack.decode(blob) if blob else None
+        if not isinstance(info, dict) or not info.get("events"):
+            return None
+        events = info["events"]
+        if not isinstance(events, list) or not all(isinstance(e, bytes) for e in events):
+            return None
+        return int(info["end"]), events
+    except (msgspec.DecodeError, TypeError, ValueError, KeyError):
+        return None
