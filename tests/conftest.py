@@ -1,3 +1,4 @@
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -10,6 +11,50 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("KVBM_TINY_MODELS", str(ROOT / ".cache" / "tiny-models"))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _installed_vllm() -> str:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+VLLM_VERSION = _installed_vllm()
+# vLLM 0.32 and 0.33 overwrite each other's ~/.cache/vllm/modelinfos (each then re-inspects the model
+# in a subprocess): one cache root per minor version, as scripts/test.sh sets it.
+if VLLM_VERSION:
+    _minor = "".join(VLLM_VERSION.split("+")[0].split(".")[:2])
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / f"vllm-{_minor}"))
+
+# A CUDA vLLM wheel told to use its CPU platform (.venv-vllm033): the Scheduler runs, no model can
+# (no CPU kernels in that wheel). Only the tests that need no model runner are collected there.
+NO_MODEL_RUNNER = os.environ.get("VLLM_TARGET_DEVICE") == "cpu" and bool(VLLM_VERSION) and "cpu" not in VLLM_VERSION
+RUNNER_FREE_DIRS = ("unit", "vllm")
+
+
+def _needs_model_runner(path) -> bool:
+    """Whether `path` (a test file or directory) lies under tests/ outside RUNNER_FREE_DIRS."""
+    path = pathlib.Path(path)
+    try:
+        rel = path.resolve().relative_to(ROOT / "tests")
+    except ValueError:
+        return False
+    return (len(rel.parts) > 1 or path.is_dir()) and rel.parts[0] not in RUNNER_FREE_DIRS
+
+
+def pytest_ignore_collect(collection_path, config):
+    return True if NO_MODEL_RUNNER and _needs_model_runner(collection_path) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files named on the command line are collected even when ignored: deselect them instead."""
+    if not NO_MODEL_RUNNER:
+        return
+    drop = [item for item in items if _needs_model_runner(item.path)]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item not in drop]
 
 
 def kill_group(pid: int) -> None:
