@@ -15,9 +15,13 @@ VENV=$ROOT/.venv-vllm033
 PY=$VENV/bin/python
 STAMP=$VENV/.kvbm-setup-stamp
 want=$(cat pyproject.toml scripts/setup_vllm033.sh | sha256sum | cut -c1-16)
-if [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
-  exit 0
-fi
+ready() { [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }
+ready && exit 0
+# Several test runs may start at once in one checkout: one builds, the others wait for it.
+mkdir -p "$ROOT/.cache"
+exec 9>"$ROOT/.cache/setup-vllm033.lock"
+flock 9
+ready && exit 0
 echo "[setup] preparing $VENV (first run downloads vLLM 0.33 + CUDA torch, several GB)"
 [ -x "$PY" ] || python3 -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip uv
