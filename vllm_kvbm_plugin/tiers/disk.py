@@ -17,20 +17,42 @@ from memory: 0.75x of a plain read instead of 0.82x); reading half of a block on
 with an idle second core, much slower with a busy one); mapping the file and copying it out with
 the checksum (a few percent faster, but a disk error or an outside truncation would then be a
 SIGBUS instead of a miss).
+
+Foreign content: anything can end up in a directory (FIFOs, sockets, device nodes, symlinks,
+directories or sparse multi-GiB files named like block files, other names, files of another
+version). No open follows a symlink or blocks (`O_NOFOLLOW | O_NONBLOCK`), and a file is read only
+if `fstat` says it is a regular file whose size is exactly header + payload + metadata with the
+metadata at most MAX_META bytes; scan() only lstat()s (it opens nothing but temporary files) and
+lists regular files named `<key>.kvb` in their `<key hex[:2]>/` directory. Everything else is left
+alone, never followed, never removed, symlinks included: it is not ours. Regular files named like
+block files that are unreadable or of another version are misses (read_meta returns None; the
+scheduler removes them at startup). A writer holds an flock on its temporary file until it is
+renamed into place, so scan() removes only temporary files nobody writes any more (a crash's
+leftovers), even for writers in another engine, container or host sharing the directory.
+Directories the tier makes are 0700 whatever the umask; prepare_block_dir() also tightens the
+existing ones it owns below the user's disk_path (never disk_path itself).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import re
+import stat
 import struct
 import threading
+import time
 from concurrent.futures import wait
 
 import msgspec
 import numpy as np
 
+from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers.checksum import checksum64, checksum_final, checksum_update
 from vllm_kvbm_plugin.tiers.copy import helpers, run_or_cancel
+
+logger = get_logger("disk")
 
 MAGIC = b"KVBM"
 VERSION = 2  # 2: payload before metadata, checksum64 with position keys (version 1 files are misses)
@@ -40,8 +62,21 @@ HEADER_SIZE = _HEADER.size  # 64: the payload starts cache-line aligned
 SUFFIX = ".kvb"
 _CHUNK = 256 << 10  # read buffer: small enough to stay in cache
 _HELP_MIN = 256 << 10  # a smaller payload is not worth a helper hand-off
-_RFLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-_WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+MAX_META = 8 << 20  # a header claiming more metadata is not ours (real blobs are a few KiB)
+# O_NONBLOCK: opening a FIFO never waits for a writer (it has no effect on reads of regular files)
+_RFLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # always a new file
+_DFLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_KEY_NAME = re.compile(r"[0-9a-f]{32}\.kvb")
+_TEMP_NAME = re.compile(r"[0-9a-f]{32}\.kvb\.tmp[0-9]+(\.[0-9a-f]+)?")  # <block name>.tmp<pid>.<random>
+_PREFIX_NAME = re.compile(r"[0-9a-f]{2}")
+_STALE_TEMP = 600  # s: without file locks, a temporary file untouched that long has no writer
+
+
+class BlockRefused(OSError):
+    """One block could not be stored because its name or directory is taken by something the tier
+    did not make (a directory, a symlink, a FIFO...), or its metadata is too large: a failed store
+    of that block, the tier itself is fine."""
 
 
 def key_hex(key: tuple[int, int]) -> str:
@@ -53,13 +88,10 @@ def key_bytes(key: tuple[int, int]) -> bytes:
 
 
 def parse_key_hex(name: str) -> tuple[int, int] | None:
-    stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else None
-    if stem is None or len(stem) != 32:
+    """The key of a block file name, exactly as block_path spells it (else None)."""
+    if not _KEY_NAME.fullmatch(name):
         return None
-    try:
-        return int(stem[:16], 16), int(stem[16:], 16)
-    except ValueError:
-        return None
+    return int(name[:16], 16), int(name[16:32], 16)
 
 
 def block_dir(root: str, fingerprint: bytes, rank: int) -> str:
@@ -124,15 +156,34 @@ def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, payload_b
     return _open_verified(path, key, fingerprint, payload_bytes, None)
 
 
-def _open_verified(path: str, key, fingerprint: bytes, plen: int, out: np.ndarray | None):
+def _open_regular(path: str) -> tuple[int, int] | None:
+    """(fd, size) of `path` opened for reading if it is a regular file, else None: a symlink is not
+    followed, a FIFO or device never blocks the open, anything but a regular file is closed unread."""
     try:
         fd = os.open(path, _RFLAGS)
     except OSError:
         return None
     try:
-        meta = _read_verified(fd, key, fingerprint, plen, out)
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode):
+            return fd, st.st_size
     except OSError:
-        meta = None
+        pass
+    os.close(fd)
+    return None
+
+
+def _open_verified(path: str, key, fingerprint: bytes, plen: int, out: np.ndarray | None):
+    opened = _open_regular(path)
+    if opened is None:
+        return None
+    fd, size = opened
+    meta = None
+    if 0 <= size - HEADER_SIZE - plen <= MAX_META:  # a sparse multi-GiB file is never read
+        try:
+            meta = _read_verified(fd, size, key, fingerprint, plen, out)
+        except OSError:
+            pass
     if meta is None:
         os.close(fd)
         return None
@@ -161,13 +212,11 @@ def _bounce() -> np.ndarray:
     return buf
 
 
-def _read_verified(fd: int, key, fingerprint: bytes, plen: int, out: np.ndarray | None) -> bytes | None:
+def _read_verified(fd: int, size: int, key, fingerprint: bytes, plen: int, out: np.ndarray | None) -> bytes | None:
     """Chunk by chunk through a small buffer that stays in cache: the kernel copies into it, the
     checksum reads it from cache and streaming stores put it into `out` (when given) without first
     reading `out`'s memory. The header comes with the first chunk, the metadata with the last."""
-    mlen = os.fstat(fd).st_size - HEADER_SIZE - plen  # exact size: no truncation, no trailing bytes
-    if mlen < 0:
-        return None
+    mlen = size - HEADER_SIZE - plen  # exact size: no truncation, no trailing bytes (checked by the caller)
     head, meta, acc, buf = bytearray(HEADER_SIZE), bytearray(mlen), np.zeros(2, dtype=np.uint64), _bounce()
     for a in range(0, max(plen, 1), _CHUNK):
         n = min(_CHUNK, plen - a)
@@ -184,44 +233,85 @@ def _read_verified(fd: int, key, fingerprint: bytes, plen: int, out: np.ndarray 
 
 
 def read_meta(path: str) -> bytes | None:
-    """The metadata blob of a block file (not verified: for inspection and indexing only)."""
+    """The metadata blob of a block file (checksum not verified: for inspection and indexing only),
+    or None unless `path` is a regular file of this format version whose header lengths add up to
+    its size exactly and, when its name is a block file name, whose header holds that key."""
+    opened = _open_regular(path)
+    if opened is None:
+        return None
+    fd, size = opened
     try:
-        with open(path, "rb") as f:
-            head = f.read(HEADER_SIZE)
-            if len(head) != HEADER_SIZE:
-                return None
-            magic, version, _f, _k, _fp, plen, mlen, _c, _r = _HEADER.unpack(head)
-            if magic != MAGIC or version != VERSION:
-                return None
-            f.seek(HEADER_SIZE + plen)
-            meta = f.read(mlen)
-            return meta if len(meta) == mlen else None
+        head = bytearray(HEADER_SIZE)
+        if size < HEADER_SIZE or not _io_exact(os.preadv, fd, [head], 0):
+            return None
+        magic, version, _f, k, _fp, plen, mlen, _c, _r = _HEADER.unpack(head)
+        named = parse_key_hex(os.path.basename(path))
+        if (magic != MAGIC or version != VERSION or mlen > MAX_META or HEADER_SIZE + plen + mlen != size
+                or (named is not None and k != key_bytes(named))):
+            return None
+        meta = bytearray(mlen)
+        return bytes(meta) if _io_exact(os.preadv, fd, [meta], HEADER_SIZE + plen) else None
     except OSError:
         return None
+    finally:
+        os.close(fd)
 
 
 def _write_via_temp(path: str, fill, fsync: bool) -> None:
-    """fill(fd) a temporary file next to `path` (0600), then rename it into place; the directory
-    (0700) is made only when the file cannot be created."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    """fill(fd) a new temporary file next to `path` (0600, flock'ed until renamed so scan() knows
+    its writer is alive), then rename it into place. Missing directories are made (0700); a
+    directory that is a symlink or not a directory is never written through (BlockRefused)."""
+    d, name = os.path.split(path)
+    dfd = _open_block_dir(d)
     try:
-        fd = os.open(tmp, _WFLAGS, 0o600)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(tmp, _WFLAGS, 0o600)
-    try:
-        fill(fd)
-        if fsync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
+        tmp = f"{name}.tmp{os.getpid()}.{os.urandom(4).hex()}"
+        fd = os.open(tmp, _WFLAGS, 0o600, dir_fd=dfd)
         try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                pass  # a file system without locks: scan() goes by the file's age
+            os.fchmod(fd, 0o600)  # whatever the umask
+            fill(fd)
+            if fsync:
+                os.fsync(fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except IsADirectoryError as e:
+                raise BlockRefused(e.errno, f"{path} is a directory, not a block file") from e
+            if fsync:
+                os.fsync(dfd)  # the rename too
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+
+
+def _open_block_dir(d: str) -> int:
+    """An fd of the directory `d` (made 0700 with its missing parents if missing), never through a
+    symlink at `d` itself."""
+    try:
+        return os.open(d, _DFLAGS)
+    except FileNotFoundError:
+        _make_missing(d)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.lexists(d) and not _is_real_dir(d):
+            raise BlockRefused(e.errno, f"{d} is not a directory the disk tier made (a symlink or a file)") from e
         raise
-    os.close(fd)
-    os.replace(tmp, path)
+    return os.open(d, _DFLAGS)
+
+
+def _is_real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _write_exact(fd: int, parts: list, offset: int) -> None:
@@ -239,6 +329,8 @@ def write_block(path: str, key: tuple[int, int], fingerprint: bytes, payload: np
     """write_atomic(path, encode(...)) with the same bytes, faster: a helper checksums the payload
     while it is written, the header follows at offset 0."""
     payload = np.asarray(payload, dtype=np.uint8).reshape(-1)
+    if len(meta) > MAX_META:
+        raise BlockRefused(errno.EFBIG, f"block metadata of {len(meta)} bytes (at most {MAX_META})")
     pool, _ = helpers()
 
     def fill(fd: int) -> None:
@@ -256,33 +348,168 @@ def write_block(path: str, key: tuple[int, int], fingerprint: bytes, payload: np
 
 
 def scan(base: str) -> list[tuple[tuple[int, int], int]]:
-    """(key, file size) of every block file under `base`; leftover temporary files are removed."""
+    """(key, file size) of every regular file named like a block file in its key-prefix directory
+    under `base`, found by lstat alone: symlinks, directories, FIFOs, sockets, devices and other
+    names are skipped and left alone. Temporary files whose writer is gone are removed."""
     out = []
     try:
-        subdirs = os.listdir(base)
+        bfd = os.open(base, _DFLAGS)
     except OSError:
         return out
-    for sub in subdirs:
-        d = os.path.join(base, sub)
-        try:
-            names = os.listdir(d)
-        except OSError:
-            continue
-        for name in names:
-            path = os.path.join(d, name)
-            if ".tmp" in name:
-                try:
-                    os.unlink(path)  # a write that never finished
-                except OSError:
-                    pass
+    try:
+        with os.scandir(bfd) as it:
+            prefixes = [e.name for e in it if _PREFIX_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        for sub in prefixes:
+            try:
+                dfd = os.open(sub, _DFLAGS, dir_fd=bfd)
+            except OSError:
                 continue
-            key = parse_key_hex(name)
-            if key is not None:
-                try:
-                    out.append((key, os.stat(path).st_size))
-                except OSError:
-                    pass
+            try:
+                with os.scandir(dfd) as it:
+                    for e in it:
+                        _scan_entry(e, sub, dfd, out)
+            except OSError:
+                pass
+            finally:
+                os.close(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(bfd)
     return out
+
+
+def _scan_entry(e: os.DirEntry, prefix: str, dfd: int, out: list) -> None:
+    try:
+        if _KEY_NAME.fullmatch(e.name):
+            st = e.stat(follow_symlinks=False)
+            if e.name.startswith(prefix) and stat.S_ISREG(st.st_mode):
+                out.append((parse_key_hex(e.name), st.st_size))
+        elif _TEMP_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+            _remove_if_abandoned(e.name, dfd)
+    except OSError:
+        pass  # gone meanwhile
+
+
+def _remove_if_abandoned(name: str, dfd: int) -> None:
+    """Remove a temporary file that no writer holds any more (a crash's leftover). Writers flock
+    it until it is renamed into place, so a live writer in another engine, container or host keeps
+    its file; where flock fails (no locks on that file system) age decides."""
+    try:
+        fd = os.open(name, _RFLAGS, dir_fd=dfd)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # a live writer
+        except OSError:
+            if time.time() - st.st_mtime < _STALE_TEMP:
+                return
+        os.unlink(name, dir_fd=dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---- private directories ---------------------------------------------------------------------
+def make_private_dir(root: str, path: str) -> None:
+    """Make `path` and every directory between it and `root` (the user's disk_path) 0700, whatever
+    the umask: missing ones are created, existing ones this user owns are tightened (logged), other
+    users' are left as they are (logged). `root` itself is never changed (created 0700 when it is
+    missing) and no symlink below it is followed: OSError when a level is not a real directory."""
+    root, path = os.path.abspath(root), os.path.abspath(path)
+    rel = os.path.relpath(path, root)
+    if rel == os.curdir or rel.split(os.sep)[0] == os.pardir:
+        raise ValueError(f"{path} is not below {root}")
+    if not os.path.lexists(root):
+        _make_missing(root)
+    cur = root
+    for part in rel.split(os.sep):
+        cur = os.path.join(cur, part)
+        if _mkdir_private(cur):
+            continue
+        try:
+            fd = os.open(cur, _DFLAGS)
+        except OSError as e:
+            raise OSError(e.errno, f"disk tier: {cur} is not a directory (a symlink or a file?): "
+                                   f"{e.strerror}") from e
+        try:
+            _tighten(fd, cur)
+        finally:
+            os.close(fd)
+
+
+def prepare_block_dir(root: str, base: str) -> None:
+    """At startup, for the rank directory `base` below the user's `root` (disk_path): make_private_dir,
+    and tighten base's existing key-prefix directories the same way (one log line)."""
+    make_private_dir(root, base)
+    tightened = 0
+    bfd = os.open(base, _DFLAGS)
+    try:
+        with os.scandir(bfd) as it:
+            names = [e.name for e in it if _PREFIX_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        for name in names:
+            try:
+                fd = os.open(name, _DFLAGS, dir_fd=bfd)
+            except OSError:
+                continue  # replaced meanwhile: not followed
+            try:
+                tightened += _tighten(fd, os.path.join(base, name), quiet=True)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(bfd)
+    if tightened:
+        logger.info("KVBM disk tier: %d key-prefix directories under %s were open to other users; "
+                    "now 0700", tightened, base)
+
+
+def _tighten(fd: int, path: str, quiet: bool = False) -> bool:
+    """Take group and other bits off the directory `fd` if this user owns it; True when changed."""
+    st = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode)
+    if not mode & 0o077:
+        return False
+    if st.st_uid != os.geteuid():
+        logger.warning("KVBM disk tier: %s is mode %o and belongs to uid %d, not us: left as it is",
+                       path, mode, st.st_uid)
+        return False
+    os.fchmod(fd, mode & 0o700)
+    if not quiet:
+        logger.info("KVBM disk tier: %s was mode %o, open to other users; now %o", path, mode, mode & 0o700)
+    return True
+
+
+def _mkdir_private(path: str) -> bool:
+    """Create the directory `path` 0700 whatever the umask; False when something exists there."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return False
+    fd = os.open(path, _DFLAGS)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # the umask took bits away
+    finally:
+        os.close(fd)
+    return True
+
+
+def _make_missing(path: str) -> None:
+    """Create the missing directories of `path`, parents first, each 0700; existing ones are left
+    as they are."""
+    missing, p = [], os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        missing.append(p)
+        p = os.path.dirname(p)
+    for p in reversed(missing):
+        _mkdir_private(p)
 
 
 # The metadata blob of a block file: where the entry ends (token position) and the tier events it

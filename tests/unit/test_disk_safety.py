@@ -1,0 +1,364 @@
+"""The disk tier against whatever a directory may hold, and the modes of what it creates (issue 9
+part 5, issue 14). Real files, FIFOs, sockets, symlinks and sparse files; each call that could hang
+runs in a thread with a deadline."""
+
+import logging
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from vllm_kvbm_plugin.tiers import disk
+
+FP = bytes(range(16))
+SIZE = 4096
+GOOD, OTHER = (0x1111111111111111, 0x2222222222222222), (0x3333333333333333, 0x4444444444444444)
+
+
+def finishes(fn, *args, timeout: float = 10.0):
+    """fn(*args) in a daemon thread; fails the test if it does not return within `timeout`."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} hung"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def key_of(i: int) -> tuple[int, int]:
+    return (0xAB00000000000000 + i, i)  # every one in the "ab" prefix directory
+
+
+def payload(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+
+
+def store(base, key, seed=0, meta=b"meta"):
+    path = disk.block_path(str(base), key)
+    disk.write_block(path, key, FP, payload(seed), meta)
+    return path
+
+
+def is_miss(path, key):
+    """Every read of `path` as the block `key` is a miss, and none of them hangs."""
+    out = np.zeros(SIZE, dtype=np.uint8)
+    assert finishes(disk.read_meta, path) is None
+    assert finishes(disk.open_verified, path, key, FP, SIZE) is None
+    assert finishes(disk.read_into, path, key, FP, out) is None
+    return True
+
+
+@pytest.fixture
+def populated(tmp_path, monkeypatch):
+    """A rank directory holding two valid blocks and one of each kind of foreign content named
+    like block files (or not), plus a valid block outside it that symlinks point to."""
+    base = tmp_path / "r0"
+    store(base, GOOD, seed=1)
+    store(base, OTHER, seed=2)
+    elsewhere = tmp_path / "elsewhere"
+    outside_key = key_of(99)
+    outside = store(elsewhere, outside_key, seed=3)
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    ab = base / "ab"
+    ab.mkdir()
+    kinds = {}
+
+    def named(kind, i):
+        kinds[kind] = (ab / (disk.key_hex(key_of(i)) + disk.SUFFIX), key_of(i))
+        return kinds[kind][0]
+
+    os.mkfifo(named("fifo", 1))
+    os.symlink(outside, named("symlink_to_block", 2))
+    os.symlink(secret, named("symlink_to_passwd", 3))
+    os.symlink(tmp_path / "nowhere", named("dangling_symlink", 4))
+    named("directory", 5).mkdir()
+    with open(named("sparse_4g", 6), "wb") as f:
+        f.truncate(4 << 30)  # no real disk use
+    monkeypatch.chdir(ab)  # a socket path must be short
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(named("socket", 7).name)
+    try:
+        os.mknod(named("char_device", 8), stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    except (PermissionError, OSError):
+        del kinds["char_device"]
+    # a valid block of another format version (and one claiming a future one)
+    old = named("version_1", 9)
+    store(base, key_of(9), seed=9)
+    data = bytearray(old.read_bytes())
+    data[4:6] = (1).to_bytes(2, "little")
+    old.write_bytes(bytes(data))
+    # a valid block file copied under another key's name
+    named("wrong_key", 10).write_bytes(open(disk.block_path(str(base), GOOD), "rb").read())
+    # a header that claims huge metadata, with a file size to match: never read
+    huge = named("huge_meta", 11)
+    with open(huge, "wb") as f:
+        f.write(disk._HEADER.pack(disk.MAGIC, disk.VERSION, 0, disk.key_bytes(key_of(11)), FP, 0,
+                                  1 << 31, 0, 0))
+        f.truncate(disk.HEADER_SIZE + (1 << 31))
+    foreign = [ab / "README", ab / (disk.key_hex(key_of(12)).upper() + disk.SUFFIX),
+               ab / ("0x" + disk.key_hex(key_of(13))[2:] + disk.SUFFIX), ab / "notes.tmp",
+               base / "cd" / (disk.key_hex(key_of(14)) + disk.SUFFIX),  # the wrong prefix directory
+               base / "zz", base / (disk.key_hex(key_of(15)) + disk.SUFFIX)]  # not in a prefix directory
+    (base / "cd").mkdir()
+    for p in foreign:
+        p.write_bytes(b"not ours")
+    os.symlink(elsewhere / "ab", base / "ef")  # a prefix directory that is a symlink
+    os.mkfifo(base / "12")  # ... a FIFO
+    yield base, kinds, foreign, outside, secret
+    sock.close()
+
+
+def test_scan_lists_only_regular_block_files_and_never_hangs(populated):
+    base, kinds, foreign, outside, secret = populated
+    found = dict(finishes(disk.scan, str(base)))
+    regular = {k for kind, (p, k) in kinds.items() if p.is_file() and not p.is_symlink()}
+    assert set(found) == {GOOD, OTHER} | regular
+    assert {kind for kind, (_, k) in kinds.items() if k in regular} == {
+        "sparse_4g", "version_1", "wrong_key", "huge_meta"}  # ours by name: the scheduler reads and drops them
+    assert found[kinds["sparse_4g"][1]] == 4 << 30
+    # nothing is followed, nothing foreign removed, targets untouched
+    for p, _ in kinds.values():
+        assert os.path.lexists(p)
+    for p in foreign:
+        assert p.read_bytes() == b"not ours"
+    assert secret.read_text().startswith("root:") and os.path.isfile(outside)
+    assert os.path.islink(base / "ef") and stat.S_ISFIFO(os.lstat(base / "12").st_mode)
+
+
+def test_every_read_of_foreign_content_is_a_miss(populated):
+    base, kinds, foreign, outside, _ = populated
+    for kind, (path, key) in kinds.items():
+        assert is_miss(str(path), key), kind
+    for p in foreign:
+        assert finishes(disk.read_meta, str(p)) is None
+    # a huge or sparse file is rejected by its size, nothing close to it is allocated
+    tracemalloc.start()
+    for kind in ("sparse_4g", "huge_meta"):
+        path, key = kinds[kind]
+        disk.read_into(str(path), key, FP, np.zeros(SIZE, dtype=np.uint8))
+        disk.read_meta(str(path))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    # the untouched entries are still whole
+    for key, seed in ((GOOD, 1), (OTHER, 2)):
+        path = disk.block_path(str(base), key)
+        out = np.zeros(SIZE, dtype=np.uint8)
+        assert disk.read_meta(path) == b"meta"
+        assert disk.read_into(path, key, FP, out) == b"meta" and (out == payload(seed)).all()
+        fd, meta = disk.open_verified(path, key, FP, SIZE)
+        os.close(fd)
+    assert disk.read_meta(outside) == b"meta"  # the symlinks' target itself is fine
+
+
+def test_writes_never_go_through_symlinks_or_onto_foreign_entries(tmp_path):
+    base = tmp_path / "r0"
+    store(base, GOOD)
+    target = tmp_path / "target"
+    target.write_text("keep")
+    (base / "ab").mkdir()
+    # a block name taken by a symlink: the link itself is replaced, its target untouched
+    link = disk.block_path(str(base), key_of(1))
+    os.symlink(target, link)
+    store(base, key_of(1), seed=5)
+    assert not os.path.islink(link) and target.read_text() == "keep"
+    assert disk.read_into(link, key_of(1), FP, np.zeros(SIZE, np.uint8)) == b"meta"
+    # ... by a FIFO: replaced, no hang
+    fifo = disk.block_path(str(base), key_of(2))
+    os.mkfifo(fifo)
+    finishes(store, base, key_of(2))
+    assert os.path.isfile(fifo)
+    # ... by a directory: refused for this block only, the directory and its content stay
+    d = disk.block_path(str(base), key_of(3))
+    os.makedirs(os.path.join(d, "inside"))
+    with pytest.raises(disk.BlockRefused):
+        store(base, key_of(3))
+    assert os.path.isdir(os.path.join(d, "inside"))
+    # a prefix directory that is a symlink (or a file) is never written through
+    os.makedirs(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", base / "cd")
+    (base / "ef").write_bytes(b"x")
+    for key in ((0xCD << 56, 1), (0xEF << 56, 1)):
+        with pytest.raises(disk.BlockRefused):
+            store(base, key)
+    assert os.listdir(tmp_path / "elsewhere") == [] and (base / "ef").read_bytes() == b"x"
+    # no temporary file is ever left behind, and the tier keeps working
+    assert not [n for _, _, names in os.walk(base) for n in names if ".tmp" in n]
+    store(base, key_of(4))
+    assert set(dict(disk.scan(str(base)))) == {GOOD, key_of(1), key_of(2), key_of(4)}
+    with pytest.raises(disk.BlockRefused):
+        disk.write_block(disk.block_path(str(base), key_of(5)), key_of(5), FP, payload(0), b"m" * (disk.MAX_META + 1))
+
+
+def test_temporary_files_of_live_writers_stay_and_abandoned_ones_go(tmp_path):
+    base = tmp_path / "r0"
+    path = store(base, GOOD)
+    d = os.path.dirname(path)
+    crashed = path + ".tmp123"  # an older version's name, nobody holds it
+    abandoned = path + f".tmp{os.getpid()}.0badc0de"
+    for p in (crashed, abandoned):
+        open(p, "wb").write(b"partial")
+    foreign_tmp = os.path.join(d, "mine.tmp")
+    open(foreign_tmp, "wb").write(b"x")
+    fifo_tmp = path + ".tmp7"
+    os.mkfifo(fifo_tmp)
+    # a writer in another process holds its temporary file
+    live = disk.block_path(str(base), OTHER) + ".tmp999999.cafe"
+    os.mkdir(os.path.dirname(live))
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({live!r}, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "locked"
+        assert finishes(disk.scan, str(base)) == [(GOOD, os.path.getsize(path))]
+        assert os.path.exists(live), "a live writer's temporary file stays"
+        assert not os.path.exists(crashed) and not os.path.exists(abandoned)
+        assert os.path.exists(foreign_tmp) and stat.S_ISFIFO(os.lstat(fifo_tmp).st_mode)
+    finally:
+        writer.kill()
+        writer.wait()
+    disk.scan(str(base))
+    assert not os.path.exists(live), "once its writer is gone it is a leftover"
+
+
+def test_our_own_writes_hold_their_temporary_file_until_renamed(tmp_path):
+    base = tmp_path / "r0"
+    store(base, GOOD)
+    path = disk.block_path(str(base), OTHER)
+    seen = {}
+
+    def fill(fd):
+        os.write(fd, b"partial")
+        disk.scan(str(base))  # a starting engine scanning meanwhile
+        seen["temps"] = [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
+
+    disk._write_via_temp(path, fill, fsync=False)
+    assert len(seen["temps"]) == 1 and open(path, "rb").read() == b"partial"
+
+
+# ---- modes (issue 14) --------------------------------------------------------------------------
+def modes_below(root):
+    out = {}
+    for d, dirs, files in os.walk(root):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            out[os.path.relpath(p, root)] = stat.S_IMODE(os.lstat(p).st_mode)
+    return out
+
+
+@pytest.fixture
+def umask():
+    old = os.umask(0)
+    yield os.umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask", [0, 0o022, 0o277], ids=["umask-0", "umask-022", "umask-277"])
+def test_everything_the_tier_creates_is_private_whatever_the_umask(tmp_path, umask, mask):
+    umask(mask)
+    root = tmp_path / "kv"  # a disk_path that does not exist yet
+    base = disk.block_dir(str(root), FP, 0)
+    disk.prepare_block_dir(str(root), base)
+    for k in (GOOD, OTHER, key_of(1)):
+        store(base, k)
+    disk.write_atomic(disk.block_path(base, key_of(2)), disk.encode(key_of(2), FP, payload(0)))
+    umask(0o022)
+    modes = modes_below(tmp_path)
+    assert modes.pop("kv") == 0o700
+    dirs = {p: m for p, m in modes.items() if os.path.isdir(tmp_path / p)}
+    files = {p: m for p, m in modes.items() if p not in dirs}
+    assert len(dirs) == 2 + 3 and set(dirs.values()) == {0o700}, dirs  # layout, r0, ab, 11, 33
+    assert len(files) == 4 and set(files.values()) == {0o600}, files
+
+
+def test_existing_directories_are_tightened_but_not_disk_path_nor_others(tmp_path, umask):
+    umask(0o022)
+    root = tmp_path / "kv"
+    base = disk.block_dir(str(root), FP, 0)
+    store(base, GOOD)
+    store(base, OTHER)
+    for p in (root, os.path.dirname(base), base, os.path.join(base, "11"), os.path.join(base, "33")):
+        os.chmod(p, 0o755)  # as an older version left them
+    os.chmod(os.path.join(base, "33"), 0o2775)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.kvbm.disk")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        disk.prepare_block_dir(str(root), base)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o755, "the user's disk_path is theirs"
+    for p in (os.path.dirname(base), base, os.path.join(base, "11"), os.path.join(base, "33")):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700, p
+    text = " ".join(r.getMessage() for r in records)
+    assert "now 700" in text and "2 key-prefix directories" in text, text
+    assert disk.read_meta(disk.block_path(base, GOOD)) == b"meta"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_directories_of_other_users_are_left_alone(tmp_path, umask):
+    umask(0o022)
+    root = tmp_path / "kv"
+    base = disk.block_dir(str(root), FP, 0)
+    store(base, GOOD)
+    prefix = os.path.join(base, "11")
+    os.chmod(prefix, 0o755)
+    os.chown(prefix, 4242, 4242)
+    disk.prepare_block_dir(str(root), base)
+    st = os.stat(prefix)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o755, 4242)
+
+
+def test_symlinks_in_the_chain_are_refused_and_not_followed(tmp_path, umask):
+    umask(0o022)
+    root = tmp_path / "kv"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    (victim / "r0").mkdir(parents=True)
+    os.chmod(victim / "r0", 0o755)
+    os.symlink(victim, root / FP.hex())
+    base = disk.block_dir(str(root), FP, 0)
+    with pytest.raises(OSError, match="not a directory"):
+        disk.prepare_block_dir(str(root), base)
+    assert stat.S_IMODE(os.stat(victim / "r0").st_mode) == 0o755
+    assert disk.scan(base) == []  # nor read through
+    os.unlink(root / FP.hex())
+    os.mkfifo(root / FP.hex())
+    with pytest.raises(OSError, match="not a directory"):
+        finishes(disk.prepare_block_dir, str(root), base)
+    with pytest.raises(ValueError):
+        disk.make_private_dir(str(root), str(tmp_path))
+    # a disk_path that is itself a symlink is the user's choice: used as it is
+    real = tmp_path / "real"
+    real.mkdir()
+    os.chmod(real, 0o755)
+    os.symlink(real, tmp_path / "link")
+    base = disk.block_dir(str(tmp_path / "link"), FP, 0)
+    disk.prepare_block_dir(str(tmp_path / "link"), base)
+    store(base, GOOD)
+    assert stat.S_IMODE(os.stat(real).st_mode) == 0o755
+    assert stat.S_IMODE(os.stat(real / FP.hex()).st_mode) == 0o700
