@@ -10,7 +10,7 @@ msgspec on this host (no vLLM).
 import sys
 
 from vllm_kvbm_plugin.events.subscriber import Subscriber
-from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored
+from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored, tier_of
 from vllm_kvbm_plugin.events.validator import Validator
 
 
@@ -23,14 +23,17 @@ def main(endpoint: str, replay: str | None) -> None:
                 for ev in batch.events:
                     if isinstance(ev, BlockStored):
                         print(f"#{seq} stored {len(ev.block_hashes)} x {ev.block_size} tokens "
-                              f"group {ev.group_idx} ({ev.kv_cache_spec_kind}) on {ev.medium}")
+                              f"group {ev.group_idx} ({ev.kv_cache_spec_kind}) on {tier_of(ev).label}")
                     elif isinstance(ev, BlockRemoved):
-                        print(f"#{seq} removed {len(ev.block_hashes)} from group {ev.group_idx}")
+                        print(f"#{seq} removed {len(ev.block_hashes)} from group {ev.group_idx} "
+                              f"on {tier_of(ev).label}")
                     else:
                         print(f"#{seq} all blocks cleared")
         except KeyboardInterrupt:
             pass
-        print(f"stats: {sub.stats}; validator: {validator.errors} errors, {validator.report()['by_rule']}")
+        report = validator.report()
+        print(f"stats: {sub.stats}; validator: {validator.errors} errors, {report['by_rule']}; "
+              f"tiers: {report['tiers']}")
 
 
 if __name__ == "__main__":

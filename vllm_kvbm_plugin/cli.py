@@ -17,6 +17,7 @@ def _subscribe(args) -> int:
 
     validator = Validator(prompts=_prompts(args.prompts)) if args.validate else None
     out = open(args.out, "w") if args.out else sys.stdout
+    tiers: dict[str, dict[str, int]] = {}
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     n = 0
@@ -29,6 +30,7 @@ def _subscribe(args) -> int:
                 break
             for seq, batch in got:
                 n += 1
+                _count_tiers(batch, tiers)
                 if validator:
                     validator.apply(batch, seq)
                 if not args.quiet:
@@ -40,11 +42,21 @@ def _subscribe(args) -> int:
         sub.close()
         if args.out:
             out.close()
-    summary = {"subscriber": vars(sub.stats), "batches": n}
+    summary = {"subscriber": vars(sub.stats), "batches": n, "tiers": dict(sorted(tiers.items()))}
     if validator:
         summary["validator"] = validator.report()
     print(json.dumps(summary, indent=2), file=sys.stderr)
     return 1 if (validator and validator.errors) or sub.stats.lost else 0
+
+
+def _count_tiers(batch, tiers: dict[str, dict[str, int]]) -> None:
+    """Hashes stored and removed per tier ("medium[:locality[:ownership]]", see events.types.Tier)."""
+    from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored, tier_of
+
+    for ev in batch.events:
+        if isinstance(ev, (BlockStored, BlockRemoved)):
+            counts = tiers.setdefault(tier_of(ev).label, {"stored": 0, "removed": 0})
+            counts["stored" if isinstance(ev, BlockStored) else "removed"] += len(ev.block_hashes)
 
 
 def _validate(args) -> int:
@@ -56,6 +68,8 @@ def _validate(args) -> int:
         for seq, batch in recording.read(fp):
             v.apply(batch, seq)
     print(json.dumps(v.report(), indent=2))
+    for p in v.problems[:20]:  # the report's first_problems, one line each on stderr
+        print(f"#{p.seq} {p.rule} [{p.tier}]: {p.detail}", file=sys.stderr)
     return 1 if v.errors else 0
 
 

@@ -1,9 +1,20 @@
 import io
+import json
 import subprocess
 import sys
 
 from vllm_kvbm_plugin.events import recording
-from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch
+from vllm_kvbm_plugin.events.types import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    storage_tier,
+    tier_of,
+)
 
 
 def sample():
@@ -21,6 +32,28 @@ def test_msgpack_and_jsonl_round_trip():
     recording.write(buf, [(3, b)])
     buf.seek(0)
     assert list(recording.read(buf)) == [(3, b)]
+
+
+def test_tier_fields_are_in_the_json_lines_only_when_set():
+    disk = storage_tier("disk-0f3a")
+    b = KVEventBatch(ts=0.0, events=[
+        BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2, lora_id=None,
+                    lora_name=None, medium=disk.medium, locality=disk.locality, ownership=disk.ownership),
+        BlockRemoved(block_hashes=[1], medium=disk.medium, locality=disk.locality, ownership=disk.ownership),
+        BlockRemoved(block_hashes=[2], medium=MEDIUM_CPU)])
+    line = recording.dump_line(0, b)
+    stored, gone, cpu = json.loads(line)["batch"][1]
+    for ev in (stored, gone):
+        assert (ev["medium"], ev["locality"], ev["ownership"]) == ("STORAGE", "LOCAL", "disk-0f3a")
+    assert "locality" not in cpu and "ownership" not in cpu and cpu["medium"] == "CPU"
+    assert list(recording.read([line])) == [(0, b)]
+
+
+def test_legacy_disk_recordings_still_read():
+    line = ('{"seq":7,"batch":[1.0,[{"type":"BlockStored","block_hashes":[5],"parent_block_hash":null,'
+            '"token_ids":[1,2],"block_size":2,"lora_id":null,"medium":"DISK","lora_name":null}],null]}')
+    [(seq, b)] = recording.read([line])
+    assert seq == 7 and b.events[0].medium == MEDIUM_DISK and tier_of(b.events[0]).label == "DISK"
 
 
 def test_event_tools_do_not_import_vllm():

@@ -2,19 +2,38 @@ import json
 
 from vllm_kvbm_plugin import cli
 from vllm_kvbm_plugin.events import recording
-from vllm_kvbm_plugin.events.types import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from vllm_kvbm_plugin.events.types import (
+    LOCALITY_LOCAL,
+    LOCALITY_REMOTE,
+    MEDIUM_DISK,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Tier,
+    storage_tier,
+)
 from vllm_kvbm_plugin.events.validator import Prompt, Validator
 
 
-def stored(hashes, parent=None, bs=2, n_tokens=None, group=1, kind="full_attention", medium="GPU"):
+def stored(hashes, parent=None, bs=2, n_tokens=None, group=1, kind="full_attention", medium="GPU",
+           locality=None, ownership=None):
     n = len(hashes) * bs if n_tokens is None else n_tokens
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=list(range(n)),
                        block_size=bs, lora_id=None, medium=medium, lora_name=None,
-                       group_idx=group, kv_cache_spec_kind=kind)
+                       group_idx=group, kv_cache_spec_kind=kind, locality=locality, ownership=ownership)
 
 
-def removed(hashes, group=1, medium="GPU"):
-    return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
+def removed(hashes, group=1, medium="GPU", locality=None, ownership=None):
+    return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group, locality=locality,
+                        ownership=ownership)
+
+
+def on_disk(tier_id):
+    """The medium/locality/ownership of our disk tier's events."""
+    t = storage_tier(tier_id)
+    return {"medium": t.medium, "locality": t.locality, "ownership": t.ownership}
 
 
 def run(*events):
@@ -61,9 +80,75 @@ def test_sparse_kinds_allow_missing_parents_and_fewer_hashes():
 
 
 def test_all_blocks_cleared_clears_gpu_only():
-    v = run(stored([1]), stored([1], medium="CPU"), AllBlocksCleared(), stored([1]))
+    v = run(stored([1]), stored([1], medium="CPU"), stored([1], **on_disk("a")), AllBlocksCleared(), stored([1]))
     assert v.errors == 0
-    assert v.held(medium="CPU") == {1}
+    assert v.held(medium="CPU") == {1} and v.held(medium=MEDIUM_STORAGE) == {1}
+
+
+# ---- tiers in vLLM's vocabulary: (medium, locality, ownership) ----------------------------------
+
+def test_tier_labels():
+    assert Tier("GPU").label == "GPU" and Tier("CPU").label == "CPU"
+    assert storage_tier("disk-1f").label == "STORAGE:LOCAL:disk-1f"
+    assert Tier(MEDIUM_STORAGE, LOCALITY_REMOTE).label == "STORAGE:REMOTE"
+    assert Tier(MEDIUM_STORAGE, None, "x").label == "STORAGE:-:x"
+
+
+def test_storage_tiers_with_other_ownership_or_locality_are_separate_indexes():
+    a, b = on_disk("tier-a"), on_disk("tier-b")
+    remote_a = dict(a, locality=LOCALITY_REMOTE)
+    v = run(stored([1, 2], **a), stored([1, 2], **b), stored([1, 2], **remote_a),
+            stored([3], parent=2, **b), removed([1, 2], **a))
+    assert v.errors == 0, v.problems
+    assert v.held(medium=MEDIUM_STORAGE, ownership="tier-a", locality=LOCALITY_LOCAL) == set()
+    assert v.held(medium=MEDIUM_STORAGE, ownership="tier-b") == {1, 2, 3}
+    assert v.held(medium=MEDIUM_STORAGE, ownership="tier-a", locality=LOCALITY_REMOTE) == {1, 2}
+    assert v.held(medium=MEDIUM_STORAGE, locality=LOCALITY_LOCAL) == {1, 2, 3}
+    tiers = v.report()["tiers"]
+    assert tiers["STORAGE:LOCAL:tier-a"] == {"stored": 2, "removed": 2, "held": 0}
+    assert tiers["STORAGE:LOCAL:tier-b"] == {"stored": 3, "removed": 0, "held": 3}
+    assert tiers["STORAGE:REMOTE:tier-a"] == {"stored": 2, "removed": 0, "held": 2}
+    # a parent held only by another tier is unknown: tiers do not share chains
+    v = run(stored([1], **a), stored([2], parent=1, **b))
+    assert v.counts["unknown_parent"] == 1 and v.problems[0].tier == "STORAGE:LOCAL:tier-b"
+
+
+def test_removal_naming_another_ownership_or_no_ownership_is_unknown():
+    a = on_disk("tier-a")
+    v = run(stored([1], **a), removed([1], **on_disk("tier-b")))
+    assert v.counts["unknown_removal"] == 1
+    p = v.problems[0]
+    assert p.tier == "STORAGE:LOCAL:tier-b" and "STORAGE:LOCAL:tier-b" in p.detail
+    assert v.held(medium=MEDIUM_STORAGE) == {1}  # tier-a still holds it
+    # a removal without the ownership does not reach the owned tier either
+    assert run(stored([1], **a), removed([1], medium=MEDIUM_STORAGE)).counts["unknown_removal"] == 1
+    assert run(stored([1], **a), removed([1], **a)).errors == 0
+
+
+def test_mixed_gpu_cpu_storage_stream_validates():
+    disk = on_disk("3b1c9e0f")
+    v = run(stored([1, 2]),                                  # GPU prefix cache
+            stored([1], medium="CPU"), stored([2], parent=1, medium="CPU"),   # CPU tier, one block per event
+            stored([1], **disk), stored([2], parent=1, **disk),               # written through to disk
+            removed([2], medium="CPU"), removed([1], medium="CPU"),  # evicted from CPU, leaf first
+            removed([1, 2]),                                 # and from GPU
+            AllBlocksCleared(),
+            stored([1], medium="CPU"))                       # prefetched back from disk
+    assert v.errors == 0, v.problems
+    tiers = v.report()["tiers"]
+    assert set(tiers) == {"GPU", "CPU", "STORAGE:LOCAL:3b1c9e0f"}
+    assert tiers["STORAGE:LOCAL:3b1c9e0f"]["held"] == 2 and tiers["CPU"]["held"] == 1
+    assert v.report()["stored_by"]["STORAGE/g1/full_attention/2"] == 2
+
+
+def test_legacy_disk_stream_validates_as_its_own_medium():
+    v = run(stored([1, 2]), stored([1], medium=MEDIUM_DISK), stored([2], parent=1, medium=MEDIUM_DISK),
+            removed([2], medium=MEDIUM_DISK), AllBlocksCleared())
+    assert v.errors == 0, v.problems
+    assert v.held(medium=MEDIUM_DISK) == {1} and v.held(medium=MEDIUM_STORAGE) == set()
+    assert v.report()["tiers"]["DISK"] == {"stored": 2, "removed": 1, "held": 1}
+    # DISK is not STORAGE: a STORAGE removal of a DISK block is unknown
+    assert run(stored([1], medium=MEDIUM_DISK), removed([1], **on_disk("a"))).counts["unknown_removal"] == 1
 
 
 # ---- extra_keys against the prompts -------------------------------------------------------------
@@ -145,3 +230,18 @@ def test_cli_validate_with_prompts(tmp_path, capsys):
     prompts.write_text(json.dumps({"token_ids": TOKENS, "images": [{"offset": 3, "length": 5}]}) + "\n")
     assert cli.main(["validate", str(events), "--prompts", str(prompts)]) == 1
     assert json.loads(capsys.readouterr().out)["by_rule"]["extra_keys"] == 2  # both image blocks
+
+
+def test_cli_validate_names_the_tier_of_each_problem(tmp_path, capsys):
+    events = tmp_path / "events.jsonl"
+    recording.write(open(events, "w"), [
+        (0, KVEventBatch(ts=0.0, events=[stored([1, 2], **on_disk("tier-a"))])),
+        (1, KVEventBatch(ts=0.0, events=[removed([2], **on_disk("tier-b")), removed([2], **on_disk("tier-a"))])),
+    ])
+    assert cli.main(["validate", str(events)]) == 1
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["by_rule"]["unknown_removal"] == 1
+    assert report["first_problems"][0]["tier"] == "STORAGE:LOCAL:tier-b"
+    assert report["tiers"]["STORAGE:LOCAL:tier-a"] == {"stored": 2, "removed": 1, "held": 1}
+    assert "#1 unknown_removal [STORAGE:LOCAL:tier-b]" in captured.err

@@ -1,10 +1,21 @@
 """Our Subscriber against vLLM's real ZmqEventPublisher (PUB + replay ROUTER on ipc sockets)."""
 
+import json
+import threading
 import time
 
 import pytest
-from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+)
 
+from vllm_kvbm_plugin import cli
+from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.events.subscriber import Subscriber
 
 
@@ -74,3 +85,37 @@ def test_without_replay_the_loss_is_counted(publisher):
     assert [s for s, _ in collect(sub, 1)] == [2]
     assert sub.stats.lost == 2
     sub.close()
+
+
+def tier_batch(i):
+    """A CPU store and a disk-tier (STORAGE, LOCAL, owned) store and removal of hash i."""
+    disk = {"medium": MEDIUM_STORAGE, "locality": "LOCAL", "ownership": "disk-0f3a"}
+    common = {"block_hashes": [i], "parent_block_hash": None, "token_ids": [i] * 4, "block_size": 4,
+              "lora_id": None, "lora_name": None}
+    return KVEventBatch(ts=float(i), events=[
+        BlockStored(**common, medium=MEDIUM_CPU), BlockStored(**common, **disk),
+        BlockRemoved(block_hashes=[i], **disk)])
+
+
+def test_cli_subscribe_shows_each_tier(publisher, tmp_path, capsys):
+    pub, ep, replay = publisher
+    out = tmp_path / "events.jsonl"
+
+    def publish_later():
+        time.sleep(0.5)
+        for i in range(3):
+            pub.publish(tier_batch(i))
+
+    t = threading.Thread(target=publish_later)
+    t.start()
+    rc = cli.main(["subscribe", "--endpoint", ep, "--replay-endpoint", replay, "--topic", "kv",
+                   "--validate", "--out", str(out), "--idle-timeout", "2", "--max-batches", "3"])
+    t.join()
+    summary = json.loads(capsys.readouterr().err)
+    assert rc == 0 and summary["batches"] == 3
+    assert summary["tiers"] == {"CPU": {"stored": 3, "removed": 0},
+                                "STORAGE:LOCAL:disk-0f3a": {"stored": 3, "removed": 3}}
+    assert summary["validator"]["tiers"]["STORAGE:LOCAL:disk-0f3a"]["held"] == 0
+    first = json.loads(out.read_text().splitlines()[0])["batch"][1][1]
+    assert (first["medium"], first["locality"], first["ownership"]) == ("STORAGE", "LOCAL", "disk-0f3a")
+    assert [b.events[1].ownership for _, b in recording.read(open(out))] == ["disk-0f3a"] * 3

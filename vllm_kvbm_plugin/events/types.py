@@ -2,18 +2,56 @@
 
 Events are tagged maps (`{"type": "BlockStored", ...}`), batches are arrays
 `[ts, [events], data_parallel_rank]`; fields left at their default are omitted on the wire. Unknown
-fields are ignored on decode, so newer vLLM versions still decode. Block hashes are ints by default
-(low 64 bits of vLLM's digest) or bytes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0.
+fields are ignored on decode, so newer vLLM versions still decode; 0.33's `lookahead_token_ids` is
+mirrored. Offload tiers are named by (medium, locality, ownership), see `Tier`. Block hashes are
+ints by default (low 64 bits of vLLM's digest) or bytes with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0.
 """
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import msgspec
 
 BlockHash = Union[int, bytes]
-MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK = "GPU", "CPU", "DISK"
+
+# Media as vllm/distributed/kv_events.py names them (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE).
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE = "GPU", "CPU", "STORAGE"
+# Localities as vllm/v1/kv_offload/base.py's Locality enum spells them (relative to the publisher).
+LOCALITY_LOCAL, LOCALITY_REMOTE = "LOCAL", "REMOTE"
+# Legacy: the medium our disk tier announced before it spoke vLLM's vocabulary (STORAGE, LOCAL,
+# ownership = tier id). No router knows it; kept only so old recordings still read and validate.
+MEDIUM_DISK = "DISK"
+
+
+class Tier(NamedTuple):
+    """Where an event says blocks are held: vLLM's (medium, locality, ownership). A router keeps one
+    index per tier; GPU and CPU tiers leave locality and ownership None."""
+
+    medium: str | None
+    locality: str | None = None
+    ownership: str | None = None
+
+    @property
+    def label(self) -> str:
+        """"GPU", "CPU", "STORAGE:LOCAL:<ownership>" ("-" for a missing part before a given one)."""
+        parts = [self.medium, self.locality, self.ownership]
+        while len(parts) > 1 and parts[-1] is None:
+            parts.pop()
+        return ":".join("-" if p is None else p for p in parts)
+
+
+TIER_GPU = Tier(MEDIUM_GPU)
+TIER_CPU = Tier(MEDIUM_CPU)
+
+
+def storage_tier(ownership: str, locality: str = LOCALITY_LOCAL) -> Tier:
+    """A STORAGE tier named by `ownership` (a tier id stable across restarts)."""
+    return Tier(MEDIUM_STORAGE, locality, ownership)
+
+
+def tier_of(event: "BlockStored | BlockRemoved") -> Tier:
+    return Tier(event.medium, event.locality, event.ownership)
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):

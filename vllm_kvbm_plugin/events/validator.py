@@ -1,7 +1,10 @@
 """A router-like index of a KV event stream that reports every inconsistency it sees.
 
-The index holds, per (data-parallel rank, medium, group, block size), the block hashes currently
-announced. Rules checked:
+The index holds, per (data-parallel rank, tier, group, block size), the block hashes currently
+announced, where a tier is vLLM's (medium, locality, ownership): two STORAGE tiers with another
+locality or ownership are separate indexes, and a BlockRemoved removes from the tier it names.
+Old recordings whose disk tier says medium `DISK` (our name before vLLM's vocabulary) validate with
+`DISK` as a medium of its own; it is never taken for STORAGE. Rules checked:
 - unknown_parent: a BlockStored whose parent hash is not held at the same block size;
 - duplicate_store: a hash stored again while still held at the same block size;
 - unknown_removal: a BlockRemoved hash that is not held at any block size of its group;
@@ -21,7 +24,8 @@ rule are relaxed to "token count is a multiple of block_size and covers the hash
 BlockRemoved carries no block size. A hash at an inflated-block boundary is also the hash of that
 block's last unit, so with coarse and per-unit events both on the same hash is held at two sizes;
 a removal takes the largest size first, the order in which the plugin emits them.
-AllBlocksCleared clears the GPU medium (vLLM emits it from the GPU prefix cache reset).
+AllBlocksCleared clears the GPU medium (and events without a medium) only: vLLM emits it from the
+GPU prefix cache reset. Problems name the tier key (`Tier.label`, e.g. "STORAGE:LOCAL:<ownership>").
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from vllm_kvbm_plugin.events.types import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    Tier,
 )
 
 SPARSE_KINDS = frozenset(
@@ -51,6 +56,7 @@ class Problem:
     rule: str
     seq: int | None
     detail: str
+    tier: str | None = None  # Tier.label of the index the event applies to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,21 @@ class Prompt:
         return cls(tuple(d["token_ids"]), tuple(images), str(d.get("name", "")))
 
 
+class _Index:
+    """The router index of one (dp, medium, locality, ownership, group): block size -> held
+    hashes, and how many hashes it was told to store and remove."""
+
+    __slots__ = ("sizes", "stored", "removed")
+
+    def __init__(self):
+        self.sizes: dict[int, set] = {}
+        self.stored = 0
+        self.removed = 0
+
+    def held(self) -> int:
+        return sum(len(s) for s in self.sizes.values())
+
+
 def read_prompts(fp: IO[str]) -> list[Prompt]:
     """Prompts as JSON lines, one request per line (see `Prompt.from_json`)."""
     out = []
@@ -90,8 +111,8 @@ def read_prompts(fp: IO[str]) -> list[Prompt]:
 
 class Validator:
     def __init__(self, max_problems_kept: int = 1000, prompts: Iterable[Prompt] | None = None):
-        # (dp, medium, group) -> block size -> held hashes
-        self._held: dict[tuple, dict[int, set]] = {}
+        # index key (dp, medium, locality, ownership, group) -> its index
+        self._held: dict[tuple, _Index] = {}
         self.counts: Counter[str] = Counter()
         self.problems: list[Problem] = []
         self.max_problems_kept = max_problems_kept
@@ -110,12 +131,14 @@ class Validator:
         return sum(self.counts[r] for r in RULES)
 
     def held(self, medium: str = MEDIUM_GPU, group: int | None = None, block_size: int | None = None,
-             dp: int | None = None) -> set:
-        """Hashes currently held (for assertions and inspection)."""
+             dp: int | None = None, locality: str | None = None, ownership: str | None = None) -> set:
+        """Hashes currently held (for assertions and inspection); locality and ownership None
+        match any."""
         out: set = set()
-        for (d, m, g), sizes in self._held.items():
-            if m == medium and (group is None or g == group) and (dp is None or d == dp):
-                for bs, hashes in sizes.items():
+        for (d, m, loc, own, g), index in self._held.items():
+            if (m == medium and (group is None or g == group) and (dp is None or d == dp)
+                    and (locality is None or loc == locality) and (ownership is None or own == ownership)):
+                for bs, hashes in index.sizes.items():
                     if block_size is None or bs == block_size:
                         out |= hashes
         return out
@@ -129,33 +152,36 @@ class Validator:
             elif isinstance(ev, BlockRemoved):
                 self._removed(dp, ev, seq)
             elif isinstance(ev, AllBlocksCleared):
-                for key in [k for k in self._held if k[0] == dp and k[1] in (MEDIUM_GPU, None)]:
-                    del self._held[key]
+                for key, index in self._held.items():
+                    if key[0] == dp and key[1] in (MEDIUM_GPU, None):
+                        index.sizes = {}
 
     def _stored(self, dp, ev: BlockStored, seq) -> None:
-        gkey = (dp, ev.medium, ev.group_idx)
+        gkey = (dp, ev.medium, ev.locality, ev.ownership, ev.group_idx)
         sparse = ev.kv_cache_spec_kind in SPARSE_KINDS
-        held = self._held.setdefault(gkey, {}).setdefault(ev.block_size, set())
+        index = self._held.get(gkey) or self._new_index(gkey)
+        held = index.sizes.setdefault(ev.block_size, set())
         hashes = ev.block_hashes
         n_tokens = len(ev.token_ids)
         if sparse:
             if n_tokens % ev.block_size or n_tokens < len(hashes) * ev.block_size:
-                self._problem("token_count", seq, f"{n_tokens} tokens for {len(hashes)} hashes of {ev.block_size} (sparse group {gkey})")
+                self._problem("token_count", seq, f"{n_tokens} tokens for {len(hashes)} hashes of {ev.block_size} (sparse group) in {_where(gkey)}", gkey)
         elif n_tokens != len(hashes) * ev.block_size:
-            self._problem("token_count", seq, f"{n_tokens} tokens for {len(hashes)} hashes of {ev.block_size} in {gkey}")
+            self._problem("token_count", seq, f"{n_tokens} tokens for {len(hashes)} hashes of {ev.block_size} in {_where(gkey)}", gkey)
         if not sparse and ev.parent_block_hash is not None and ev.parent_block_hash not in held:
-            self._problem("unknown_parent", seq, f"parent {_short(ev.parent_block_hash)} of {_short(hashes[0]) if hashes else '-'} not held in {gkey} at block size {ev.block_size}")
+            self._problem("unknown_parent", seq, f"parent {_short(ev.parent_block_hash)} of {_short(hashes[0]) if hashes else '-'} not held in {_where(gkey)} at block size {ev.block_size}", gkey)
         # set operations run in C, so the validator keeps up with large streams
         dup = held.intersection(hashes)
         before = len(held)
         held.update(hashes)
         for h in dup:
-            self._problem("duplicate_store", seq, f"{_short(h)} already held in {gkey} at block size {ev.block_size}")
+            self._problem("duplicate_store", seq, f"{_short(h)} already held in {_where(gkey)} at block size {ev.block_size}", gkey)
         if len(held) - before != len(hashes) - len(dup):
-            self._problem("duplicate_store", seq, f"a hash repeats within one event in {gkey}")
+            self._problem("duplicate_store", seq, f"a hash repeats within one event in {_where(gkey)}", gkey)
         if self.prompts is not None and not sparse:
             self._check_extra_keys(ev, seq)
         self.stored_hashes += len(hashes)
+        index.stored += len(hashes)
         self.stored_by[f"{ev.medium}/g{ev.group_idx}/{ev.kv_cache_spec_kind}/{ev.block_size}"] += len(hashes)
 
     def _check_extra_keys(self, ev: BlockStored, seq) -> None:
@@ -190,12 +216,15 @@ class Validator:
                 p = min(cands)
                 want = [(im.identifier or "?", off) for _, im, off in _images_in(prompts[p], start, bs)]
                 self._problem("extra_keys", seq, f"{_short(h)} = tokens [{start}, {start + bs}) of prompt "
-                              f"{prompts[p].name or p}: extra_keys {got or None}, expected {want or None}")
+                              f"{prompts[p].name or p}: extra_keys {got or None}, expected {want or None}",
+                              (None, ev.medium, ev.locality, ev.ownership, ev.group_idx))
                 placed = {p: (b, True) for p, (b, _) in placed.items()}  # reported once, not per child
             self._placed[(bs, h)] = (start, placed)
 
     def _removed(self, dp, ev: BlockRemoved, seq) -> None:
-        sizes = self._held.get((dp, ev.medium, ev.group_idx), {})
+        gkey = (dp, ev.medium, ev.locality, ev.ownership, ev.group_idx)
+        index = self._held.get(gkey) or self._new_index(gkey)
+        sizes = index.sizes
         rest = ev.block_hashes
         for bs in sorted(sizes, reverse=True):  # largest block size first
             hit = sizes[bs].intersection(rest)
@@ -205,13 +234,18 @@ class Validator:
             if not rest:
                 break
         for h in rest:
-            self._problem("unknown_removal", seq, f"{_short(h)} not held in {(dp, ev.medium, ev.group_idx)}")
+            self._problem("unknown_removal", seq, f"{_short(h)} not held in {_where(gkey)}", gkey)
         self.removed_hashes += len(ev.block_hashes)
+        index.removed += len(ev.block_hashes)
 
-    def _problem(self, rule: str, seq, detail: str) -> None:
+    def _new_index(self, gkey: tuple) -> "_Index":
+        index = self._held[gkey] = _Index()
+        return index
+
+    def _problem(self, rule: str, seq, detail: str, gkey: tuple | None = None) -> None:
         self.counts[rule] += 1
         if len(self.problems) < self.max_problems_kept:
-            self.problems.append(Problem(rule, seq, detail))
+            self.problems.append(Problem(rule, seq, detail, _tier(gkey).label if gkey else None))
 
     def report(self) -> dict:
         rep = {
@@ -219,7 +253,8 @@ class Validator:
             "stored_hashes": self.stored_hashes,
             "removed_hashes": self.removed_hashes,
             "stored_by": dict(sorted(self.stored_by.items())),
-            "held_hashes": sum(len(s) for sizes in self._held.values() for s in sizes.values()),
+            "tiers": self._tiers_report(),
+            "held_hashes": sum(index.held() for index in self._held.values()),
             "errors": self.errors,
             "by_rule": {r: self.counts[r] for r in RULES},
             "first_problems": [dataclasses.asdict(p) for p in self.problems[:20]],
@@ -227,6 +262,16 @@ class Validator:
         if self.prompts is not None:
             rep["prompt_blocks"] = {k: self.prompt_blocks[k] for k in ("checked", "with_images")}
         return rep
+
+    def _tiers_report(self) -> dict:
+        """Per tier (label "medium[:locality[:ownership]]"): hashes stored, removed and held now."""
+        out: dict[str, dict[str, int]] = {}
+        for gkey, index in self._held.items():
+            counts = out.setdefault(_tier(gkey).label, {"stored": 0, "removed": 0, "held": 0})
+            counts["stored"] += index.stored
+            counts["removed"] += index.removed
+            counts["held"] += index.held()
+        return dict(sorted(out.items()))
 
 
 def _images_in(prompt: Prompt, start: int, bs: int) -> list[tuple[int, Image, int]]:
@@ -253,6 +298,16 @@ def _match(prompt: Prompt, start: int, bs: int, got: list[tuple], bound: tuple) 
             return None
         bound[k] = ident
     return tuple(bound)
+
+
+def _tier(gkey: tuple) -> Tier:
+    return Tier(*gkey[1:4])
+
+
+def _where(gkey: tuple) -> str:
+    """The index an event applies to, as problems name it (built only for problems: it is slow)."""
+    dp, group = gkey[0], gkey[4]
+    return f"tier {_tier(gkey).label} group {group}" + (f" dp {dp}" if dp is not None else "")
 
 
 def _short(h) -> str:
