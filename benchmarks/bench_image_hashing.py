@@ -2,7 +2,7 @@
 
 vLLM's own request block hasher (its default sha256, with the multimodal extra keys, exactly the
 function that fills `request.block_hashes`) against our full key computation for the same request,
-i.e. `SchedulerSide._unit_keys`: vLLM's extra keys for the units that can have some, `extra_hash`
+i.e. `scheduler.unit_keys`: vLLM's extra keys for the units that can have some, `extra_hash`
 of each, one `request_keys` call, keys back as Python int pairs.
 The same two on the text-only prompt for comparison. Each figure is the best and the median of
 `--repeat` single runs (`timing.best(1, ...)` per run; the CPU is shared).
@@ -23,7 +23,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.connector.scheduler import SchedulerSide, _Request
+from vllm_kvbm_plugin.connector.scheduler import RequestKeys, unit_keys
 from vllm_kvbm_plugin.hashing import extra_hash, spec
 
 from timing import best
@@ -49,10 +49,8 @@ def make_request(n_tokens: int, n_images: int, rng: random.Random, with_images: 
 
 
 def our_keys(pool, req: Request, unit: int, root) -> list:
-    """The connector's own key computation (SchedulerSide._unit_keys) for a fresh request."""
-    side = SchedulerSide.__new__(SchedulerSide)
-    side.hash_unit, side.pool, side.root = unit, pool, root
-    return side._unit_keys(_Request(req, []), req.num_tokens // unit)
+    """The connector's own key computation (scheduler.unit_keys) for a fresh request."""
+    return unit_keys(RequestKeys(req, []), req.num_tokens // unit, unit, root, pool)
 
 
 def extra_keys_only(pool, req: Request, unit: int) -> list:

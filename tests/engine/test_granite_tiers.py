@@ -108,8 +108,8 @@ def test_granite_hybrid_hits_from_cpu_then_disk_in_a_new_process(run_engine, bas
     assert v.errors == 0, v.report()
     stored = v.report()["stored_by"]
     assert any(k.startswith("CPU/") and "/mamba/" in k for k in stored), stored  # state entries announced
-    assert any(k.startswith("DISK/") and "/mamba/" in k for k in stored), stored
-    assert any(k.startswith("DISK/") and "/full_attention/" in k for k in stored), stored
+    assert any(k.startswith("STORAGE/") and "/mamba/" in k for k in stored), stored
+    assert any(k.startswith("STORAGE/") and "/full_attention/" in k for k in stored), stored
 
     # a new engine process on the same disk_path: the same hits, from disk (the branches' base
     # states at 96 and 192 were not needed by the prompts' own hits, so they are read from disk too)

@@ -47,7 +47,7 @@ def test_hybrid_hits_from_cpu_then_disk_in_a_new_process(run_engine, baseline, t
     assert v.errors == 0, v.report()
     stored = v.report()["stored_by"]
     assert any(k.startswith("CPU/") and "/mamba/" in k for k in stored), stored  # state entries announced
-    assert any(k.startswith("DISK/") and "/full_attention/" in k for k in stored), stored
+    assert any(k.startswith("STORAGE/") and "/full_attention/" in k for k in stored), stored
 
     # a new engine process on the same disk_path: the same hits, from disk
     r2 = run(run_engine, [{"prompts": PROMPTS}], cpu_bytes_to_use=64 << 20, disk_path=str(tmp_path))

@@ -196,7 +196,11 @@ def test_tier_events_validate_on_a_mixed_stream(run_engine, tmp_path):
     v = validate(r)
     assert v.errors == 0, v.report()["first_problems"]
     by = v.report()["stored_by"]
-    assert by.get("CPU/g0/full_attention/32", 0) > 0 and by.get("DISK/g0/full_attention/32", 0) >= 6, by
+    assert by.get("CPU/g0/full_attention/32", 0) > 0 and by.get("STORAGE/g0/full_attention/32", 0) >= 6, by
+    # vLLM's tier vocabulary: GPU, CPU and one STORAGE tier (local, named by its layout root)
+    assert {k.split("/")[0] for k in by} == {"GPU", "CPU", "STORAGE"}, by
+    storage = [t for t in v.report()["tiers"] if t.startswith("STORAGE")]
+    assert len(storage) == 1 and storage[0].startswith("STORAGE:LOCAL:kvbm-disk:"), storage
 
 
 def test_disk_blocks_of_an_earlier_run_are_announced_after_a_restart(run_engine, tmp_path):
@@ -210,7 +214,7 @@ def test_disk_blocks_of_an_earlier_run_are_announced_after_a_restart(run_engine,
                         disk_path=str(tmp_path)))
     v = validate(r)
     assert v.errors == 0, v.report()["first_problems"]
-    assert v.report()["stored_by"].get("DISK/g0/full_attention/32", 0) >= 6 + 2  # 6 from before, 2 new
+    assert v.report()["stored_by"].get("STORAGE/g0/full_attention/32", 0) >= 6 + 2  # 6 from before, 2 new
     assert "6 announced, 1 unreadable files removed" in r["log"] and not stale.exists()
 
 

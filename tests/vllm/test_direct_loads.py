@@ -8,34 +8,34 @@ import numpy as np
 import torch
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import KVBMMetadata
+from vllm_kvbm_plugin.connector.metadata import DirectLoad, KVBMMetadata, Load, Op, Report
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
 
 
 def test_direct_load_reads_the_verified_file_into_the_block(tmp_path):
     # slots longer than an entry, as when a hybrid model's state entries are the larger kind
-    w, buf = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, extra_slot_bytes=64, disk_base=str(tmp_path))
+    w, buf = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, extra_slot_bytes=64, disk_path=str(tmp_path))
     key = (7, 9)
-    w._copy([(KV, (3,), 0)], to_pool=True)  # block 3 -> slot 0 -> a block file
+    w._copy([Load(KV, (3,), 0)], to_pool=True)  # block 3 -> slot 0 -> a block file
     path = disk.block_path(w.disk_base, key)
     disk.write_block(path, key, w.fingerprint, w.pool[0].numpy())
     buf[:, 5].zero_()
 
     w.start_load_kv(KVBMMetadata(opens=[key]))
-    assert w.report.opened == [key] and key in w.held
+    assert w.reports == [Report(Op.OPEN, key, True)] and key in w.held
     os.unlink(path)  # evicted by someone else: the open file still reads
-    w.start_load_kv(KVBMMetadata(disk_loads=[(KV, (5,), key)], closes=[key]))
+    w.start_load_kv(KVBMMetadata(direct_loads=[DirectLoad(KV, (5,), key)], closes=[key]))
     assert torch.equal(buf[:, 5], buf[:, 3]) and not w.held
     assert w.take_load_errors() == set()
     assert w.get_stats().data["disk_load_blocks"] == 1
 
-    w.start_load_kv(KVBMMetadata(disk_loads=[(KV, (6,), key)]))  # no file held: a load error
+    w.start_load_kv(KVBMMetadata(direct_loads=[DirectLoad(KV, (6,), key)]))  # no file held: a load error
     assert w.take_load_errors() == {6} and w.take_load_errors() == set()
 
 
 def test_a_file_that_fails_verification_is_not_held(tmp_path):
-    w, _ = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_base=str(tmp_path))
+    w, _ = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_path=str(tmp_path))
     key = (1, 1)
     path = disk.block_path(w.disk_base, key)
     disk.write_block(path, key, w.fingerprint, np.zeros(w.slot_bytes, np.uint8))
@@ -43,4 +43,4 @@ def test_a_file_that_fails_verification_is_not_held(tmp_path):
     data[disk.HEADER_SIZE + 5] ^= 1
     open(path, "wb").write(data)
     w.start_load_kv(KVBMMetadata(opens=[key, (2, 2)]))  # corrupt, missing
-    assert w.report.open_failed == [key, (2, 2)] and not w.held
+    assert w.reports == [Report(Op.OPEN, key, False), Report(Op.OPEN, (2, 2), False)] and not w.held

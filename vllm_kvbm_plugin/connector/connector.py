@@ -20,14 +20,17 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = config.connector_config(vllm_config)
         self._sched = self._worker = None
+        from vllm_kvbm_plugin.connector.layout import Layout
+
+        layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg)  # raises for groups we cannot hold
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvbm_plugin.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(vllm_config, kv_cache_config, cfg)
+            self._sched = SchedulerSide(layout, cfg)
         else:
             from vllm_kvbm_plugin.connector.worker import WorkerSide
 
-            self._worker = WorkerSide(vllm_config, kv_cache_config, cfg)
+            self._worker = WorkerSide(layout, cfg, _tensor_parallel_rank())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -81,8 +84,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- scheduler side --------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched.kv_cache_manager = kv_cache_manager
-        self._sched.pool = kv_cache_manager.block_pool
+        self._sched.bind(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -106,3 +108,12 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self):
         return self._sched.take_events()
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - not initialised in some harnesses
+        return 0

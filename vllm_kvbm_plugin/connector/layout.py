@@ -1,4 +1,7 @@
-"""Identity of a KV layout: the root of the block keys and the disk tier's directory.
+"""The layout both connector sides share, built once from vLLM's configs: which KV cache groups a
+tier entry spans, block and hash-unit sizes, slot size and counts, the key root, the tier
+directories. The scheduler side plans with it, the workers copy and name files with it, and tests
+build either side from it without an engine.
 
 The key root salts every block key with what makes KV bytes differ (model, dtype, KV cache spec,
 hash unit, tensor-parallel size), so two models or layouts sharing a `disk_path` never collide;
@@ -7,10 +10,80 @@ the workers add their rank to the directory and check the exact tensor layout in
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import os
 
 from vllm_kvbm_plugin.hashing import root_key
+
+
+class EntryKind(enum.Enum):
+    """What a tier entry holds: the attention KV of one block, or the recurrent state of a hybrid
+    model at one position (vLLM's align-mode Mamba checkpoint). One entry spans every group of its
+    kind."""
+    KV = "kv"
+    STATE = "state"
+
+
+KV, STATE = EntryKind.KV, EntryKind.STATE
+_ENTRY_OF_KIND = {"full_attention": KV, "mla_attention": KV, "mamba": STATE}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    groups: dict  # EntryKind -> tuple of KV cache group indices
+    spec_kinds: tuple[str, ...]  # vLLM's kv_cache_spec_kind per group (for events)
+    layer_names: tuple[tuple[str, ...], ...]  # per group
+    num_blocks: int  # vLLM's KV cache blocks (finds the block dimension of a KV tensor)
+    block_size: int  # vLLM's (possibly inflated) block
+    hash_unit: int  # hash_block_size: hybrid hits land on these boundaries
+    slot_bytes: int  # one tier entry, the larger of a KV and a state entry
+    cpu_slots: int
+    disk_slots: int
+    root: tuple[int, int]  # the key root (see module docstring)
+    world: int  # workers that each hold a shard and report every operation
+    disk_path: str | None
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.groups[STATE])
+
+    @property
+    def units_per_block(self) -> int:
+        return self.block_size // self.hash_unit
+
+    @property
+    def tier_dir(self) -> str | None:
+        return tier_dir(self.disk_path, self.root) if self.disk_path else None
+
+    def rank_dir(self, rank: int) -> str | None:
+        return rank_dir(self.disk_path, self.root, rank) if self.disk_path else None
+
+    @classmethod
+    def from_vllm(cls, vllm_config, kv_cache_config, cfg) -> "Layout":
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+        kv_groups = kv_cache_config.kv_cache_groups
+        groups = entry_groups(kv_cache_config)
+        block_size = kv_groups[0].kv_cache_spec.block_size
+        unit = kv_cache_config.hash_block_size or block_size  # the patch applied cfg.hash_block_size
+        size = slot_bytes(kv_cache_config, groups)
+        pc = vllm_config.parallel_config
+        return cls(
+            groups=groups,
+            spec_kinds=tuple(get_kv_cache_spec_kind(g.kv_cache_spec).value for g in kv_groups),
+            layer_names=tuple(tuple(g.layer_names) for g in kv_groups),
+            num_blocks=kv_cache_config.num_blocks,
+            block_size=block_size,
+            hash_unit=unit,
+            slot_bytes=size,
+            cpu_slots=cfg.cpu_bytes_to_use // size,
+            disk_slots=cfg.disk_bytes_to_use // size,
+            root=key_root(vllm_config, kv_cache_config, unit),
+            world=pc.world_size,
+            disk_path=cfg.disk_path,
+        )
 
 
 def key_root(vllm_config, kv_cache_config, unit: int) -> tuple[int, int]:
@@ -36,17 +109,11 @@ def tensor_fingerprint(root: tuple[int, int], layers: list[tuple[str, tuple, str
     return h.digest()
 
 
-# What a tier entry holds: attention KV of one block, or the recurrent state of a hybrid model at one
-# position (vLLM's align-mode Mamba checkpoint). One entry spans every group of its kind.
-KV, STATE = "kv", "state"
-_ENTRY_OF_KIND = {"full_attention": KV, "mla_attention": KV, "mamba": STATE}
-
-
-def entry_groups(kv_cache_config) -> dict[str, list[int]]:
-    """{KV: [group indices], STATE: [...]} of a KV cache config; other group kinds are refused."""
+def entry_groups(kv_cache_config) -> dict:
+    """{KV: (group indices), STATE: (...)} of a KV cache config; other group kinds are refused."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
-    out: dict[str, list[int]] = {KV: [], STATE: []}
+    out: dict = {KV: [], STATE: []}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         kind = get_kv_cache_spec_kind(group.kv_cache_spec).value
         if kind not in _ENTRY_OF_KIND:
@@ -60,14 +127,14 @@ def entry_groups(kv_cache_config) -> dict[str, list[int]]:
     if len(sizes) != 1:
         raise ValueError(f"KVBMConnector: KV cache groups with different block sizes {sorted(sizes)} "
                          "are not supported")
-    return out
+    return {kind: tuple(gs) for kind, gs in out.items()}
 
 
-def slot_bytes(kv_cache_config) -> int:
+def slot_bytes(kv_cache_config, groups: dict) -> int:
     """Bytes of one pool slot: the larger of a KV entry and a state entry (vLLM's padded pages)."""
-    groups = kv_cache_config.kv_cache_groups
-    return max(sum(groups[g].kv_cache_spec.page_size_bytes * len(groups[g].layer_names) for g in gs)
-               for gs in entry_groups(kv_cache_config).values())
+    kv_groups = kv_cache_config.kv_cache_groups
+    return max(sum(kv_groups[g].kv_cache_spec.page_size_bytes * len(kv_groups[g].layer_names) for g in gs)
+               for gs in groups.values())
 
 
 # Keys of the entries a hybrid hit at X needs besides whole blocks: the state at X and the KV block

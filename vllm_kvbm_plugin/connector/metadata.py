@@ -1,54 +1,117 @@
 """What the scheduler side tells the workers each step, and what they report back.
 
-Plain dataclasses of ints and tuples: SchedulerOutput is pickled to the workers (vLLM's choice);
-nothing here defines a format of our own.
+Named tuples of ints, one list per kind of operation: SchedulerOutput is pickled to the workers
+(vLLM's choice); nothing here defines a format of our own. An entry of a `kind` (layout.EntryKind)
+spans the groups of that kind: `block_ids` holds one block id per group.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
 
+from vllm_kvbm_plugin.connector.layout import EntryKind
+
 Key = tuple[int, int]
+
+
+class Load(NamedTuple):
+    """CPU slot -> KV blocks, before the forward."""
+    kind: EntryKind
+    block_ids: tuple[int, ...]
+    slot: int
+
+
+class Store(NamedTuple):
+    """KV blocks -> CPU slot, after the forward."""
+    key: Key
+    kind: EntryKind
+    block_ids: tuple[int, ...]
+    slot: int
+
+
+class Prefetch(NamedTuple):
+    """Disk file -> CPU slot, verified, before the loads."""
+    key: Key
+    slot: int
+
+
+class DiskWrite(NamedTuple):
+    """CPU slot -> disk file, in the background after the stores; `meta` is the file's metadata."""
+    key: Key
+    slot: int
+    meta: bytes
+
+
+class DirectLoad(NamedTuple):
+    """An open, verified disk file -> KV blocks (entries the CPU tier has no room for)."""
+    kind: EntryKind
+    block_ids: tuple[int, ...]
+    key: Key
 
 
 @dataclasses.dataclass
 class KVBMMetadata(KVConnectorMetadata):
-    # disk -> CPU slot, verified; runs first (before loads) in start_load_kv
-    prefetches: list[tuple[Key, int]] = dataclasses.field(default_factory=list)
-    # CPU slot -> KV blocks, before the forward (synchronous loads). An entry of `kind` (layout.KV or
-    # layout.STATE) spans the groups of that kind: one block id per group.
-    loads: list[tuple[str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)  # (kind, ids, slot)
-    # KV blocks -> CPU slot, after the forward (wait_for_save)
-    stores: list[tuple[Key, str, tuple[int, ...], int]] = dataclasses.field(default_factory=list)  # (key, kind, ids, slot)
-    # CPU slot -> disk file, in the background after the stores; meta = file metadata blob
-    disk_writes: list[tuple[Key, int, bytes]] = dataclasses.field(default_factory=list)
-    # direct disk loads, for entries the CPU tier has no room for: `opens` verifies a block file and
-    # keeps it open (first, in start_load_kv); `disk_loads` reads open files straight into KV blocks
-    # (after the CPU loads); `closes` closes them (last)
+    # start_load_kv runs, in order: opens (verify a block file, keep it open), prefetches, loads,
+    # direct loads, closes; wait_for_save runs stores, then queues the disk writes.
     opens: list[Key] = dataclasses.field(default_factory=list)
-    disk_loads: list[tuple[str, tuple[int, ...], Key]] = dataclasses.field(default_factory=list)  # (kind, ids, key)
+    prefetches: list[Prefetch] = dataclasses.field(default_factory=list)
+    loads: list[Load] = dataclasses.field(default_factory=list)
+    direct_loads: list[DirectLoad] = dataclasses.field(default_factory=list)
     closes: list[Key] = dataclasses.field(default_factory=list)
+    stores: list[Store] = dataclasses.field(default_factory=list)
+    disk_writes: list[DiskWrite] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
+class Op(enum.Enum):
+    """The worker operations whose outcome the scheduler side waits for."""
+    STORE = "store"
+    PREFETCH = "prefetch"
+    OPEN = "open"
+    WRITE = "write"
+
+
+class Report(NamedTuple):
+    op: Op
+    key: Key
+    ok: bool
+
+
 @dataclasses.dataclass
 class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
-    stored: list[Key] = dataclasses.field(default_factory=list)
-    prefetched: list[Key] = dataclasses.field(default_factory=list)
-    prefetch_failed: list[Key] = dataclasses.field(default_factory=list)
-    disk_written: list[Key] = dataclasses.field(default_factory=list)
-    disk_failed: list[Key] = dataclasses.field(default_factory=list)
-    opened: list[Key] = dataclasses.field(default_factory=list)
-    open_failed: list[Key] = dataclasses.field(default_factory=list)
+    reports: list[Report] = dataclasses.field(default_factory=list)
 
     def aggregate(self, other: "KVBMWorkerMetadata") -> "KVBMWorkerMetadata":
-        # Concatenated; the scheduler side counts a key done once every worker reported it.
-        return KVBMWorkerMetadata(*(getattr(self, f.name) + getattr(other, f.name)
-                                    for f in dataclasses.fields(self)))
+        # Concatenated: the scheduler side decides once every worker reported (Quorum).
+        return KVBMWorkerMetadata(self.reports + other.reports)
+
+
+class Quorum:
+    """The outcome of each (operation, key) once every worker reported it: ok only if all did.
+
+    Waiting for every report (instead of deciding at the first failure) means a late report of a
+    worker can never count towards the next time the same operation runs on the same key."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.pending: dict[tuple[Op, Key], list[int]] = {}  # -> [reports, successes]
+
+    def add(self, report: Report) -> bool | None:
+        """True / False once all workers reported (`report` was the last), else None."""
+        op_key = (report.op, report.key)
+        counts = self.pending.setdefault(op_key, [0, 0])
+        counts[0] += 1
+        counts[1] += report.ok
+        if counts[0] < self.world:
+            return None
+        del self.pending[op_key]
+        return counts[1] == self.world

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.layout import entry_groups, key_root, rank_dir, slot_bytes, tensor_fingerprint
-from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
+from vllm_kvbm_plugin.connector.layout import EntryKind, Layout, tensor_fingerprint
+from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata, Load, Op, Report
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -54,30 +54,17 @@ class _Layer:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config, kv_cache_config, cfg: KVBMConfig):
-        self.cfg = cfg
-        self.kv_cache_config = kv_cache_config
-        self.groups = entry_groups(kv_cache_config)
-        self.slot_bytes = slot_bytes(kv_cache_config)
-        self.num_slots = cfg.cpu_bytes_to_use // self.slot_bytes  # the scheduler side's count
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        hbs = kv_cache_config.hash_block_size or spec.block_size
-        self.root = key_root(vllm_config, kv_cache_config, hbs)
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        try:
-            self.rank = get_tensor_model_parallel_rank()
-        except Exception:  # noqa: BLE001 - not initialised in some test harnesses
-            self.rank = 0
-        self.disk_base = rank_dir(cfg.disk_path, self.root, self.rank) if cfg.disk_path else None
+    def __init__(self, layout: Layout, cfg: KVBMConfig, rank: int):
+        self.layout, self.cfg, self.rank = layout, cfg, rank
+        self.slot_bytes = layout.slot_bytes
+        self.disk_base = layout.rank_dir(rank)
         self._init_state()
 
     def _init_state(self) -> None:
-        """What the worker builds up at run time (testing.worker builds a worker without vLLM)."""
         # kind -> per group of that kind, its layers (each with its offset inside a slot)
-        self.layers: dict[str, list[list[_Layer]]] = {}
+        self.layers: dict[EntryKind, list[list[_Layer]]] = {}
         self.pool: torch.Tensor | None = None
-        self.report = KVBMWorkerMetadata()
+        self.reports: list[Report] = []
         self._disk_results: queue.SimpleQueue = queue.SimpleQueue()
         self._disk_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
@@ -88,13 +75,13 @@ class WorkerSide:
         self._stats_lock = threading.Lock()  # the disk writer thread records too
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        num_blocks = self.kv_cache_config.num_blocks
+        num_blocks = self.layout.num_blocks
         described = []
-        for kind, group_ids in self.groups.items():
+        for kind, group_ids in self.layout.groups.items():
             offset, per_group = 0, []
             for g in group_ids:
                 layers = []
-                for name in self.kv_cache_config.kv_cache_groups[g].layer_names:
+                for name in self.layout.layer_names[g]:
                     t = kv_caches[name]
                     dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
                     if not dims:
@@ -107,18 +94,18 @@ class WorkerSide:
             if offset > self.slot_bytes:
                 raise ValueError(f"KVBMConnector: a {kind} entry needs {offset} bytes, slots have {self.slot_bytes}")
             self.layers[kind] = per_group
-        self.fingerprint = tensor_fingerprint(self.root, described)
+        self.fingerprint = tensor_fingerprint(self.layout.root, described)
         pin = torch.cuda.is_available()
-        self.pool = torch.empty((self.num_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        self.pool = torch.empty((self.layout.cpu_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
         self.scratch = torch.empty((1, self.slot_bytes), dtype=torch.uint8)  # direct loads: verify, odd layouts
         self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64)
         n_layers = sum(len(ls) for gs in self.layers.values() for ls in gs)
         logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB)%s",
-                    n_layers, self.slot_bytes, self.num_slots, self.pool.numel() / 2**20,
+                    n_layers, self.slot_bytes, self.layout.cpu_slots, self.pool.numel() / 2**20,
                     ", pinned" if pin else "")
 
     # ---- copies ----------------------------------------------------------------------------
-    def _copy(self, ops: list[tuple[str, tuple[int, ...], int]], to_pool: bool) -> None:
+    def _copy(self, ops: list[Load], to_pool: bool) -> None:
         """Run (kind, block id per group, slot) copies, batched per kind, group and layer. Page copies
         (vLLM's CPU layout) are collected and run together, split over threads; torch copies stay on
         this thread (torch ops from a helper thread would start a second OpenMP team)."""
@@ -155,7 +142,7 @@ class WorkerSide:
         t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device),
                       data.movedim(0, layer.dim))
 
-    def _load_direct(self, kind: str, ids: tuple[int, ...], fd: int) -> bool:
+    def _load_direct(self, kind: EntryKind, ids: tuple[int, ...], fd: int) -> bool:
         """Read an open entry file's payload straight into its blocks: a view of the block's page per
         layer, in slot order (layers without page views go through the scratch slot)."""
         scratch = self.scratch[0].numpy()
@@ -194,6 +181,9 @@ class WorkerSide:
             stats, self.stats = self.stats, KVBMStats()
             return stats
 
+    def _report(self, op: Op, key, ok: bool) -> None:
+        self.reports.append(Report(op, key, ok))
+
     def start_load_kv(self, meta: KVBMMetadata) -> None:
         for key in meta.opens:
             t0 = time.perf_counter()
@@ -204,30 +194,29 @@ class WorkerSide:
                 if old is not None:
                     os.close(old)
                 self.held[key] = opened[0]
-                self.report.opened.append(key)
                 self._record("disk", "read", 1, t0)
             else:
-                self.report.open_failed.append(key)
                 self._failed("read")
-        for key, slot in meta.prefetches:
+            self._report(Op.OPEN, key, opened is not None)
+        for p in meta.prefetches:
             t0 = time.perf_counter()
-            if self._read_block(key, slot):
-                self.report.prefetched.append(key)
+            ok = self._read_block(p.key, p.slot)
+            if ok:
                 self._record("disk", "read", 1, t0)
             else:
-                self.report.prefetch_failed.append(key)
                 self._failed("read")
+            self._report(Op.PREFETCH, p.key, ok)
         if meta.loads:
             t0 = time.perf_counter()
             self._copy(meta.loads, to_pool=False)
             self._record("cpu", "load", len(meta.loads), t0)
-        if meta.disk_loads:
+        if meta.direct_loads:
             t0 = time.perf_counter()
-            for kind, ids, key in meta.disk_loads:
-                fd = self.held.get(key)
-                if fd is None or not self._load_direct(kind, ids, fd):
-                    self._direct_load_failed(key, ids)
-            self._record("disk", "load", len(meta.disk_loads), t0)
+            for d in meta.direct_loads:
+                fd = self.held.get(d.key)
+                if fd is None or not self._load_direct(d.kind, d.block_ids, fd):
+                    self._direct_load_failed(d.key, d.block_ids)
+            self._record("disk", "load", len(meta.direct_loads), t0)
         for key in meta.closes:
             fd = self.held.pop(key, None)
             if fd is not None:
@@ -236,11 +225,12 @@ class WorkerSide:
     def wait_for_save(self, meta: KVBMMetadata) -> None:
         if meta.stores:
             t0 = time.perf_counter()
-            self._copy([op[1:] for op in meta.stores], to_pool=True)
+            self._copy([Load(s.kind, s.block_ids, s.slot) for s in meta.stores], to_pool=True)
             self._record("cpu", "store", len(meta.stores), t0)
-            self.report.stored += [op[0] for op in meta.stores]
-        for key, slot, blob in meta.disk_writes:
-            self._submit_write(key, slot, blob)
+            for s in meta.stores:
+                self._report(Op.STORE, s.key, True)
+        for w in meta.disk_writes:
+            self._submit_write(w.key, w.slot, w.meta)
 
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         while True:
@@ -248,9 +238,9 @@ class WorkerSide:
                 key, ok = self._disk_results.get_nowait()
             except queue.Empty:
                 break
-            (self.report.disk_written if ok else self.report.disk_failed).append(key)
-        report, self.report = self.report, KVBMWorkerMetadata()
-        return report if any(getattr(report, f) for f in report.__dataclass_fields__) else None
+            self._report(Op.WRITE, key, ok)
+        reports, self.reports = self.reports, []
+        return KVBMWorkerMetadata(reports) if reports else None
 
     def _direct_load_failed(self, key, ids: tuple[int, ...]) -> None:
         """Verified a step ago and held open since: only a failing device gets here. vLLM takes
@@ -258,7 +248,7 @@ class WorkerSide:
         them, or fail the request); with several groups it would stop the engine, so then the
         error is only logged."""
         self._failed("read")
-        if len(self.kv_cache_config.kv_cache_groups) == 1:
+        if len(self.layout.layer_names) == 1:
             self.load_errors.update(ids)
             logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM",
                          diskfmt.key_hex(key))

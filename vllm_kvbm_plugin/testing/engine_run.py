@@ -100,11 +100,7 @@ def run(spec: dict) -> dict:
         hbs, bs = sched.hash_block_size, sched.block_size
         side = getattr(getattr(sched, "connector", None), "_sched", None)
         if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
-            tiers = {"cpu": side.cpu, "disk": side.disk}
-            connector = {name: {"blocks": len(t), "busy": t.busy()} for name, t in tiers.items()
-                         if t is not None}
-            connector["prefetching"] = len(side.prefetching)
-            connector["direct"] = len(side.direct)
+            connector = side.accounting()
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = connector = None

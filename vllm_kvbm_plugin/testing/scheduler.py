@@ -14,7 +14,9 @@ import torch
 from vllm.config import (
     CacheConfig,
     KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -32,7 +34,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     MambaSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from vllm_kvbm_plugin.events import types as ev
@@ -49,6 +51,10 @@ class HarnessConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
     events: bool = True
+    # KVBMConnector's kv_connector_extra_config: the connector's scheduler side runs inside vLLM's
+    # Scheduler and `workers` real WorkerSides (tensor-parallel ranks) run its plans over CPU tensors
+    connector: dict | None = None
+    workers: int = 1
 
 
 def _config_only_model(max_len: int) -> str:
@@ -94,6 +100,10 @@ class SchedulerHarness:
                 prefix_match_unit=cfg.hash_block_size if cfg.hybrid else None,
             ),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=cfg.events, publisher="null"),
+            parallel_config=ParallelConfig(tensor_parallel_size=cfg.workers),
+            kv_transfer_config=None if cfg.connector is None else KVTransferConfig(
+                kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
+                kv_role="kv_both", kv_connector_extra_config=cfg.connector),
         )
         groups = []
         if cfg.hybrid:
@@ -128,6 +138,9 @@ class SchedulerHarness:
         self.scheduler.encoder_cache_manager = type(self.scheduler.encoder_cache_manager).create_manager(
             cache_size=cfg.max_num_batched_tokens, vllm_config=self.vllm_config)
         self._ids = itertools.count()
+        self.cached_tokens: dict[str, int] = {}  # request id -> tokens it started with (prefix cache + tiers)
+        self.workers = [] if cfg.connector is None else [
+            SimulatedWorker(self.vllm_config, kv_cache_config, rank) for rank in range(cfg.workers)]
 
     @property
     def batches(self) -> list[ev.KVEventBatch]:
@@ -157,10 +170,40 @@ class SchedulerHarness:
         """One schedule + simulated model output; returns the number of scheduled tokens."""
         out = self.scheduler.schedule()
         rids = list(out.num_scheduled_tokens)
+        for r in out.scheduled_new_reqs:
+            self.cached_tokens.setdefault(r.req_id, r.num_computed_tokens)
+        kv_output = None
+        if self.workers:
+            computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+            new_ids = set(computed)
+            cached = out.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            spans = {}
+            for rid in rids:
+                req = self.scheduler.requests[rid]
+                start = computed[rid]
+                spans[rid] = (req.all_token_ids, start, start + out.num_scheduled_tokens[rid],
+                              self.scheduler.kv_cache_manager.get_block_ids(rid), rid in new_ids)
+            meta = None
+            for w in self.workers:
+                wm = w.run_step(out, spans)
+                meta = wm if meta is None else (meta.aggregate(wm) if wm is not None else meta)
+            kv_output = KVConnectorOutput(kv_connector_worker_meta=meta)
         self.scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-            sampled_token_ids=[[7] for _ in rids]))
+            sampled_token_ids=[[7] for _ in rids], kv_connector_output=kv_output))
         return out.total_num_scheduled_tokens
+
+    def settle(self) -> None:
+        """Let the workers' background disk writes finish and their reports reach the scheduler."""
+        for w in self.workers:
+            w.side.wait_for_disk()
+        self.step()
+
+    @property
+    def connector(self):
+        """KVBMConnector's scheduler side (SchedulerSide)."""
+        return self.scheduler.connector._sched
 
     def run(self) -> None:
         while self.scheduler.has_unfinished_requests():
@@ -170,3 +213,102 @@ class SchedulerHarness:
         ok = self.scheduler.reset_prefix_cache()
         self.step()  # events are published from update_from_output
         return ok
+
+
+class SimulatedWorker:
+    """A tensor-parallel rank: KVBMConnector's real WorkerSide over KV tensors in vLLM's CPU layout,
+    and a stand-in forward that writes, for every computed token, its id and position into its
+    KV slot (channels 0 and 1) and, into the block of a step's last token, the recurrent state
+    (its position and the sum of the tokens before it). `check` compares every block a request
+    holds with what that forward would have written: a tier load of wrong bytes, or into the
+    wrong block, fails it."""
+
+    def __init__(self, vllm_config, kv_cache_config, rank: int):
+        from vllm_kvbm_plugin.config import connector_config
+        from vllm_kvbm_plugin.connector.layout import Layout
+        from vllm_kvbm_plugin.connector.worker import WorkerSide
+
+        cfg = connector_config(vllm_config)
+        layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg)
+        n = kv_cache_config.num_blocks
+        self.tensors = {}
+        self.attention, self.state = [], []
+        for group in kv_cache_config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            for name in group.layer_names:
+                if isinstance(spec, MambaSpec):
+                    self.tensors[name] = torch.zeros(n, *spec.shapes[0], dtype=torch.float32)
+                    self.state.append(self.tensors[name])
+                else:
+                    self.tensors[name] = torch.zeros(n, spec.num_kv_heads, spec.block_size, 2 * spec.head_size,
+                                                     dtype=torch.float32)
+                    self.attention.append(self.tensors[name])
+        self.groups = layout.groups
+        self.block_size = layout.block_size
+        self.side = WorkerSide(layout, cfg, rank)
+        self.side.register_kv_caches(self.tensors)
+
+    def run_step(self, out, spans: dict):
+        """One step as vLLM's model runner orders it: zero new blocks, copy-on-write copies of
+        partial prefix-cache hits, the connector's loads, the forward, the connector's stores."""
+        for t in self.tensors.values():
+            if out.new_block_ids_to_zero:
+                t[torch.tensor(out.new_block_ids_to_zero)] = 0
+            for copy in getattr(out, "kv_cache_block_copies", None) or ():
+                t[copy.dst_block_id] = t[copy.src_block_id]
+        meta = out.kv_connector_metadata
+        if meta:
+            self.side.start_load_kv(meta)
+        self.check(spans)
+        for tokens, start, end, block_ids, _new in spans.values():
+            self._forward(tokens, start, end, block_ids)
+        if meta:
+            self.side.wait_for_save(meta)
+        return self.side.build_worker_meta()
+
+    def _kv_group(self):
+        from vllm_kvbm_plugin.connector.layout import KV
+
+        return self.groups[KV][0]
+
+    def _forward(self, tokens, start: int, end: int, block_ids) -> None:
+        B, ids = self.block_size, block_ids[self._kv_group()]
+        pos = torch.arange(start, end)
+        blocks = torch.tensor([ids[p // B] for p in range(start, end)])
+        for t in self.attention:
+            t[blocks, :, pos % B, 0] = torch.tensor(tokens[start:end], dtype=torch.float32)[:, None]
+            t[blocks, :, pos % B, 1] = pos.to(torch.float32)[:, None]
+        if self.state and end > 0:
+            from vllm_kvbm_plugin.connector.layout import STATE
+
+            block = block_ids[self.groups[STATE][0]][(end - 1) // B]
+            for t in self.state:
+                t[block].view(-1)[:2] = torch.tensor([end, sum(tokens[:end]) % 65536], dtype=torch.float32)
+
+    def check(self, spans: dict) -> None:
+        """Before the forward: every token a request already has (computed before, hit in vLLM's
+        prefix cache or loaded from a tier) sits in its block with its id and position, and a new
+        request that starts after a hit finds the state at the hit."""
+        B = self.block_size
+        for rid, (tokens, start, _end, block_ids, new) in spans.items():
+            if start == 0:
+                continue
+            ids = block_ids[self._kv_group()]
+            pos = torch.arange(start)
+            blocks = torch.tensor([ids[p // B] for p in range(start)])
+            want_tokens = torch.tensor(tokens[:start], dtype=torch.float32)
+            for t in self.attention:
+                got = t[blocks, 0, pos % B]
+                bad = ((got[:, 0] != want_tokens) | (got[:, 1] != pos.to(torch.float32))).nonzero()
+                if len(bad):
+                    p = int(bad[0])
+                    raise AssertionError(f"{rid}: KV of token {p} (block {ids[p // B]}) is {got[p, :2].tolist()}, "
+                                         f"expected {[tokens[p], p]}")
+            if self.state and new:
+                from vllm_kvbm_plugin.connector.layout import STATE
+
+                block = block_ids[self.groups[STATE][0]][(start - 1) // B]
+                got = self.state[0][block].view(-1)[:2].tolist()
+                want = [start, sum(tokens[:start]) % 65536]
+                if got != want:
+                    raise AssertionError(f"{rid}: state at {start} (block {block}) is {got}, expected {want}")

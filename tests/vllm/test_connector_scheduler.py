@@ -1,0 +1,144 @@
+"""KVBMConnector's scheduler side inside vLLM's real Scheduler (no model): real WorkerSides run its
+plans over CPU tensors, and a stand-in forward writes each token's id and position into its KV
+slot, so every step checks that whatever a tier loaded is exactly what a recompute would have
+written, in the right blocks (testing.scheduler.SimulatedWorker). Runs on vLLM 0.32 and 0.33."""
+
+import os
+import random
+
+import pytest
+
+from vllm_kvbm_plugin.events import recording
+from vllm_kvbm_plugin.events.types import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm_kvbm_plugin.events.validator import Validator
+from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
+from vllm_kvbm_plugin.tiers import disk
+
+rng = random.Random(0)
+PROMPT = [rng.randrange(10, 2000) for _ in range(200)]
+IDLE = {"prefetching": 0, "direct": 0, "reports_pending": 0}
+
+
+def harness(hybrid: bool, workers: int = 1, **connector) -> SchedulerHarness:
+    geometry = dict(block_size=160, hash_block_size=32) if hybrid else dict(block_size=32, hash_block_size=None)
+    return SchedulerHarness(HarnessConfig(hybrid=hybrid, num_blocks=64, workers=workers,
+                                          connector={"cpu_bytes_to_use": 1 << 24, **connector}, **geometry))
+
+
+def serve(h: SchedulerHarness, prompt: list[int]) -> int:
+    """Run one request to completion; the tokens it started with (prefix cache + tiers)."""
+    rid = h.add(prompt, max_tokens=2)
+    h.run()
+    h.settle()
+    return h.cached_tokens[rid]
+
+
+def idle(h: SchedulerHarness) -> bool:
+    acc = h.connector.accounting()
+    return all(acc[k] == v for k, v in IDLE.items()) and all(
+        t["busy"] == 0 for name, t in acc.items() if name in ("cpu", "disk"))
+
+
+def events(h: SchedulerHarness) -> list:
+    return [ev for b in h.batches for ev in b.events if isinstance(ev, (BlockStored, BlockRemoved))]
+
+
+def validate(*harnesses: SchedulerHarness) -> Validator:
+    v = Validator()
+    for h in harnesses:
+        for b in h.batches:
+            v.apply(b)
+    return v
+
+
+@pytest.mark.parametrize("hybrid, hit", [(False, 192), (True, 192)])
+def test_cpu_tier_hit_loads_exactly_what_recompute_writes(hybrid, hit):
+    h = harness(hybrid)
+    assert serve(h, PROMPT) == 0
+    h.reset_prefix_cache()
+    assert serve(h, PROMPT) == hit  # a hybrid hit lands on the last unit boundary before the last token
+    assert idle(h)
+    cpu = [ev for ev in events(h) if ev.medium == MEDIUM_CPU]
+    assert cpu and all(ev.locality is None and ev.ownership is None for ev in cpu)
+    assert validate(h).errors == 0
+
+
+def test_kv_check_catches_a_wrong_load():
+    """The harness's oracle: a CPU slot with other bytes than the block it came from fails the step."""
+    h = harness(False)
+    serve(h, PROMPT)
+    h.reset_prefix_cache()
+    h.workers[0].side.pool.zero_()
+    with pytest.raises(AssertionError, match="KV of token 0"):
+        serve(h, PROMPT)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_disk_tier_after_restart_uses_vllms_storage_vocabulary(tmp_path, hybrid):
+    first = harness(hybrid, disk_path=str(tmp_path))
+    serve(first, PROMPT)
+    second = harness(hybrid, disk_path=str(tmp_path), cpu_bytes_to_use=1)  # a new engine, no CPU tier
+    assert second.connector.cpu.index.capacity == 0
+    assert serve(second, PROMPT) == 192  # direct loads from the files of the first run
+    assert idle(second)
+    stored = [ev for h in (first, second) for ev in events(h) if ev.medium not in ("GPU", MEDIUM_CPU)]
+    assert stored and all(ev.medium == MEDIUM_STORAGE and ev.locality == "LOCAL" for ev in stored)
+    assert len({ev.ownership for ev in stored}) == 1 and stored[0].ownership.startswith("kvbm-disk:")
+    assert not any(ev.medium == MEDIUM_DISK for h in (first, second) for ev in events(h))
+    for h in (first, second):  # each engine's stream on its own, as a router sees them
+        assert validate(h).errors == 0
+    # the restarted engine announces the stored entries again, parents first
+    restarted = [ev for ev in events(second) if isinstance(ev, BlockStored) and ev.medium == MEDIUM_STORAGE]
+    assert restarted
+
+
+def test_recording_of_hybrid_unit_events_and_tier_events_validates(tmp_path):
+    """The stream a router would record: GPU per-unit and coarse events, CPU and STORAGE tier events
+    (vLLM 0.32 and 0.33 both produce it in CI)."""
+    h = harness(True, disk_path=str(tmp_path / "disk"), cpu_bytes_to_use=3 * 160 * 512 + 1)
+    prompts = [PROMPT, PROMPT[:100] + [5] * 150, PROMPT + [9] * 300]
+    for p in prompts:
+        serve(h, p)
+    h.reset_prefix_cache()
+    for p in prompts:
+        serve(h, p)
+    path = tmp_path / "events.jsonl"
+    with open(path, "w") as f:
+        recording.write(f, enumerate(h.batches))
+    v = Validator()
+    for seq, b in recording.read(open(path)):
+        v.apply(b, seq)
+    media = {ev.medium for ev in events(h)}
+    assert media == {"GPU", MEDIUM_CPU, MEDIUM_STORAGE}
+    assert any(ev.block_size == 32 for ev in events(h) if ev.medium == "GPU" and isinstance(ev, BlockStored))
+    assert v.errors == 0, v.report()
+    assert idle(h)
+
+
+def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_path):
+    """Two tensor-parallel workers; rank 1's block files are corrupt, rank 0's fine. A prefetch
+    that one worker completes and the other fails is a miss, and no report of it is left pending
+    to complete the next prefetch of the same key early."""
+    first = harness(False, workers=2, disk_path=str(tmp_path))
+    serve(first, PROMPT)
+    layout = first.connector.layout
+    files = sorted(p for p in _block_files(layout.rank_dir(1)))
+    assert len(files) == 6 and len(_block_files(layout.rank_dir(0))) == 6
+    for p in files:  # flip a payload byte of every rank-1 file
+        data = bytearray(open(p, "rb").read())
+        data[disk.HEADER_SIZE + 3] ^= 0x40
+        open(p, "wb").write(data)
+    second = harness(False, workers=2, disk_path=str(tmp_path))
+    assert serve(second, PROMPT) == 0  # rank 0 verified its block 0, rank 1 did not: a miss
+    assert second.connector.accounting()["reports_pending"] == 0
+    assert idle(second) and len(second.connector.disk) == 6  # the new run stored its blocks again
+    second.reset_prefix_cache()
+    second.connector.cpu.index.capacity = 0  # make the next hit read the files again
+    for key in list(second.connector.cpu.index.entries):
+        second.connector.cpu.index.remove(key)
+    assert serve(second, PROMPT) == 192  # rewritten on both ranks: a hit, every byte checked
+    assert idle(second)
+
+
+def _block_files(base: str) -> list[str]:
+    return [os.path.join(d, n) for d, _, names in os.walk(base) for n in names if n.endswith(disk.SUFFIX)]

@@ -1,0 +1,46 @@
+"""The tier events of a request's tokens, built like vLLM builds its own (same hashes, parents,
+token ids, extra keys, LoRA fields), so a router can join them with the GPU events."""
+
+from __future__ import annotations
+
+from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+
+from vllm_kvbm_plugin import compat
+from vllm_kvbm_plugin.connector.layout import EntryKind, Layout
+from vllm_kvbm_plugin.connector.tiers import Announce, Announcer
+from vllm_kvbm_plugin.events.types import Tier
+
+NOTHING: Announcer = lambda name: Announce([])  # noqa: E731 - an internal entry, never announced
+
+
+class EventBuilder:
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.to_event_hashes = compat.event_hash_converter()
+        self.pool = None  # vLLM's BlockPool, bound with the KV cache manager (extra keys, medium)
+
+    def announcer(self, request, start: int, end: int, kind: EntryKind) -> Announcer:
+        """The BlockStored events (one per group of `kind`) of the tokens [start, end), named for
+        the tier that stores them."""
+        return lambda name: self._announce(request, start, end, kind, name)
+
+    def _announce(self, request, start: int, end: int, kind: EntryKind, name: Tier) -> Announce:
+        hashes, unit = request.block_hashes, self.layout.hash_unit
+        if len(hashes) < end // unit:
+            return Announce([])
+        conv = self.to_event_hashes
+        vhash = conv([hashes[end // unit - 1]])[0]
+        parent = conv([hashes[start // unit - 1]])[0] if start else None
+        extra = None
+        if compat.has_extra_keys(request):
+            extra = to_event_extra_keys([compat.block_extra_keys(self.pool, request, start, end, 0)[0]])
+        events = []
+        for g in self.layout.groups[kind]:
+            event = compat.block_stored_event(
+                self.pool, request, block_hashes=[vhash], parent_block_hash=parent,
+                token_ids=request.all_token_ids[start:end], block_size=end - start, group_idx=g,
+                extra_keys=extra or [None], medium=name.medium)
+            event.locality, event.ownership = name.locality, name.ownership
+            event.kv_cache_spec_kind = self.layout.spec_kinds[g]
+            events.append(event)
+        return Announce(events, vhash)

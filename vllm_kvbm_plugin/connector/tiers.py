@@ -1,0 +1,320 @@
+"""Scheduler-side tier managers in the verbs of vLLM's OffloadingManager (vllm/v1/kv_offload/base.py):
+`lookup`, `touch`, `prepare_load` / `complete_load`, `prepare_store` / `complete_store`, `take_events`.
+
+A manager owns one tier's index and eviction policy, its pins (entries being loaded or stored, and
+the parent of an entry being stored, so a parent's BlockRemoved never precedes its child's
+BlockStored) and its events, named in vLLM's vocabulary (medium, locality, ownership). The disk
+tier adds its files: the restart index, the files held open for direct loads, unlinking what it
+evicts. What to load or store, and from where, is the planner's business (scheduler.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+from collections.abc import Callable
+import msgspec
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+from vllm_kvbm_plugin.connector.layout import Layout
+from vllm_kvbm_plugin.events.types import TIER_CPU, Tier, storage_tier
+from vllm_kvbm_plugin.events.validator import SPARSE_KINDS
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
+from vllm_kvbm_plugin.tiers.policies import make_policy
+
+logger = get_logger("connector")
+
+_ENCODE = msgspec.msgpack.Encoder().encode
+_DECODE_STORED = msgspec.msgpack.Decoder(BlockStored).decode
+
+
+@dataclasses.dataclass
+class Announce:
+    """The BlockStored events of one tier entry (one per group), published once its bytes are in
+    place; no events: an internal entry, never announced."""
+    events: list
+    vhash: object = None  # vLLM's event hash of the entry, for BlockRemoved
+    announced: bool = False
+
+
+Announcer = Callable[[Tier], Announce]  # the events of an entry, named for a tier
+
+
+def _renamed(events: list, name: Tier) -> list:
+    return [msgspec.structs.replace(ev, medium=name.medium, locality=name.locality, ownership=name.ownership)
+            for ev in events]
+
+
+class TierManager:
+    def __init__(self, name: Tier, capacity: int, policy: str):
+        self.name = name
+        self.index = TierIndex(capacity, make_policy(policy))
+        self.parent_pins: dict = {}  # key -> its parent, pinned until the key is stored or dropped
+        self.events: list = []
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key) -> bool:
+        return key in self.index
+
+    def lookup(self, key) -> bool:
+        """Whether `key` is stored and ready to load."""
+        return self.index.ready(key) is not None
+
+    def touch(self, key) -> None:
+        self.index.touch(key)
+
+    def slot(self, key) -> int:
+        return self.index.entries[key].slot
+
+    def announcement(self, key) -> Announcer:
+        """The events `key` was announced with here, renamed for another tier (its copy there)."""
+        meta = self.index.entries[key].meta
+
+        def announce(name: Tier) -> Announce:
+            if meta is None or not meta.events:
+                return Announce([])
+            return Announce(_renamed(meta.events, name), meta.vhash)
+        return announce
+
+    def prepare_load(self, key) -> Entry:
+        """Protect a ready entry from eviction until complete_load."""
+        self.index.pin(key)
+        return self.index.entries[key]
+
+    def complete_load(self, key) -> None:
+        self.index.unpin(key)
+
+    def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
+        """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no
+        room. Its parent stays pinned until complete_store."""
+        if parent is not None:
+            self.index.pin(parent)
+        entry, evicted = self.index.reserve(key, parent, announce(self.name))
+        self._evicted(evicted)
+        if entry is None:
+            if parent is not None:
+                self.index.unpin(parent)
+        elif parent is not None:
+            self.parent_pins[key] = parent
+        return entry
+
+    def complete_store(self, key, ok: bool) -> None:
+        """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
+        parent = self.parent_pins.pop(key, None)
+        if parent is not None:
+            self.index.unpin(parent)
+        if ok:
+            e = self.index.complete(key)
+            if e is not None:
+                self._announce(e)
+        else:
+            self.index.remove(key)
+
+    def remove(self, key) -> None:
+        """`key` is gone (found corrupt or missing): drop it and announce the removal."""
+        self._evicted([(key, self.index.remove(key))])
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def busy(self) -> int:
+        return self.index.busy()
+
+    def _announce(self, entry: Entry) -> None:
+        a = entry.meta
+        if a is not None and a.events and not a.announced:
+            self.events += a.events
+            a.announced = True
+
+    def _evicted(self, evicted: list) -> None:
+        """Entries that left the tier: announce their removals, one event per group."""
+        by_group: dict[int, list] = {}
+        for _, e in evicted:
+            if e is not None and e.meta is not None and e.meta.announced:
+                for ev in e.meta.events:
+                    by_group.setdefault(ev.group_idx, []).append(e.meta.vhash)
+        for g, hashes in by_group.items():
+            self.events.append(BlockRemoved(block_hashes=hashes, medium=self.name.medium, group_idx=g,
+                                            locality=self.name.locality, ownership=self.name.ownership))
+
+
+def cpu_tier(layout: Layout, policy: str) -> TierManager:
+    return TierManager(TIER_CPU, layout.cpu_slots, policy)
+
+
+def _max_direct() -> int:
+    """Disk entries held open per worker at once: a quarter of the file descriptor limit."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 8192 if soft == resource.RLIM_INFINITY else max(16, min(8192, soft // 4))
+
+
+MAX_DIRECT = _max_direct()
+
+
+@dataclasses.dataclass
+class _Held:
+    """A disk entry the workers verify and keep open for a direct load."""
+    ready: bool = False  # every worker verified it
+    requests: set = dataclasses.field(default_factory=set)  # the requests waiting for it
+
+
+class DiskTier(TierManager):
+    """The disk tier: block files under `<disk_path>/<layout root>/r<rank>/`, one per entry and rank.
+
+    Besides the index it owns the keys being read into CPU slots (`prefetching`), the files the
+    workers hold open for direct loads (`held`), and the opens and closes the workers owe."""
+
+    def __init__(self, layout: Layout, policy: str):
+        root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
+        super().__init__(storage_tier(f"kvbm-disk:{root_hex}"),
+                         layout.disk_slots, policy)
+        self.bases = [layout.rank_dir(r) for r in range(layout.world)]
+        self.writes_on = True
+        self.prefetching: set = set()
+        self.held: dict = {}  # key -> _Held
+        self.opens: list = []  # to send with the next metadata
+        self.closes: list = []
+        self._load_index()
+
+    # ---- stores --------------------------------------------------------------------------
+    def prepare_write(self, key, parent, end: int, announce: Announcer) -> bytes | None:
+        """prepare_store for a write-through from a CPU slot: the file's metadata blob (where the
+        entry ends and its events, announced again after a restart), or None."""
+        if not self.writes_on or key in self or (parent is not None and parent not in self):
+            return None
+        if self.prepare_store(key, parent, announce) is None:
+            return None
+        events = self.index.entries[key].meta.events
+        return diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
+
+    def write_failed(self, key) -> None:
+        self.complete_store(key, False)
+        if self.writes_on:
+            self.writes_on = False
+            logger.warning("KVBMConnector: disk writes failed; the disk tier stops storing and keeps "
+                           "serving what it holds")
+
+    # ---- loads: prefetches into CPU slots, and direct loads from open files --------------
+    def prefetch(self, key) -> None:
+        self.prepare_load(key)
+        self.prefetching.add(key)
+
+    def prefetched(self, key, ok: bool) -> None:
+        self.prefetching.discard(key)
+        self.complete_load(key)
+        if not ok:
+            self.lost(key)
+
+    def busy_loading(self, key) -> bool:
+        """Whether `key` is still being verified by the workers (its request waits a step)."""
+        h = self.held.get(key)
+        return key in self.prefetching or (h is not None and not h.ready)
+
+    def hold(self, key, req_id: str) -> bool:
+        """Ask the workers to verify `key` and keep its file open (if not asked yet) for `req_id`;
+        False when MAX_DIRECT files are held already."""
+        h = self.held.get(key)
+        if h is None:
+            if len(self.held) >= MAX_DIRECT:
+                return False
+            h = self.held[key] = _Held()
+            self.prepare_load(key)
+            self.opens.append(key)
+        h.requests.add(req_id)
+        return True
+
+    def open_and_ready(self, key) -> bool:
+        """Verified by every worker and held open: ready for a direct load."""
+        h = self.held.get(key)
+        return h is not None and h.ready
+
+    def opened(self, key, ok: bool) -> None:
+        if ok:
+            if key in self.held:
+                self.held[key].ready = True
+        else:
+            self._close(key)  # on the workers that did open it
+            self.lost(key)
+
+    def release(self, req_id: str) -> None:
+        """`req_id` no longer waits for the files it held (loaded, or not needed any more)."""
+        for h in self.held.values():
+            h.requests.discard(req_id)
+
+    def close_idle(self) -> None:
+        """Close the verified files no request waits for. Once per step, after every load of the
+        step was planned (the workers read before they close), so a file is never closed and
+        opened again in one step."""
+        for k in [k for k, h in self.held.items() if h.ready and not h.requests]:
+            self._close(k)
+
+    def _close(self, key) -> None:
+        if self.held.pop(key, None) is not None:
+            self.complete_load(key)
+            self.closes.append(key)
+
+    def take_file_ops(self) -> tuple[list, list]:
+        """(opens, closes) for this step's metadata."""
+        ops = self.opens, self.closes
+        self.opens, self.closes = [], []
+        return ops
+
+    def lost(self, key) -> None:
+        logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
+                       diskfmt.key_hex(key))
+        self.remove(key)
+
+    # ---- files ---------------------------------------------------------------------------
+    def _evicted(self, evicted: list) -> None:
+        super()._evicted(evicted)
+        for key, _ in evicted:
+            self._unlink(key)
+
+    def _unlink(self, key) -> None:
+        for base in self.bases:
+            try:
+                os.unlink(diskfmt.block_path(base, key))
+            except OSError:
+                pass
+
+    def _load_index(self) -> None:
+        """Index the block files of earlier runs and announce them (parents first) from the
+        BlockStored events each file carries in its metadata."""
+        found = diskfmt.scan(self.bases[0])
+        described, unreadable = [], 0
+        for key, _size in found:
+            meta = diskfmt.read_meta(diskfmt.block_path(self.bases[0], key))
+            if meta is None:  # unreadable, or another format version: it could never be a hit
+                self._unlink(key)
+                unreadable += 1
+                continue
+            e, evicted = self.index.reserve(key)
+            self._evicted(evicted)  # more files than disk_bytes_to_use allows
+            if e is None:
+                continue
+            self.index.complete(key)
+            info = diskfmt.decode_meta(meta)
+            try:
+                events = _renamed([_DECODE_STORED(ev) for ev in info[1]], self.name) if info else None
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                events = None
+            if events and events[0].block_hashes:
+                e.meta = Announce(events, events[0].block_hashes[0])
+                described.append((info[0], e))
+        held = set()
+        for _, e in sorted(described, key=lambda d: d[0]):
+            if all(ev.kv_cache_spec_kind in SPARSE_KINDS or ev.parent_block_hash is None
+                   or (ev.group_idx, ev.parent_block_hash) in held for ev in e.meta.events):
+                self._announce(e)
+                held.update((ev.group_idx, e.meta.vhash) for ev in e.meta.events)
+        if found:
+            announced = sum(e.meta.announced for _, e in described)
+            logger.info("KVBMConnector: disk tier holds %d entries from earlier runs (%d announced, %d "
+                        "unreadable files removed)", len(self), announced, unreadable)
