@@ -108,3 +108,11 @@ def event_hash_converter():
         return np.frombuffer(b"".join(hashes), dtype=">u8")[words - 1 :: words].tolist()
 
     return convert
+
+
+def offload_key_positions(req_context) -> dict:
+    """OffloadKey -> end-token position of every offload key the OffloadingConnector named for a
+    request (ReqContext._offload_key_positions, the same on 0.32 and 0.33; only per-key getters are
+    public), or {} if that field ever moves: lineage then simply finds no parents."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    return positions if isinstance(positions, dict) else {}

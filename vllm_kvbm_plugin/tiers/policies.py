@@ -35,6 +35,20 @@ class EvictionPolicy:
         """Whether `key` may displace `victim` (only TinyLFU says no)."""
         return True
 
+    def victims(self, n: int, pinned: Container) -> list | None:
+        """The next `n` keys to evict, in order, as `n` calls of victim()+remove() would pick them,
+        without removing any; None when fewer than `n` can go (for all-or-nothing evictions)."""
+        chosen: list = []
+        taken: set = set()
+        skip = InEither(pinned, taken)
+        while len(chosen) < n:
+            key = self.victim(skip)
+            if key is None:
+                return None
+            chosen.append(key)
+            taken.add(key)
+        return chosen
+
 
 class LRU(EvictionPolicy):
     def __init__(self) -> None:
@@ -104,6 +118,24 @@ class Lineage(EvictionPolicy):
                 return key
         return None
 
+    def victims(self, n, pinned):
+        # As remove() would: a parent whose last child goes becomes the coldest leaf, next in line.
+        chosen, gone, freed = [], {}, []
+        leaves = iter(self._leaves)
+        while len(chosen) < n:
+            key = freed.pop() if freed else next(leaves, None)
+            if key is None:
+                return None
+            if key in pinned:
+                continue
+            chosen.append(key)
+            parent = self._parent[key]
+            if parent is not None and parent in self._children:
+                gone[parent] = gone.get(parent, 0) + 1
+                if gone[parent] == self._children[parent]:
+                    freed.append(parent)
+        return chosen
+
     def __len__(self) -> int:
         return len(self._parent)
 
@@ -159,6 +191,10 @@ class MultiLRU(EvictionPolicy):
     def add(self, key, parent=None) -> None:
         self._place(key, self.sketch.increment(key))
 
+    def add_counted(self, key) -> None:
+        """add() for a key whose access record_miss() already counted (not counted twice)."""
+        self._place(key, max(1, self.sketch.estimate(key)))
+
     def touch(self, key) -> None:
         freq = self.sketch.increment(key)
         if key in self._level_of:
@@ -185,6 +221,16 @@ class MultiLRU(EvictionPolicy):
 
     def __len__(self) -> int:
         return len(self._level_of)
+
+
+class InEither:
+    """`in` either of two containers, without building their union."""
+
+    def __init__(self, a: Container, b: Container):
+        self.a, self.b = a, b
+
+    def __contains__(self, key) -> bool:
+        return key in self.a or key in self.b
 
 
 def make_policy(name: str) -> EvictionPolicy:
