@@ -116,3 +116,13 @@ def offload_key_positions(req_context) -> dict:
     public), or {} if that field ever moves: lineage then simply finds no parents."""
     positions = getattr(req_context, "_offload_key_positions", None)
     return positions if isinstance(positions, dict) else {}
+
+
+def reset_offloading_cache(manager) -> None:
+    """OffloadingManager.reset_cache() as the OffloadingConnector does it: 0.33's tiering manager
+    then holds promotions until on_reset_flushed() (its workers reported every job in flight at the
+    reset); 0.32 has no such hook."""
+    manager.reset_cache()
+    flushed = getattr(manager, "on_reset_flushed", None)
+    if flushed is not None:
+        flushed()

@@ -11,6 +11,7 @@
 vLLM's factories import this module and take the class by name, so every class is exported here.
 """
 
+from vllm_kvbm_plugin.offloading.disk_tier import KVBMDiskTier
 from vllm_kvbm_plugin.offloading.policies import LineageCachePolicy, MultiLRUCachePolicy
 
-__all__ = ["LineageCachePolicy", "MultiLRUCachePolicy"]
+__all__ = ["KVBMDiskTier", "LineageCachePolicy", "MultiLRUCachePolicy"]

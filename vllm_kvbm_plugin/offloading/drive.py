@@ -74,3 +74,49 @@ def lookup_until_settled(manager, req: Request, keys: list[bytes], timeout: floa
             raise TimeoutError(f"lookups still pending after {timeout} s: {results}")
         end_step(manager)
         time.sleep(0.002)
+
+
+def offloading_config(extra_config: dict, chunk_bytes: int = 4096, tokens_per_block: int = 16,
+                      engine_id: str = "kvbm-test", events: bool = True, model: str = "tiny-test"):
+    """vLLM's OffloadingConfig for one full-attention group on one worker, a chunk of one block of
+    `chunk_bytes` (the same constructor on 0.32 and 0.33: 0.33's new fields have defaults)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
+        OffloadingParallelConfig)
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=tokens_per_block, layer_names=("layers.0",), group_id=0),),
+        worker_kv_bytes_per_block=chunk_bytes,
+        enable_kv_cache_events=events,
+        extra_config=extra_config,
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name=model, dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=False),
+    )
+
+
+def tiering_manager(secondary_tiers: list, cpu_chunks: int, chunk_bytes: int = 4096, eviction_policy: str = "lru",
+                    engine_id: str = "kvbm-test", events: bool = True, **extra):
+    """(spec, manager): vLLM's TieringOffloadingSpec and its TieringOffloadingManager (a CPU
+    primary tier of `cpu_chunks` chunks in shared memory, then `secondary_tiers`). Call
+    manager.shutdown() when done (it removes the shared-memory file)."""
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    extra_config = {"cpu_bytes_to_use": cpu_chunks * chunk_bytes, "eviction_policy": eviction_policy,
+                    "secondary_tiers": [dict(t) for t in secondary_tiers], **extra}
+    if eviction_policy not in ("lru", "arc"):
+        extra_config["cache_policy_module_path"] = "vllm_kvbm_plugin.offloading"
+    spec = TieringOffloadingSpec(offloading_config(extra_config, chunk_bytes, engine_id=engine_id, events=events))
+    return spec, spec.get_manager()
+
+
+def primary_rows(manager):
+    """The CPU primary tier's chunks as a (chunks, bytes) uint8 array (vLLM's shared memory)."""
+    import numpy as np
+
+    view = manager.primary_tier.get_kv_memoryview()
+    rows = np.asarray(view)
+    return rows.view(np.uint8).reshape(rows.shape[0], -1)

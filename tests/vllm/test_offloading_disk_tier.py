@@ -1,0 +1,247 @@
+"""KVBMDiskTier as a secondary tier of vLLM's own TieringOffloadingManager (in-process, 0.32 and 0.33):
+stores cascade from vLLM's CPU primary tier to our files, hits are promoted back through it; bad
+files are misses, never bytes, never an exception."""
+
+import contextlib
+import os
+import subprocess
+import time
+import uuid
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, Medium
+
+from vllm_kvbm_plugin import compat
+from vllm_kvbm_plugin.offloading.disk_tier import file_key
+from vllm_kvbm_plugin.offloading.drive import (
+    Request, chunk_key, end_step, lookup_until_settled, primary_rows, tiering_manager)
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+
+CHUNK = 4096
+
+
+def payload(key: bytes) -> np.ndarray:
+    return np.random.default_rng(int.from_bytes(key[:8], "big")).integers(0, 256, CHUNK, dtype=np.uint8)
+
+
+class Tiered:
+    """vLLM's tiering manager with our disk tier at `path`, and the calls the connector makes."""
+
+    def __init__(self, path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru"):
+        tier = {"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
+                "bytes_to_use": bytes_to_use, "eviction_policy": policy}
+        self.spec, self.m = tiering_manager([tier], cpu_chunks, CHUNK, cpu_policy,
+                                            engine_id=f"kvbm-test-{uuid.uuid4().hex[:8]}")
+        self.tier = self.m.secondary_tiers[0]
+        self.rows = primary_rows(self.m)
+        self.events = []
+
+    def settle(self):
+        for _ in range(2000):
+            end_step(self.m)
+            if not self.m.has_pending_work():
+                break
+            time.sleep(0.002)
+        self.events += list(self.m.take_events())
+
+    def store(self, keys, per_step=None):
+        """One request stores `keys` (per_step at a time) into the CPU tier, which cascades them."""
+        r = Request(self.m, keys)
+        fill = lambda cids, ks: [self.rows.__setitem__(c, payload(k)) for c, k in zip(cids, ks)]  # noqa: E731
+        step = per_step or len(keys)
+        for i in range(0, len(keys), step):
+            r.store(keys[i: i + step], fill=fill)
+            self.settle()
+        r.finish()
+        self.settle()
+
+    def load(self, keys) -> dict:
+        """Drop the CPU tier, then look `keys` up (promoting disk hits) and load the prefix that
+        hits, as the connector would: key -> bytes served, or None for a miss."""
+        compat.reset_offloading_cache(self.m)
+        r = Request(self.m, keys)
+        results = lookup_until_settled(self.m, r, keys)
+        served = {}
+        hits = [k for k, res in zip(keys, results) if res is LookupResult.HIT]
+        if hits:
+            r.load(hits, read=lambda cids, ks: served.update({k: self.rows[c].copy() for c, k in zip(cids, ks)}))
+        r.finish()
+        self.settle()
+        return {k: served.get(k) for k in keys}
+
+    def storage_events(self, removed: bool) -> list:
+        return [k for e in self.events if e.medium is Medium.STORAGE and e.removed == removed for k in e.keys]
+
+    def close(self):
+        self.rows = None
+        self.m.shutdown()
+
+
+@pytest.fixture
+def tiered():
+    made = []
+
+    def make(*args, **kw):
+        t = Tiered(*args, **kw)
+        made.append(t)
+        return t
+    yield make
+    for t in made:
+        with contextlib.suppress(Exception):
+            t.close()
+
+
+def keys_of(name, n):
+    return [chunk_key(f"{name}{i}") for i in range(n)]
+
+
+def assert_exact(served: dict, hits: list, misses: list = ()):
+    for k in hits:
+        assert served[k] is not None and np.array_equal(served[k], payload(k))
+    for k in misses:
+        assert served[k] is None
+
+
+def test_store_lookup_load_through_the_cpu_primary_tier(tiered, tmp_path):
+    t = tiered(tmp_path)
+    keys = keys_of("a", 5)
+    t.store(keys, per_step=2)
+    stored = t.storage_events(removed=False)
+    assert stored == keys  # announced once each, in order, once the files are in place
+    ev = next(e for e in t.events if e.medium is Medium.STORAGE)
+    assert ev.locality.value == "LOCAL" and ev.ownership == t.tier.ownership and ev.removal_expected
+    files = [p for p in (tmp_path.rglob("*.kvb"))]
+    assert len(files) == 5
+    assert_exact(t.load(keys), keys)
+    assert t.tier.index.busy() == 0
+
+
+def test_restart_on_the_same_path_hits(tiered, tmp_path):
+    keys = keys_of("r", 4)
+    t = tiered(tmp_path)
+    t.store(keys)
+    t.close()
+    t2 = tiered(tmp_path)
+    t2.settle()
+    assert t2.storage_events(removed=False) == keys  # the restart index is announced, parents first
+    assert t2.tier.ownership == t.tier.ownership  # a tier id stable across restarts
+    assert_exact(t2.load(keys), keys)
+    lin = t2.tier.index.policy
+    assert lin._parent[keys[1]] == keys[0]  # lineage links survive a restart
+
+
+def corrupt_flip(path, where):
+    size = os.path.getsize(path)
+    offset = {"header": 20, "first": diskfmt.HEADER_SIZE, "sign": diskfmt.HEADER_SIZE + 1001,
+              "last": diskfmt.HEADER_SIZE + CHUNK - 1, "meta": size - 2}[where]
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x80]))
+
+
+@pytest.mark.parametrize("fault", ["flip-header", "flip-first", "flip-sign", "flip-last", "flip-meta",
+                                   "truncate", "delete", "swap"])
+def test_bad_files_are_misses_never_bytes(tiered, tmp_path, fault):
+    keys = keys_of("c", 4)
+    t = tiered(tmp_path)
+    t.store(keys)
+    victim = keys[2]
+    path = diskfmt.block_path(t.tier.base, file_key(victim))
+    if fault.startswith("flip"):
+        corrupt_flip(path, fault.split("-")[1])
+    elif fault == "truncate":
+        os.truncate(path, os.path.getsize(path) - 100)
+    elif fault == "delete":
+        os.unlink(path)
+    else:  # another chunk's valid file under this chunk's name
+        os.replace(diskfmt.block_path(t.tier.base, file_key(keys[3])), path)
+    served = t.load(keys)
+    assert_exact(served, keys[:2], [victim])
+    assert victim not in t.tier.index and victim in t.storage_events(removed=True)
+    assert t.tier.failed_loads >= 1 and t.tier.index.busy() == 0
+    assert t.m.primary_tier.lookup(victim, Request(t.m, [victim]).ctx) is LookupResult.MISS
+    again = t.load(keys)  # the tier forgot it: a plain miss now, nothing pending
+    assert again[victim] is None
+    assert fault == "swap" or not os.path.exists(path)  # a bad file is removed
+
+
+def test_capacity_bound_evicts_by_our_policy(tiered, tmp_path):
+    file_bytes = diskfmt.HEADER_SIZE + CHUNK + 128
+    t = tiered(tmp_path, bytes_to_use=4 * file_bytes, policy="lineage")
+    a, b = keys_of("a", 3), keys_of("b", 3)
+    t.store(a)
+    t.store(b)
+    assert len(list(tmp_path.rglob("*.kvb"))) <= 4 and len(t.tier.index) <= 4
+    removed = t.storage_events(removed=True)
+    assert removed and all(k in a for k in removed)
+    # lineage: a chain loses its tail first; what remains of chain a is a prefix
+    left = [k in t.tier.index for k in a]
+    assert left == sorted(left, reverse=True)
+    served = t.load(b)
+    assert_exact(served, b)
+
+
+def test_abandoned_temp_files_and_foreign_entries_do_not_stop_a_restart(tiered, tmp_path):
+    keys = keys_of("f", 2)
+    t = tiered(tmp_path)
+    t.store(keys)
+    t.close()
+    sub = os.path.dirname(diskfmt.block_path(t.tier.base, file_key(keys[0])))
+    tmp = os.path.join(sub, os.path.basename(diskfmt.block_path(t.tier.base, file_key(keys[0]))) + ".tmp1.ab")
+    with open(tmp, "wb") as f:
+        f.write(b"half a block")
+    fifo = diskfmt.block_path(t.tier.base, (7, 7))  # a FIFO named like a block file: never opened
+    os.makedirs(os.path.dirname(fifo), exist_ok=True)
+    os.mkfifo(fifo)
+    t2 = tiered(tmp_path)
+    assert not os.path.exists(tmp)  # a crash's leftover, nobody writes it any more
+    assert_exact(t2.load(keys), keys)
+    assert os.path.exists(fifo)  # not ours: left alone
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    os.makedirs(path, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_full_disk_is_misses_not_errors(tiered, tmp_path):
+    with tmpfs(tmp_path / "small", "48k") as small:
+        t = tiered(small, cpu_chunks=16, bytes_to_use=1 << 20)  # the bound is far above the space
+        keys = keys_of("d", 16)
+        t.store(keys, per_step=4)
+        assert t.tier.failed_writes > 0
+        on_disk = [k for k in keys if k in t.tier.index]
+        assert 0 < len(on_disk) < len(keys)
+        assert t.storage_events(removed=False) == on_disk  # only what landed was announced
+        served = t.load(keys)
+        assert_exact(served, on_disk, [k for k in keys if k not in on_disk])
+
+
+def test_read_only_directory_is_misses_not_errors(tiered, tmp_path):
+    with tmpfs(tmp_path / "ro", "1m") as ro:
+        t = tiered(ro)
+        old = keys_of("o", 2)
+        t.store(old)
+        r = subprocess.run(["mount", "-o", "remount,ro", str(ro)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only: {r.stderr.decode().strip()}")
+        new = keys_of("n", 2)
+        t.store(new)
+        assert t.tier.failed_writes == 2 and all(k not in t.tier.index for k in new)
+        assert_exact(t.load(old + new), old, new)
+        t.close()
+        t2 = tiered(ro)  # starting on a read-only directory: serves what it holds
+        assert_exact(t2.load(old), old)
+        t2.store(keys_of("m", 1))
+        assert t2.tier.failed_writes + (t2.tier._writes_paused_until > 0) >= 1

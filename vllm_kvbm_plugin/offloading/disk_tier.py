@@ -1,0 +1,316 @@
+"""Our disk tier as a vLLM `SecondaryTierManager`, behind vLLM's CPU primary tier:
+
+    "secondary_tiers": [{"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading",
+                         "path": DIR, "bytes_to_use": N}]
+
+Optional keys: "eviction_policy" (lru | lineage | multi_lru, default lineage), "threads" (I/O
+threads, default 2), "fsync" (default false), "enable_kv_events" (default true; effective when
+the engine publishes KV events).
+
+The same block files as KVBMConnector's disk tier (tiers/disk.py: checksummed, written to a
+temporary file and renamed into place, opened without following symlinks or blocking, verified
+before a byte is used), under `<DIR>/<layout fingerprint>/r0/`; one file holds one primary-tier
+chunk (every worker's pages of it). A load that fails verification (flipped, truncated, deleted,
+foreign file) fails that key: vLLM drops the chunk it was read into and recomputes, and the tier
+forgets the entry (a Removed event). Capacity: `bytes_to_use`, enforced by the same TierIndex and
+eviction policies as our connector's tiers. Restart: the files of earlier runs are indexed (and
+announced) at start. Events: Stored when a file is in place, Removed when it is evicted or found
+bad, as medium STORAGE, locality LOCAL, ownership "kvbm-disk:<fingerprint>".
+
+vLLM names a chunk by its OffloadKey (block hash + group, 36 bytes with sha256); the disk format
+names files by a 128-bit key, so the file key is a 128-bit digest of the OffloadKey and the
+OffloadKey itself (with its parent and end position, for the restart index) is in the file's
+checksummed metadata, compared on every load.
+
+All vLLM calls run on the scheduler thread and stay cheap: the index, pins and events live there;
+the pool threads only read and write files (and the primary tier's memory the job names).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import time
+from collections.abc import Iterable
+
+import msgspec
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.offloading.lineage import parent_in_request
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers.index import TierIndex
+from vllm_kvbm_plugin.tiers.policies import make_policy
+
+logger = get_logger("offloading")
+
+WRITE_PAUSE = 10.0  # s without new stores after a failed write (full disk, read-only directory)
+_FORMAT = "vllm-offload-chunk-v1"  # part of the fingerprint: how a chunk's bytes are laid out
+
+
+class _ChunkMeta(msgspec.Struct, array_like=True):
+    """A block file's metadata: which chunk it holds, for the load check and the restart index."""
+    key: bytes
+    parent: bytes | None
+    end: int
+
+
+_encode_meta = msgspec.msgpack.Encoder().encode
+_decode_meta = msgspec.msgpack.Decoder(_ChunkMeta).decode
+
+
+def file_key(key: bytes) -> tuple[int, int]:
+    """The 128-bit disk-format key of an OffloadKey."""
+    d = hashlib.blake2b(key, digest_size=16).digest()
+    return int.from_bytes(d[:8], "big"), int.from_bytes(d[8:], "big")
+
+
+def layout_fingerprint(spec, chunk_bytes: int) -> bytes:
+    """16 bytes naming everything that makes a chunk's bytes mean what they mean: model, dtype,
+    groups, chunk geometry, parallelism, KV layout. Stable across restarts of the same setup."""
+    c = spec.config
+    par = c.parallel
+    parts = (
+        _FORMAT, c.model.name, str(c.model.dtype),
+        tuple((g.tokens_per_block, g.group_id, tuple(g.layer_names)) for g in c.groups),
+        c.worker_kv_bytes_per_block, c.cache.tokens_per_hash, c.cache.blocks_per_chunk, chunk_bytes,
+        par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size,
+        getattr(c, "replicated_layout", False), getattr(c, "canonical_layout", False),
+        getattr(c, "kv_cache_layout", None),
+    )
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+class KVBMDiskTier(SecondaryTierManager):
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, path: str,
+                 bytes_to_use: int, eviction_policy: str = "lineage", threads: int = 2,
+                 fsync: bool = False, enable_kv_events: bool = True, locality: str | None = None,
+                 backpressure_detector=None):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else Locality.LOCAL
+        self.chunk_bytes = self.block_size_bytes
+        rows = np.asarray(primary_kv_view)
+        self._rows = rows.view(np.uint8).reshape(rows.shape[0], -1)[:, : self.chunk_bytes]
+        self.fingerprint = layout_fingerprint(offloading_spec, self.chunk_bytes)
+        self.ownership = f"kvbm-disk:{self.fingerprint.hex()}"
+        self.root = os.path.abspath(path)
+        self.base = diskfmt.block_dir(self.root, self.fingerprint, 0)
+        file_bytes = diskfmt.HEADER_SIZE + self.chunk_bytes + 128  # + metadata (~100 bytes)
+        self.index = TierIndex(max(0, int(bytes_to_use) // file_bytes), make_policy(eviction_policy))
+        self.fsync = bool(fsync)
+        events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if events_on else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, int(threads)), "kvbm-disk-tier")
+        self._jobs: dict[int, tuple[concurrent.futures.Future, bool, list]] = {}
+        self._parent_pins: dict[bytes, bytes] = {}
+        self._writes_paused_until = 0.0
+        self.failed_writes = self.failed_loads = 0
+        try:
+            diskfmt.prepare_block_dir(self.root, self.base)
+        except OSError as e:
+            self._pause_writes(f"cannot prepare {self.base}: {e}")
+        self._load_index()
+        logger.info("KVBMDiskTier: %s, %d chunks of %d bytes at most (%s policy), %d held from earlier runs",
+                    self.base, self.index.capacity, self.chunk_bytes, eviction_policy, len(self.index))
+
+    # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+        return LookupResult.HIT if self.index.ready(key) is not None else LookupResult.MISS
+
+    def touch(self, keys, req_context: ReqContext) -> None:
+        for key in keys:
+            if key in self.index:
+                self.index.touch(key)
+
+    def submit_store(self, job: TransferJob) -> None:
+        work = []
+        if time.monotonic() >= self._writes_paused_until:
+            for key, chunk in zip(job.keys, job.chunk_ids):
+                parent = parent_in_request(key, job.req_context)
+                parent = parent if parent in self.index else None
+                if key in self.index:
+                    continue
+                if parent is not None:
+                    self.index.pin(parent)  # its Removed never precedes the child's Stored
+                entry, evicted = self.index.reserve(key, parent)
+                self._evicted(evicted)
+                if entry is None:
+                    if parent is not None:
+                        self.index.unpin(parent)
+                    continue
+                if parent is not None:
+                    self._parent_pins[key] = parent
+                pos = job.req_context.get_offload_key_position(key) or 0
+                work.append((key, int(chunk), _encode_meta(_ChunkMeta(key, parent, pos))))
+        self._jobs[job.job_id] = (self._pool.submit(self._write, work), False, work)
+
+    def submit_load(self, job: TransferJob) -> None:
+        work = []
+        for key, chunk in zip(job.keys, job.chunk_ids):
+            if self.index.ready(key) is not None:
+                self.index.pin(key)
+                work.append((key, int(chunk)))
+        future = self._pool.submit(self._read, work)
+        self._jobs[job.job_id] = (future, True, (list(job.keys), [k for k, _ in work]))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for job_id in [j for j, (f, _, _) in self._jobs.items() if f.done()]:
+            future, is_load, keys = self._jobs.pop(job_id)
+            try:
+                ok_keys, seconds = future.result()
+            except Exception:  # a bug, never a file's content: the keys fail, the step goes on
+                logger.exception("KVBMDiskTier: I/O job %d failed", job_id)
+                ok_keys, seconds = set(), None
+            results.append(self._finish_load(job_id, keys, ok_keys, seconds) if is_load
+                           else self._finish_store(job_id, keys, ok_keys, seconds))
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        concurrent.futures.wait([f for f, _, _ in self._jobs.values()])
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._rows = None  # vLLM closes the primary tier's mmap next: no view of it may remain
+
+    # ---- completions (scheduler thread) -------------------------------------------------------
+    def _finish_store(self, job_id: int, work: list, ok_keys: set, seconds) -> JobResult:
+        stored = []
+        for key, _, _ in work:
+            parent = self._parent_pins.pop(key, None)
+            if parent is not None:
+                self.index.unpin(parent)
+            if key in ok_keys:
+                if self.index.complete(key) is not None:
+                    stored.append(key)
+            else:
+                self.index.remove(key)
+        if len(ok_keys) < len(work):
+            self.failed_writes += len(work) - len(ok_keys)
+            self._pause_writes(f"{len(work) - len(ok_keys)} of {len(work)} chunk writes failed")
+        self._event(stored, removed=False)
+        return JobResult(job_id, success=len(ok_keys) == len(work), transfer_time=seconds,
+                         transfer_bytes=len(ok_keys) * self.chunk_bytes)
+
+    def _finish_load(self, job_id: int, keys: tuple, ok_keys: set, seconds) -> JobResult:
+        job_keys, pinned = keys
+        for key in pinned:
+            self.index.unpin(key)
+        bad = [k for k in pinned if k not in ok_keys and k in self.index]
+        if bad:
+            self.failed_loads += len(bad)
+            logger.warning("KVBMDiskTier: %d chunk file(s) corrupt, truncated or missing: dropped (misses)",
+                           len(bad))
+            self._evicted([(k, self.index.remove(k)) for k in bad])
+        ok = [k for k in job_keys if k in ok_keys]
+        return JobResult(job_id, success=len(ok) == len(job_keys),
+                         successful_keys=tuple(ok) if ok and len(ok) < len(job_keys) else None,
+                         transfer_time=seconds, transfer_bytes=len(ok) * self.chunk_bytes)
+
+    def _evicted(self, evicted: list, announce: bool = True) -> None:
+        """Entries that left the tier: their files go, their removal is announced."""
+        gone = []
+        for key, entry in evicted:
+            self._unlink(key)
+            if entry is not None and entry.ready:
+                gone.append(key)
+        if announce:
+            self._event(gone, removed=True)
+
+    def _event(self, keys: list, removed: bool) -> None:
+        if keys and self._events is not None:
+            self._events.append(OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=removed,
+                                                locality=self.locality, ownership=self.ownership,
+                                                removal_expected=True))
+
+    def _pause_writes(self, why: str) -> None:
+        self._writes_paused_until = time.monotonic() + WRITE_PAUSE
+        logger.warning("KVBMDiskTier: %s; no new stores for %.0f s (the tier keeps serving what it holds)",
+                       why, WRITE_PAUSE)
+
+    def _unlink(self, key: bytes) -> None:
+        try:
+            os.unlink(diskfmt.block_path(self.base, file_key(key)))
+        except OSError:
+            pass
+
+    # ---- file I/O (pool threads) -----------------------------------------------------------
+    def _write(self, work: list) -> tuple[set, float]:
+        t0, ok = time.perf_counter(), set()
+        for key, chunk, meta in work:
+            fkey = file_key(key)
+            try:
+                diskfmt.write_block(diskfmt.block_path(self.base, fkey), fkey, self.fingerprint,
+                                    self._rows[chunk], meta, fsync=self.fsync)
+                ok.add(key)
+            except OSError as e:
+                logger.debug("KVBMDiskTier: write failed: %s", e)
+        return ok, time.perf_counter() - t0
+
+    def _read(self, work: list) -> tuple[set, float]:
+        t0, ok = time.perf_counter(), set()
+        for key, chunk in work:
+            fkey = file_key(key)
+            meta = diskfmt.read_into(diskfmt.block_path(self.base, fkey), fkey, self.fingerprint,
+                                     self._rows[chunk])
+            try:
+                if meta is not None and _decode_meta(meta).key == key:
+                    ok.add(key)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+        return ok, time.perf_counter() - t0
+
+    # ---- restart -------------------------------------------------------------------------------
+    def _load_index(self) -> None:
+        """Index the chunk files of earlier runs, parents before children, and announce them.
+        Files that are not chunk files of this format are removed (they could never be a hit);
+        everything else in the directory is left alone (tiers/disk.py scan)."""
+        found, removed = [], 0
+        for fkey, _size in diskfmt.scan(self.base):
+            path = diskfmt.block_path(self.base, fkey)
+            try:
+                meta = _decode_meta(diskfmt.read_meta(path) or b"")
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                meta = None
+            if meta is None or file_key(meta.key) != fkey:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                removed += 1
+                continue
+            found.append(meta)
+        announced = []
+        for meta in sorted(found, key=lambda m: m.end):
+            parent = meta.parent if meta.parent in self.index else None
+            entry, evicted = self.index.reserve(meta.key, parent)
+            self._evicted(evicted, announce=False)  # more files than bytes_to_use allows
+            if entry is not None:
+                self.index.complete(meta.key)
+                announced.append(meta.key)
+        self._event([k for k in announced if k in self.index], removed=False)
+        if removed:
+            logger.info("KVBMDiskTier: removed %d unreadable chunk files under %s", removed, self.base)
