@@ -13,5 +13,6 @@ vLLM's factories import this module and take the class by name, so every class i
 
 from vllm_kvbm_plugin.offloading.disk_tier import KVBMDiskTier
 from vllm_kvbm_plugin.offloading.policies import LineageCachePolicy, MultiLRUCachePolicy
+from vllm_kvbm_plugin.offloading.spec import KVBMCPUWorker, KVBMOffloadingSpec
 
-__all__ = ["KVBMDiskTier", "LineageCachePolicy", "MultiLRUCachePolicy"]
+__all__ = ["KVBMCPUWorker", "KVBMDiskTier", "KVBMOffloadingSpec", "LineageCachePolicy", "MultiLRUCachePolicy"]

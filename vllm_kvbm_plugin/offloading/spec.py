@@ -1,0 +1,164 @@
+"""KVBMOffloadingSpec: vLLM's tiering spec (a CPU primary tier plus secondary tiers) with our
+defaults, and a worker of ours where vLLM has none (the CPU platform).
+
+    "kv_connector": "OffloadingConnector",
+    "kv_connector_extra_config": {"spec_name": "KVBMOffloadingSpec",
+                                  "spec_module_path": "vllm_kvbm_plugin.offloading",
+                                  "cpu_bytes_to_use": N, "disk_path": DIR, "disk_bytes_to_use": M}
+
+Defaults: eviction_policy LineageCachePolicy (ours); with `disk_path`, one KVBMDiskTier secondary
+tier there (`disk_bytes_to_use`, default 10 GiB; `disk_eviction_policy`, default lineage) unless
+`secondary_tiers` is given. Everything else is TieringOffloadingSpec's.
+
+Worker: on CUDA/ROCm/XPU vLLM's own (CUDA streams, pinned shared memory, tested by vLLM). On the
+CPU platform, where vLLM refuses, KVBMCPUWorker: our numba page copies (tiers/copy.py) between
+vLLM's CPU KV tensors and the same shared-memory primary tier vLLM's worker would use, done
+synchronously at submit (a CPU forward uses every core anyway). It supports chunks of one KV block
+(`block_size` unset or equal to the KV cache block size) and the direct (non-canonical) layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+from vllm.platforms import current_platform
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.tiers.copy import copy_pages
+
+logger = get_logger("offloading")
+
+MODULE = "vllm_kvbm_plugin.offloading"
+DEFAULT_DISK_BYTES = 10 << 30
+
+
+def with_defaults(extra: dict) -> dict:
+    """kv_connector_extra_config with our defaults filled in."""
+    extra = dict(extra)
+    if "eviction_policy" not in extra:
+        extra["eviction_policy"] = "LineageCachePolicy"
+        extra["cache_policy_module_path"] = MODULE
+    if "secondary_tiers" not in extra and extra.get("disk_path"):
+        extra["secondary_tiers"] = [{
+            "type": "KVBMDiskTier", "module_path": MODULE, "path": extra["disk_path"],
+            "bytes_to_use": int(extra.get("disk_bytes_to_use", DEFAULT_DISK_BYTES)),
+            "eviction_policy": extra.get("disk_eviction_policy", "lineage"),
+        }]
+    return extra
+
+
+def vllm_has_a_worker() -> bool:
+    """Where vLLM's own CPUOffloadingWorker runs (CPUOffloadingSpec.get_worker's check)."""
+    return current_platform.is_cuda_alike() or current_platform.is_xpu()
+
+
+class KVBMOffloadingSpec(TieringOffloadingSpec):
+    def __init__(self, config):
+        super().__init__(dataclasses.replace(config, extra_config=with_defaults(config.extra_config)))
+
+    def get_worker(self, kv_caches):
+        if vllm_has_a_worker():
+            return super().get_worker(kv_caches)
+        if self._worker is None:
+            if self.blocks_per_chunk != 1:
+                raise ValueError(
+                    "KVBMOffloadingSpec on the CPU platform: an offloaded chunk must be one KV block; "
+                    f"leave block_size unset or set it to the KV cache block size (now {self.blocks_per_chunk} "
+                    "blocks per chunk)")
+            if self.config.canonical_layout:
+                raise ValueError("KVBMOffloadingSpec on the CPU platform: canonical_layout is not supported")
+            rank = 0 if self.replicated_layout else self.config.parallel.rank
+            region = SharedOffloadRegion(engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=rank,
+                                         kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                         cpu_page_size=self.cpu_page_size_per_worker)
+            try:
+                self._worker = KVBMCPUWorker(kv_caches, region)
+            except Exception:
+                region.cleanup()
+                raise
+            logger.info("KVBMOffloadingSpec: CPU-platform worker, %d chunks of %d bytes", self.num_chunks,
+                        self.kv_bytes_per_chunk)
+        return self._worker
+
+
+def _words(t: torch.Tensor, what: str) -> np.ndarray:
+    if not t.is_contiguous():
+        raise ValueError(f"KVBMCPUWorker: {what} is not contiguous")
+    a = t.detach().view(torch.uint8).reshape(-1).numpy()
+    if a.nbytes % 8 or a.ctypes.data % 8:
+        raise ValueError(f"KVBMCPUWorker: {what} is not made of aligned 8-byte words")
+    return a.view(np.uint64)
+
+
+class KVBMCPUWorker(OffloadingWorker):
+    """Copies between vLLM's CPU KV tensors (one page per block) and the primary tier's shared
+    memory (a chunk row holds every worker's pages; this worker's part of tensor t at the offset
+    SharedOffloadRegion gives it)."""
+
+    def __init__(self, kv_caches, region: SharedOffloadRegion):
+        self.region = region
+        self.pool_words = _words(region.base_tensor, "the shared offload region")
+        self.pages, self.page_words, self.offsets = [], [], []
+        row_stride = None
+        for i, t in enumerate(kv_caches.tensors):
+            page = t.page_size_bytes
+            view = region.create_next_worker_view(page)  # where vLLM's own worker would put it
+            row_stride = view.stride(0)
+            if page % 8 or view.storage_offset() % 8 or row_stride % 8:
+                raise ValueError(f"KVBMCPUWorker: KV tensor {i}: pages of {page} bytes are not 8-byte words")
+            self.pages.append(_words(t.tensor, f"KV tensor {i}"))
+            self.page_words.append(page // 8)
+            self.offsets.append(view.storage_offset() // 8)
+        self.row_words = (row_stride or 8) // 8
+        self.refs = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
+        self.finished: list[TransferResult] = []
+
+    def _copy(self, job_id: int, gpu_spec, cpu_spec, to_pool: bool) -> bool:
+        t0 = time.perf_counter()
+        gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        slots = np.asarray(cpu_spec.block_ids, dtype=np.int64)
+        if len(gpu_ids) != len(slots) or len(gpu_spec.group_sizes) != len(self.refs):
+            logger.error("KVBMCPUWorker: job %d names %d KV blocks for %d chunks in %d groups (one block "
+                         "per chunk expected)", job_id, len(gpu_ids), len(slots), len(gpu_spec.group_sizes))
+            self.finished.append(TransferResult(job_id, False))
+            return True
+        jobs, start, nbytes = [], 0, 0
+        for size, tensors in zip(gpu_spec.group_sizes, self.refs):
+            ids, sl = gpu_ids[start: start + size], slots[start: start + size]
+            start += size
+            for t in dict.fromkeys(tensors):
+                jobs.append((self.pages[t], self.page_words[t], self.offsets[t], ids, sl))
+                nbytes += 8 * self.page_words[t] * size
+        try:
+            copy_pages(jobs, self.pool_words, self.row_words, to_pool)
+            ok = True
+        except Exception:
+            logger.exception("KVBMCPUWorker: copy of job %d failed", job_id)
+            ok = False
+        self.finished.append(TransferResult(job_id, ok, nbytes if ok else None, time.perf_counter() - t0))
+        return True
+
+    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, to_pool=True)
+
+    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, to_pool=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self.finished = self.finished, []
+        return done
+
+    def wait(self, job_ids) -> None:
+        return  # every copy is done when submit returns
+
+    def shutdown(self) -> None:
+        self.pages, self.pool_words = [], None
+        if self.region is not None:
+            self.region.cleanup()
+            self.region = None
