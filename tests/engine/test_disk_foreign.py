@@ -168,7 +168,6 @@ def test_the_tier_directories_are_private(foreign_run):
         assert stat.S_IMODE(f.stat().st_mode) == 0o600
 
 
-@pytest.mark.xfail(strict=True, reason="until the connector calls disk.prepare_block_dir at startup")
 def test_existing_tier_directories_are_tightened_at_startup(foreign_run):
     r = foreign_run
     for p in (r["layout"], r["rank"], str(r["files"][0].parent)):

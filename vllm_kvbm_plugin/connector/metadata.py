@@ -89,10 +89,11 @@ class Report(NamedTuple):
 @dataclasses.dataclass
 class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     reports: list[Report] = dataclasses.field(default_factory=list)
+    disk_broken: bool = False  # a worker's disk tier failed as a whole: no more disk writes
 
     def aggregate(self, other: "KVBMWorkerMetadata") -> "KVBMWorkerMetadata":
         # Concatenated: the scheduler side decides once every worker reported (Quorum).
-        return KVBMWorkerMetadata(self.reports + other.reports)
+        return KVBMWorkerMetadata(self.reports + other.reports, self.disk_broken or other.disk_broken)
 
 
 class Quorum:

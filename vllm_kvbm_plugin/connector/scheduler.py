@@ -416,10 +416,9 @@ class SchedulerSide:
                 self.disk.opened(key, ok)
             else:  # Op.WRITE
                 self.cpu.complete_load(key)  # the write's source slot
-                if ok:
-                    self.disk.complete_store(key, True)
-                else:
-                    self.disk.write_failed(key)
+                self.disk.complete_store(key, ok)
+        if wm.disk_broken and self.disk is not None:
+            self.disk.stop_writes()
 
     def request_finished(self, request) -> None:
         self.requests.pop(request.request_id, None)

@@ -194,8 +194,8 @@ class DiskTier(TierManager):
         events = self.index.entries[key].meta.events
         return diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
 
-    def write_failed(self, key) -> None:
-        self.complete_store(key, False)
+    def stop_writes(self) -> None:
+        """A worker's disk failed as a whole (unwritable, full): keep serving what the tier holds."""
         if self.writes_on:
             self.writes_on = False
             logger.warning("KVBMConnector: disk writes failed; the disk tier stops storing and keeps "

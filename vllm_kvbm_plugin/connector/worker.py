@@ -59,6 +59,13 @@ class WorkerSide:
         self.slot_bytes = layout.slot_bytes
         self.disk_base = layout.rank_dir(rank)
         self._init_state()
+        if self.disk_base is not None:
+            try:  # 0700 whatever the umask; existing tier directories are tightened (logged)
+                diskfmt.prepare_block_dir(layout.disk_path, self.disk_base)
+            except OSError as e:
+                self._disk_broken = True
+                logger.warning("KVBMConnector: disk tier directory %s unusable (%s); no more disk writes",
+                               self.disk_base, e)
 
     def _init_state(self) -> None:
         # kind -> per group of that kind, its layers (each with its offset inside a slot)
@@ -240,7 +247,9 @@ class WorkerSide:
                 break
             self._report(Op.WRITE, key, ok)
         reports, self.reports = self.reports, []
-        return KVBMWorkerMetadata(reports) if reports else None
+        if not reports:
+            return None
+        return KVBMWorkerMetadata(reports, disk_broken=self._disk_broken)
 
     def _direct_load_failed(self, key, ids: tuple[int, ...]) -> None:
         """Verified a step ago and held open since: only a failing device gets here. vLLM takes
@@ -290,6 +299,8 @@ class WorkerSide:
                                         blob, fsync=self.cfg.disk_fsync)
                     ok = True
                     self._record("disk", "write", 1, t0)
+                except diskfmt.BlockRefused as e:  # something not ours holds its name: this block only
+                    logger.warning("KVBMConnector: disk block %s not stored (%s)", diskfmt.key_hex(key), e)
                 except OSError as e:
                     self._disk_broken = True
                     logger.warning("KVBMConnector: disk tier write failed (%s); no more disk writes", e)
