@@ -1,0 +1,761 @@
+"""A router-side KV index: how many tokens of a prompt each worker will serve from its caches.
+
+Fed decoded `KVEventBatch`es from any number of workers (an instance's publisher, one worker per
+data-parallel rank), all KV cache groups and tiers (GPU, CPU, STORAGE local or remote).
+`KVIndex.match(token_ids)` answers, per worker, what vLLM will report as `num_cached_tokens`:
+
+- Attention-only models: the longest chain of announced blocks, capped at n - 1 tokens (vLLM
+  always recomputes the last prompt token).
+- Hybrid models (Mamba / linear attention + attention): the largest X <= n - 1 on a hash-unit
+  boundary with every attention unit of [0, X) held and a state checkpoint at X held by every Mamba
+  group. Checkpoints come from vLLM's Mamba-group events; their hash is the attention unit's hash
+  at the same position, so no token ids are needed to place them (vLLM's Mamba events are
+  irregular: some carry no hash, some one hash for several blocks).
+- Offload tiers (KVBMConnector's CPU and disk): after the GPU hit, the connector's own rule: the
+  longest run of tier blocks from the GPU hit's block, and for hybrid models the largest X with a
+  tier state at X (see connector/scheduler.py `_plan`).
+
+The prompt's hashes are computed as vLLM computes them (`vllm/v1/core/kv_cache_utils.py`
+`hash_block_tokens`, `init_none_hash`; `vllm/utils/hashing.py`) for sha256 and sha256_cbor (and
+xxhash variants when the `xxhash` package is present and the seed is known): a numba kernel writes
+the exact pickle / canonical CBOR bytes of every unit, and OpenSSL's SHA-256 chains them (hashlib
+when libcrypto cannot be loaded). Where the hashes cannot be computed (xxhash with vLLM's random
+per-process seed, or without the package), the index learns `(parent, tokens, extra keys) -> hash`
+from the stream's token ids and walks the prompt through it.
+
+Exact bookkeeping: a hash is held by a (worker, tier, group) while its store count is positive
+(the plugin's coarse and unit events announce one hash at two block sizes), `AllBlocksCleared`
+empties the worker's GPU tier, and a batch lost in transit (a sequence gap) marks the instance
+stale: later batches wait until the missing ones are applied (the subscriber's replay) or the
+instance is reset.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import ctypes
+import ctypes.util
+import dataclasses
+import hashlib
+import itertools
+import operator
+import os
+import pickle
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numba
+import numpy as np
+
+from vllm_kvbm_plugin.events.types import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Tier,
+)
+from vllm_kvbm_plugin.log import get_logger
+
+logger = get_logger("index")
+
+ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic algorithms
+STATE_KINDS = frozenset({"mamba"})
+# groups that keep only some blocks (sliding windows): not modelled, never block a match
+IGNORED_KINDS = frozenset({"sliding_window", "sliding_window_mla", "chunked_local_attention"})
+TIER_GPU = Tier(MEDIUM_GPU)
+_PICKLE, _CBOR = 0, 1
+_PARENT_AT = (13, 3)  # offset of the parent hash in a unit's serialized bytes
+_MAX_FAST_UNIT = 8192  # pickle splits frames past 64 KiB: longer units take the pickle path
+_MAX_PENDING = 10_000  # batches kept per stale instance while waiting for the missing ones
+
+
+# ---- vLLM's prompt hashes ------------------------------------------------------------------------
+
+@numba.njit(cache=True, nogil=True)
+def _serialize_units(tokens, n_units, unit, fmt):
+    """The bytes vLLM hashes for each unit, `(parent, tuple(tokens), None)` as pickle protocol 5
+    or canonical CBOR, with a zero parent; returns (buffer, offsets). Token ids in [0, 2**31)."""
+    sizes = np.empty(n_units, np.int64)
+    for u in range(n_units):
+        s = 0
+        for i in range(u * unit, (u + 1) * unit):
+            t = tokens[i]
+            if fmt == 0:
+                s += 2 if t < 256 else (3 if t < 65536 else 5)
+            else:
+                s += 1 if t < 24 else (2 if t < 256 else (3 if t < 65536 else 5))
+        if fmt == 0:
+            s += 53  # header 11, C 0x20, parent 32, MEMOIZE MARK ... TUPLE MEMOIZE NONE TUPLE3 MEMOIZE STOP
+        else:
+            s += 35 + (1 if unit < 24 else (2 if unit < 256 else 3)) + 1  # 0x83, bytes(32), array, null
+        sizes[u] = s
+    offs = np.zeros(n_units + 1, np.int64)
+    for u in range(n_units):
+        offs[u + 1] = offs[u] + sizes[u]
+    buf = np.zeros(offs[n_units], np.uint8)
+    for u in range(n_units):
+        p = offs[u]
+        if fmt == 0:
+            buf[p] = 0x80
+            buf[p + 1] = 5
+            buf[p + 2] = 0x95  # FRAME, 8-byte little-endian length of what follows
+            frame = sizes[u] - 11
+            for k in range(8):
+                buf[p + 3 + k] = (frame >> (8 * k)) & 0xFF
+            buf[p + 11] = 0x43  # SHORT_BINBYTES
+            buf[p + 12] = 32
+            p += 45
+            buf[p] = 0x94  # MEMOIZE
+            buf[p + 1] = 0x28  # MARK
+            p += 2
+            for i in range(u * unit, (u + 1) * unit):
+                t = tokens[i]
+                if t < 256:
+                    buf[p] = 0x4B  # BININT1
+                    buf[p + 1] = t
+                    p += 2
+                elif t < 65536:
+                    buf[p] = 0x4D  # BININT2
+                    buf[p + 1] = t & 0xFF
+                    buf[p + 2] = t >> 8
+                    p += 3
+                else:
+                    buf[p] = 0x4A  # BININT
+                    for k in range(4):
+                        buf[p + 1 + k] = (t >> (8 * k)) & 0xFF
+                    p += 5
+            buf[p] = 0x74  # TUPLE
+            buf[p + 1] = 0x94
+            buf[p + 2] = 0x4E  # NONE
+            buf[p + 3] = 0x87  # TUPLE3
+            buf[p + 4] = 0x94
+            buf[p + 5] = 0x2E  # STOP
+        else:
+            buf[p] = 0x83  # array(3)
+            buf[p + 1] = 0x58  # bytes, 1-byte length
+            buf[p + 2] = 32
+            p += 35
+            if unit < 24:
+                buf[p] = 0x80 | unit
+                p += 1
+            elif unit < 256:
+                buf[p] = 0x98
+                buf[p + 1] = unit
+                p += 2
+            else:
+                buf[p] = 0x99
+                buf[p + 1] = unit >> 8
+                buf[p + 2] = unit & 0xFF
+                p += 3
+            for i in range(u * unit, (u + 1) * unit):
+                t = tokens[i]
+                if t < 24:
+                    buf[p] = t
+                    p += 1
+                elif t < 256:
+                    buf[p] = 0x18
+                    buf[p + 1] = t
+                    p += 2
+                elif t < 65536:
+                    buf[p] = 0x19
+                    buf[p + 1] = t >> 8
+                    buf[p + 2] = t & 0xFF
+                    p += 3
+                else:
+                    buf[p] = 0x1A
+                    for k in range(4):
+                        buf[p + 1 + k] = (t >> (8 * (3 - k))) & 0xFF
+                    p += 5
+            buf[p] = 0xF6  # null
+    return buf, offs
+
+
+def _int64(token_ids, n: int) -> np.ndarray:
+    """The first n token ids as int64 (array.array: ~2x faster than numpy from a list)."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids[:n].astype(np.int64, copy=False)
+    return np.frombuffer(array.array("q", token_ids[:n] if n < len(token_ids) else token_ids), np.int64)
+
+
+def _load_sha256():
+    """OpenSSL's low-level SHA-256 (no per-call EVP context: ~4x hashlib per small input), or None."""
+    if os.environ.get("KVBM_INDEX_NO_LIBCRYPTO"):
+        return None
+    name = ctypes.util.find_library("crypto")
+    try:
+        lib = ctypes.CDLL(name or "libcrypto.so.3")
+        init, update, final = lib.SHA256_Init, lib.SHA256_Update, lib.SHA256_Final
+    except (OSError, AttributeError):
+        return None
+    init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    update.restype, update.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    final.restype, final.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p]
+    return init, update, final
+
+
+_sha_chain = None  # compiled lazily: a kernel calling ctypes functions cannot be cached on disk
+
+
+def _sha256_chain_kernel():
+    global _sha_chain
+    if _sha_chain is None:
+        fns = _load_sha256()
+        if fns is None:
+            _sha_chain = False
+        else:
+            init, update, final = fns
+
+            @numba.njit(nogil=True)
+            def chain(buf, offs, parent_at, first_parent, out):
+                ctx = np.zeros(256, np.uint8)  # SHA256_CTX is 112 bytes
+                for u in range(len(offs) - 1):
+                    s = offs[u]
+                    if u == 0:
+                        buf[s + parent_at:s + parent_at + 32] = first_parent
+                    else:
+                        buf[s + parent_at:s + parent_at + 32] = out[u - 1]
+                    init(ctx.ctypes.data)
+                    update(ctx.ctypes.data, buf[s:].ctypes.data, offs[u + 1] - s)
+                    final(out[u].ctypes.data, ctx.ctypes.data)
+
+            _sha_chain = chain
+    return _sha_chain
+
+
+def _xxh3_128():
+    try:
+        import xxhash
+    except ImportError:
+        return None
+    return getattr(xxhash, "xxh3_128_digest", None)
+
+
+def _cbor_dumps():
+    try:
+        import cbor2
+    except ImportError:
+        return None
+    return lambda obj: cbor2.dumps(obj, canonical=True)
+
+
+class PromptHasher:
+    """vLLM's block hashes (full digests) of a prompt's hash units for one algorithm and seed.
+
+    `seed`: the worker's PYTHONHASHSEED, or None for vLLM's default (a fixed seed for sha256 and
+    sha256_cbor; a random one for the xxhash algorithms, so those cannot be computed)."""
+
+    def __init__(self, algo: str = "sha256", seed: str | None = None):
+        if algo not in ALGOS:
+            raise ValueError(f"unknown prefix caching hash algorithm {algo!r}; one of {', '.join(ALGOS)}")
+        self.algo, self.seed = algo, seed
+        self.fmt = _CBOR if algo.endswith("_cbor") else _PICKLE
+        digest = hashlib.sha256 if algo.startswith("sha256") else _xxh3_128()
+        dumps = _cbor_dumps() if self.fmt == _CBOR else (lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL))
+        self.computable = (digest is not None and dumps is not None
+                           and (algo.startswith("sha256") or seed is not None))
+        if not self.computable:
+            self.none_hash = None
+            return
+        self._digest = (lambda b: hashlib.sha256(b).digest()) if algo.startswith("sha256") else digest
+        self._dumps = dumps
+        self.none_hash = self.hash_fn(DEFAULT_NONE_HASH_SEED if seed is None else seed)
+
+    def hash_fn(self, obj: Any) -> bytes:
+        """vLLM's hash function of this algorithm (`vllm.utils.hashing`)."""
+        return self._digest(self._dumps(obj))
+
+    def hashes(self, token_ids: Sequence[int], unit: int, n_units: int | None = None,
+               unit_keys: Sequence[tuple | None] | None = None) -> list[bytes]:
+        """The digests of the first `n_units` units (all full units by default); `unit_keys`: vLLM's
+        extra keys per unit (`generate_block_hash_extra_keys`), None entries for none."""
+        buf, offs = self.serialized(token_ids, unit, n_units, unit_keys)
+        if buf is None:
+            return self._hashes_python(token_ids, unit, len(offs) - 1 if offs is not None else n_units, unit_keys)
+        out = self._chain(buf, offs)
+        return [bytes(row) for row in out]
+
+    def event_hashes(self, token_ids: Sequence[int], unit: int, n_units: int | None = None,
+                     unit_keys: Sequence[tuple | None] | None = None, as_int: bool = True) -> list:
+        """The hashes as KV events carry them: the low 64 bits as an int (vLLM's default,
+        `maybe_convert_block_hash`) or the digest bytes."""
+        buf, offs = self.serialized(token_ids, unit, n_units, unit_keys)
+        if buf is None:
+            digests = self._hashes_python(token_ids, unit, len(offs) - 1 if offs is not None else n_units, unit_keys)
+            if not as_int:
+                return digests
+            return [int.from_bytes(d[-8:], "big") for d in digests]
+        out = self._chain(buf, offs)
+        if not as_int:
+            return [bytes(row) for row in out]
+        w = out.shape[1]
+        return out[:, w - 8:].copy().view(">u8").ravel().tolist()
+
+    def serialized(self, token_ids, unit, n_units=None, unit_keys=None):
+        """(buffer, offsets) of the units' bytes for the numba path, or (None, None) when a unit
+        needs the general path (extra keys, token ids out of range, odd unit sizes)."""
+        if n_units is None:
+            n_units = len(token_ids) // unit
+        n_units = max(0, min(n_units, len(token_ids) // unit))
+        if unit_keys is not None and any(unit_keys[:n_units]):
+            return None, np.zeros(n_units + 1)
+        if not 4 <= unit <= _MAX_FAST_UNIT or n_units == 0:
+            return None, np.zeros(n_units + 1)
+        tokens = _int64(token_ids, n_units * unit)
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**31):
+            return None, np.zeros(n_units + 1)
+        return _serialize_units(tokens, n_units, unit, self.fmt)
+
+    def _chain(self, buf: np.ndarray, offs: np.ndarray) -> np.ndarray:
+        parent_at = _PARENT_AT[self.fmt]
+        first = np.frombuffer(self.none_hash, np.uint8)
+        kernel = _sha256_chain_kernel() if self.algo.startswith("sha256") else False
+        if kernel:
+            out = np.empty((len(offs) - 1, 32), np.uint8)
+            kernel(buf, offs, parent_at, first, out)
+            return out
+        digest = self._digest
+        mv = memoryview(buf)
+        parent, rows = self.none_hash, []
+        for u in range(len(offs) - 1):
+            s = int(offs[u])
+            buf[s + parent_at:s + parent_at + 32] = np.frombuffer(parent, np.uint8)
+            parent = digest(mv[s:int(offs[u + 1])])
+            rows.append(parent)
+        return np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), -1) if rows else np.empty((0, 32), np.uint8)
+
+    def _hashes_python(self, token_ids, unit, n_units, unit_keys) -> list[bytes]:
+        """vLLM's `hash_block_tokens` chain, one unit at a time (the reference for the kernel)."""
+        parent, out = self.none_hash, []
+        for u in range(n_units):
+            keys = unit_keys[u] if unit_keys is not None and u < len(unit_keys) else None
+            parent = self.hash_fn((parent, tuple(token_ids[u * unit:(u + 1) * unit]), keys or None))
+            out.append(parent)
+        return out
+
+
+def unit_extra_keys(n_units: int, unit: int, images: Iterable[tuple[int, int, str]] = (),
+                    lora: tuple[str, str] | None = None, cache_salt: str | None = None) -> list[tuple | None] | None:
+    """vLLM's extra keys per hash unit (`generate_block_hash_extra_keys`): LoRA (name, path), the
+    images `(offset, length, identifier)` overlapping the unit with their offset from its start,
+    and the cache salt on the first unit. None when no unit has any."""
+    images = sorted(images)
+    lora_keys = [("lora", lora[0], lora[1])] if lora else []
+    out: list[tuple | None] = []
+    for u in range(n_units):
+        start, end = u * unit, (u + 1) * unit
+        mm = [("mm", ident, off - start) for off, length, ident in images if off < end and start < off + length]
+        salt = [("cache_salt", cache_salt)] if cache_salt and u == 0 else []
+        keys = lora_keys + mm + salt
+        out.append(tuple(keys) if keys else None)
+    return out if any(out) else None
+
+
+def event_extra_keys(keys: tuple | None):
+    """One unit's extra keys as KV events carry them (vLLM's `to_event_extra_keys`), hashable."""
+    if keys is None:
+        return None
+    return tuple(tuple(k[1:]) if k[0] == "mm" else k[1] for k in keys)
+
+
+def _frozen(x):
+    """Decoded event extra keys (lists) as hashable tuples."""
+    if isinstance(x, list):
+        return tuple(_frozen(v) for v in x)
+    return x
+
+
+# ---- the index -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class WorkerConfig:
+    """What the index must know about a worker to hash prompts as it does. Sizes left None are
+    learned from its events: the hash unit is the smallest block size of its GPU attention events,
+    the block size the largest of all its events."""
+    hash_algo: str = "sha256"  # --prefix-caching-hash-algo
+    seed: str | None = None  # the worker's PYTHONHASHSEED, if set
+    hash_block_size: int | None = None
+    block_size: int | None = None
+
+
+class WorkerMatch(NamedTuple):
+    tokens: int  # what the worker will serve: its GPU prefix cache, then its own offload tiers
+    tiers: dict  # Tier -> tokens with that tier alone (GPU: the prefix-cache hit; others: after it)
+    stale: bool  # events were lost: the numbers may be wrong until replay recovers them
+
+
+@dataclasses.dataclass
+class _Holder:
+    """One (worker, tier, group): the hashes it holds, with store counts."""
+    bit: int
+    kind: str | None
+    counts: dict = dataclasses.field(default_factory=dict)
+
+
+class _Worker:
+    def __init__(self, key, config: WorkerConfig):
+        self.key = key
+        self.config = config
+        self.hasher = PromptHasher(config.hash_algo, config.seed)
+        self.unit = config.hash_block_size
+        self.block_size = config.block_size
+        self.as_int: bool | None = None  # event hash form, seen on the first hash
+        self.holders: dict[tuple, _Holder] = {}  # (tier, group) -> holder
+        self.hybrid = False
+        self.bits = 0  # every holder bit of this worker
+        # learned (parent, tokens, extra keys) -> hash, for workers whose hashes cannot be computed
+        self.learned: dict[tuple, Any] = {}
+        self.learned_key: dict[Any, tuple] = {}
+
+    @property
+    def learns(self) -> bool:
+        return not self.hasher.computable
+
+
+class KVIndex:
+    """See the module docstring. Workers are named `(instance, data-parallel rank)`."""
+
+    def __init__(self, default: WorkerConfig | None = None):
+        self.default = default or WorkerConfig()
+        self.configs: dict[Any, WorkerConfig] = {}  # instance -> config
+        self.workers: dict[tuple, _Worker] = {}
+        self.kv: dict[Any, int] = {}  # hash -> bits of the (worker, tier, attention group)s holding it
+        self.state: dict[Any, int] = {}  # hash -> bits of the (worker, tier, state group)s holding it
+        self._next_bit = 1
+        # per instance: next expected seq, missing seqs, batches waiting behind a gap
+        self.next_seq: dict[Any, int] = {}
+        self.missing: dict[Any, set] = {}
+        self.pending: dict[Any, dict[int, KVEventBatch]] = {}
+        self.stats = {"batches": 0, "stored": 0, "removed": 0, "unknown_removals": 0, "gaps": 0}
+
+    # ---- configuration ----
+    def add_instance(self, instance, config: WorkerConfig | None = None) -> None:
+        self.configs[instance] = config or self.default
+
+    def _worker(self, instance, dp) -> _Worker:
+        key = (instance, dp)
+        w = self.workers.get(key)
+        if w is None:
+            w = self.workers[key] = _Worker(key, self.configs.get(instance, self.default))
+        return w
+
+    # ---- events ----
+    def apply(self, instance, batch: KVEventBatch, seq: int | None = None) -> None:
+        """Apply one batch of `instance`'s stream. With `seq`, a gap marks the instance stale and
+        holds later batches until the missing ones arrive (or `reset`)."""
+        if seq is None:
+            self._apply(instance, batch)
+            return
+        expected = self.next_seq.get(instance)
+        missing = self.missing.get(instance)
+        if missing and seq in missing:  # a recovered batch
+            missing.discard(seq)
+            self.pending.setdefault(instance, {})[seq] = batch
+            self._drain(instance)
+            return
+        if expected is not None and seq < expected:
+            if seq == 0:  # the publisher restarted: its engine lost everything it announced
+                logger.warning("KV index: instance %s restarted its event stream; resetting it", instance)
+                self.reset(instance)
+            else:
+                return  # a duplicate
+        if expected is not None and seq > expected:
+            self.stats["gaps"] += 1
+            self.missing.setdefault(instance, set()).update(range(expected, seq))
+            logger.warning("KV index: instance %s lost batches %d..%d: stale until they are replayed",
+                           instance, expected, seq - 1)
+        self.next_seq[instance] = seq + 1
+        if self.missing.get(instance):
+            pending = self.pending.setdefault(instance, {})
+            pending[seq] = batch
+            if len(pending) > _MAX_PENDING:
+                logger.warning("KV index: instance %s: too many batches behind a gap; dropping them", instance)
+                pending.clear()
+            return
+        self._apply(instance, batch)
+
+    def _drain(self, instance) -> None:
+        missing, pending = self.missing.get(instance, set()), self.pending.get(instance, {})
+        for s in sorted(pending):
+            if any(m < s for m in missing):
+                break
+            self._apply(instance, pending.pop(s))
+
+    def is_stale(self, instance) -> bool:
+        return bool(self.missing.get(instance))
+
+    def reset(self, instance) -> None:
+        """Forget everything `instance` announced (it restarted, or a gap will never be recovered)."""
+        for key in [k for k in self.workers if k[0] == instance]:
+            w = self.workers.pop(key)
+            for holder in w.holders.values():
+                self._clear(holder)
+        self.next_seq.pop(instance, None)
+        self.missing.pop(instance, None)
+        self.pending.pop(instance, None)
+
+    def _apply(self, instance, batch: KVEventBatch) -> None:
+        self.stats["batches"] += 1
+        w = self._worker(instance, batch.data_parallel_rank)
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self._stored(w, ev)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(w, ev)
+            elif isinstance(ev, AllBlocksCleared):
+                for (tier, _), holder in w.holders.items():
+                    if tier == TIER_GPU:
+                        self._clear(holder)
+
+    def _holder(self, w: _Worker, tier: Tier, group, kind) -> _Holder:
+        holder = w.holders.get((tier, group))
+        if holder is None:
+            holder = w.holders[(tier, group)] = _Holder(self._next_bit, kind)
+            self._next_bit <<= 1
+            w.bits |= holder.bit
+            if kind in STATE_KINDS:
+                w.hybrid = True
+        elif holder.kind is None and kind is not None:
+            holder.kind = kind
+        return holder
+
+    def _stored(self, w: _Worker, ev: BlockStored) -> None:
+        hashes = ev.block_hashes
+        if not hashes:
+            return  # vLLM's Mamba events sometimes carry token ids only
+        if w.as_int is None:
+            w.as_int = isinstance(hashes[0], int)
+        kind = ev.kv_cache_spec_kind
+        if kind in IGNORED_KINDS:
+            return
+        tier = _tier(ev)
+        holder = self._holder(w, tier, ev.group_idx, kind)
+        is_state = kind in STATE_KINDS
+        if tier == TIER_GPU and not is_state:
+            bs = ev.block_size
+            if w.config.hash_block_size is None and (w.unit is None or bs < w.unit):
+                w.unit = bs
+        if w.config.block_size is None and (w.block_size is None or ev.block_size > w.block_size):
+            w.block_size = ev.block_size
+        table = self.state if is_state else self.kv
+        counts, bit = holder.counts, holder.bit
+        for h in hashes:
+            c = counts.get(h, 0)
+            counts[h] = c + 1
+            if not c:
+                table[h] = table.get(h, 0) | bit
+        self.stats["stored"] += len(hashes)
+        if w.learns and not is_state and ev.token_ids and ev.block_size == w.unit:
+            self._learn(w, ev)
+
+    def _learn(self, w: _Worker, ev: BlockStored) -> None:
+        bs, parent, keys = ev.block_size, ev.parent_block_hash, ev.extra_keys
+        for i, h in enumerate(ev.block_hashes):
+            toks = ev.token_ids[i * bs:(i + 1) * bs]
+            if len(toks) < bs:
+                break
+            k = (parent, tuple(toks), _frozen(keys[i]) if keys and i < len(keys) else None)
+            w.learned[k] = h
+            w.learned_key[h] = k
+            parent = h
+
+    def _removed(self, w: _Worker, ev: BlockRemoved) -> None:
+        holder = w.holders.get((_tier(ev), ev.group_idx))
+        if holder is None:
+            self.stats["unknown_removals"] += len(ev.block_hashes)
+            return
+        table = self.state if holder.kind in STATE_KINDS else self.kv
+        counts, bit = holder.counts, holder.bit
+        for h in ev.block_hashes:
+            c = counts.get(h, 0)
+            if c > 1:
+                counts[h] = c - 1
+            elif c == 1:
+                del counts[h]
+                self._drop_bit(table, h, bit, w)
+            else:
+                self.stats["unknown_removals"] += 1
+        self.stats["removed"] += len(ev.block_hashes)
+
+    def _drop_bit(self, table: dict, h, bit: int, w: _Worker) -> None:
+        m = table.get(h, 0) & ~bit
+        if m:
+            table[h] = m
+        else:
+            table.pop(h, None)
+        if w.learns and not (self.kv.get(h, 0) & w.bits):
+            k = w.learned_key.pop(h, None)
+            if k is not None and w.learned.get(k) == h:
+                del w.learned[k]
+
+    def _clear(self, holder: _Holder) -> None:
+        table = self.state if holder.kind in STATE_KINDS else self.kv
+        bit = holder.bit
+        for h in holder.counts:
+            m = table.get(h, 0) & ~bit
+            if m:
+                table[h] = m
+            else:
+                table.pop(h, None)
+        holder.counts = {}
+
+    # ---- queries ----
+    def match(self, token_ids: Sequence[int], extra_keys: Sequence[tuple | None] | None = None,
+              lora: tuple[str, str] | None = None, cache_salt: str | None = None) -> dict[tuple, WorkerMatch]:
+        """Per worker `(instance, dp rank)`: the tokens of this prompt it will serve from cache.
+
+        `extra_keys`: per hash unit, vLLM's multimodal keys `("mm", identifier, offset)` (or any
+        keys vLLM hashes besides LoRA and cache salt), as `unit_extra_keys` builds them; `lora`:
+        (name, path) of the request's adapter; `cache_salt`: the request's salt."""
+        n = len(token_ids)
+        out: dict[tuple, WorkerMatch] = {}
+        hashed: dict[tuple, list] = {}  # (algo, seed, unit, form) -> event hashes
+        unit_keys: dict[int, list | None] = {}  # unit -> extra keys per unit
+        for key, w in self.workers.items():
+            unit = w.unit
+            stale = self.is_stale(key[0])
+            if unit is None or n <= 1 or w.as_int is None:
+                out[key] = WorkerMatch(0, {}, stale)
+                continue
+            n_units = (n - 1) // unit  # a hit never covers the last token
+            if unit not in unit_keys:
+                unit_keys[unit] = _merge_keys(n_units, unit, extra_keys, lora, cache_salt)
+            keys = unit_keys[unit]
+            if w.learns:
+                hs = self._walk_learned(w, token_ids, unit, n_units, keys)
+            else:
+                hk = (w.hasher.algo, w.hasher.seed, unit, w.as_int)
+                hs = hashed.get(hk)
+                if hs is None:
+                    hs = hashed[hk] = w.hasher.event_hashes(token_ids, unit, n_units, keys, w.as_int)
+            out[key] = self._serve(w, hs, n, stale)
+        return out
+
+    def _walk_learned(self, w: _Worker, token_ids, unit, n_units, keys) -> list:
+        learned, parent, hs = w.learned, None, []
+        for u in range(n_units):
+            k = (parent, tuple(token_ids[u * unit:(u + 1) * unit]), event_extra_keys(keys[u]) if keys else None)
+            h = learned.get(k)
+            if h is None:
+                break
+            hs.append(h)
+            parent = h
+        return hs
+
+    def _serve(self, w: _Worker, hs: list, n: int, stale: bool) -> WorkerMatch:
+        unit = w.unit
+        kv_get, state_get = self.kv.get, self.state.get
+        kv_masks = [kv_get(h, 0) for h in hs]
+        state_masks = [state_get(h, 0) for h in hs]
+        checkpoints = [u + 1 for u, m in enumerate(state_masks) if m & w.bits]  # X = that * unit
+        tiers_bits: dict[Tier, tuple[int, int]] = {}
+        for (tier, _), holder in w.holders.items():
+            kv_bits, st_bits = tiers_bits.get(tier, (0, 0))
+            if holder.kind in STATE_KINDS:
+                st_bits |= holder.bit
+            else:
+                kv_bits |= holder.bit
+            tiers_bits[tier] = (kv_bits, st_bits)
+        gpu_kv, gpu_st = tiers_bits.get(TIER_GPU, (0, 0))
+        gpu = 0
+        if gpu_kv:
+            k = _prefix_len(kv_masks, gpu_kv)
+            if not w.hybrid:
+                gpu = k * unit
+            elif gpu_st:
+                gpu = _last_checkpoint(checkpoints, state_masks, gpu_st, k) * unit
+        result = {TIER_GPU: gpu}
+        others = [t for t in tiers_bits if t != TIER_GPU]
+        total = gpu
+        if others:
+            B = w.block_size or unit
+            for t in others:
+                result[t] = max(gpu, _tier_hit(gpu, n, unit, B, w.hybrid, kv_masks, state_masks, checkpoints,
+                                               [tiers_bits[t]]))
+            total = max(gpu, _tier_hit(gpu, n, unit, B, w.hybrid, kv_masks, state_masks, checkpoints,
+                                       [tiers_bits[t] for t in others]))
+        return WorkerMatch(total, result, stale)
+
+    def held(self, instance, dp=None, tier: Tier = TIER_GPU, group=None) -> set:
+        """The hashes a worker holds in a tier (and group): for tests and inspection."""
+        w = self.workers.get((instance, dp))
+        out: set = set()
+        for (t, g), holder in (w.holders.items() if w else ()):
+            if t == tier and (group is None or g == group):
+                out |= holder.counts.keys()
+        return out
+
+
+def _tier(ev) -> Tier:
+    medium = ev.medium or MEDIUM_GPU
+    return Tier(medium, ev.locality, ev.ownership) if medium != MEDIUM_GPU else TIER_GPU
+
+
+def _merge_keys(n_units, unit, extra_keys, lora, cache_salt):
+    if extra_keys is None and lora is None and not cache_salt:
+        return None
+    base = unit_extra_keys(n_units, unit, (), lora, None) or [None] * n_units
+    out = []
+    for u in range(n_units):
+        keys = list(base[u] or ())
+        if extra_keys is not None and u < len(extra_keys) and extra_keys[u]:
+            keys += list(extra_keys[u])
+        if cache_salt and u == 0:
+            keys.append(("cache_salt", cache_salt))
+        out.append(tuple(keys) if keys else None)
+    return out if any(out) else None
+
+
+def _prefix_len(masks: list[int], bits: int) -> int:
+    """How many leading masks contain every bit of `bits` (C-level running AND, then bisect)."""
+    if not masks:
+        return 0
+    acc = list(itertools.accumulate(masks, operator.and_))
+    return bisect.bisect_left(acc, True, key=lambda m: (m & bits) != bits)
+
+
+def _last_checkpoint(checkpoints: list[int], state_masks: list[int], bits: int, limit: int) -> int:
+    """The largest checkpoint u <= limit held by every state group in `bits` (0 if none)."""
+    i = bisect.bisect_right(checkpoints, limit)
+    while i > 0:
+        i -= 1
+        u = checkpoints[i]
+        if state_masks[u - 1] & bits == bits:
+            return u
+    return 0
+
+
+def _tier_hit(gpu, n, unit, B, hybrid, kv_masks, state_masks, checkpoints, tiers) -> int:
+    """KVBMConnector's hit after a GPU hit of `gpu` tokens (connector/scheduler.py `_plan`) with
+    entries in any of `tiers` [(kv bits, state bits)]: blocks from the GPU hit's block on, and for
+    hybrid models the largest X with a tier state at X. 0 when the tiers add nothing. The partial
+    KV entry a mid-block state needs is never announced: it is taken to be held with the state."""
+
+    def held(masks, u, which):  # unit u (1-based) held in one tier by all its groups of a kind
+        if u < 1 or u > len(masks):
+            return False
+        m = masks[u - 1]
+        return any(bits[which] and m & bits[which] == bits[which] for bits in tiers)
+
+    limit = n - 1
+    r = max(B // unit, 1)
+    start = gpu // B
+    full = start
+    while (full + 1) * B <= limit and held(kv_masks, (full + 1) * r, 0):
+        full += 1
+    if not hybrid:
+        return full * B if full > start else 0
+    lo = start * r
+    for u in reversed(checkpoints):
+        if u > limit // unit or u <= lo:
+            if u <= lo:
+                break
+            continue
+        if u // r > full or not held(state_masks, u, 1):
+            continue
+        # X inside a block: the connector also needs the block's KV up to X, which it stores with
+        # the state as an entry it never announces; a state event stands for both
+        return u * unit
+    return 0
