@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
+from itertools import repeat
+from operator import add, sub
 
 from vllm.distributed.kv_events import BlockRemoved
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import get_group_id, to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 
 from vllm_kvbm_plugin import compat, config
 from vllm_kvbm_plugin.patches import logger, wrap_method
@@ -40,11 +42,16 @@ class UnitTracker:
     """Which hash units (and inflated blocks) each physical block holds, for one BlockPool.
 
     Keys are announced once while any physical block holds them, because vLLM may cache the same
-    hash in two blocks (a hybrid request recomputing a prefix whose Mamba state is gone). Hashes
-    chain over the token prefix, so two blocks share unit j only at the same position and only if
-    they share every earlier unit: along a block's units, "held elsewhere" is a prefix and the
-    holder counts never increase. Finding the fresh (or last-held) suffix is then a binary search,
-    and the bulk dict updates run in C; this keeps the scheduler's step time close to vanilla.
+    hash in two blocks (a hybrid request recomputing a prefix whose Mamba state is gone, or two
+    prompts that diverge inside a block). Hashes chain over the token prefix, so two blocks share
+    unit j only at the same position and only if they share every earlier unit: blocks can share
+    units only if they share their first one, and then they share a prefix of their units.
+
+    So only a block's first unit is indexed (`heads`). A block alone there (the usual case) holds
+    all its units alone: caching or releasing it costs a few Python operations per block and none
+    per unit. Blocks sharing a first unit keep holder counts per unit, negated so that they
+    increase along a block's units; the shared prefix is found by a binary search and the counts
+    are updated in bulk, all in C.
     """
 
     def __init__(self, pool: BlockPool, units_per_block: dict[int, int], coarse: bool):
@@ -54,8 +61,13 @@ class UnitTracker:
         self.coarse = coarse
         # Hashes are kept in event form (converted once per unit, when it is cached).
         self.by_block: dict[int, tuple[int, list]] = {}  # block id -> (group, [unit hashes])
-        self.counts: dict[tuple[int, int], dict] = {}  # (group, tokens per key) -> hash -> holders
+        # group -> first unit hash -> its only holder's by_block entry, or, when blocks share it,
+        # {unit hash: -(number of holders)} over their units
+        self.heads: dict[int, dict] = {g: {} for g in units_per_block}
         self.to_event_hashes = compat.event_hash_converter()
+        # (request, first token, end token, token_ids) of the last BlockStored vLLM built for an
+        # untracked group (e.g. Mamba, cached just before): the same token list serves our events
+        self.recent_tokens: tuple | None = None
 
     def cache(self, request, group: int, blocks, start: int, end: int, n_last: int | None = None,
               mask=None) -> None:
@@ -64,54 +76,73 @@ class UnitTracker:
         Hashes are converted for the whole range at once; per block only its slice is kept.
         """
         r = self.units_per_block[group]
-        fine, coarse = self._counts(group, self.unit), self._counts(group, r * self.unit)
-        last_units = r if n_last is None else n_last
-        conv = self.to_event_hashes(request.block_hashes[start * r : (end - 1) * r + last_units])
-        unit_runs: list[list] = []  # [first unit, end unit, event hashes] of fresh units
-        block_runs: list[list] = []  # the same for fresh coarse blocks
+        conv = self.to_event_hashes(
+            request.block_hashes[start * r : (end - 1) * r + (r if n_last is None else n_last)])
+        heads, by_block, n = self.heads[group], self.by_block, len(conv)
+        unit_runs: list[list] = []  # [first unit, end unit, index in conv] of fresh units
+        block_runs: list[list] = []  # [first block, end block, index in conv] of fresh full blocks
         for bi in range(start, end):
             block = blocks[bi]
             if block.is_null or (mask is not None and not mask[bi - start]):
                 continue
             a = (bi - start) * r
-            b = min(a + r, len(conv))
-            entry = self.by_block.get(block.block_id)
+            b = min(a + r, n)
+            if a >= b:
+                continue
+            entry = by_block.get(block.block_id)
             if entry is None:
-                held, had = conv[a:b], 0
-                self.by_block[block.block_id] = (group, held)
+                held = conv[a:b]
+                entry = by_block[block.block_id] = (group, held)
+                counts = heads.get(held[0])
+                if counts is None:
+                    heads[held[0]] = entry
+                    k = 0
+                else:
+                    if type(counts) is tuple:  # a second holder: start counting
+                        counts = heads[held[0]] = dict.fromkeys(counts[1], -1)
+                    k = _hold(counts, held)
             else:
                 held = entry[1]
                 had = len(held)
                 if had >= b - a:
                     continue
-                held += conv[a + had : b]
-            new = held[had:]
-            # units held by another block form a prefix of this block's units; usually none
-            k = 0 if new[0] not in fine else bisect_left(new, True, key=lambda h: h not in fine)
-            for h in new[:k]:
-                fine[h] += 1
-            if k < len(new):
-                fresh = new[k:] if k else new
-                fine.update(dict.fromkeys(fresh, 1))
-                _extend_runs(unit_runs, bi * r + had + k, bi * r + b - a, fresh)
-            if self.coarse and b - a == r:
-                n = coarse.get(held[-1], 0)
-                coarse[held[-1]] = n + 1
-                if not n:
-                    _extend_runs(block_runs, bi, bi + 1, held[-1:])
+                new = conv[a + had : b]
+                held += new
+                counts = heads[held[0]]
+                k = had if counts is entry else had + _hold(counts, new)
+            if k < b - a:
+                _extend_runs(unit_runs, bi * r + k, bi * r + b - a, a + k)
+            if b - a == r and k < r and self.coarse:
+                _extend_runs(block_runs, bi, bi + 1, b - 1)
         tokens: dict = {}  # token slices shared by coarse and unit events over the same range
-        self._announce(request, group, r, block_runs, tokens)
-        self._announce(request, group, 1, unit_runs, tokens)
+        recent = self.recent_tokens
+        if recent is not None and recent[0] is request:
+            tokens[(recent[1], recent[2])] = recent[3]
+            self.recent_tokens = None
+        if block_runs:
+            self._announce(request, group, r, block_runs, conv, r, tokens)
+        if unit_runs:
+            self._announce(request, group, 1, unit_runs, conv, 1, tokens)
 
     def release(self, block_id: int) -> None:
         entry = self.by_block.pop(block_id, None)
         if entry is None:
             return
         group, held = entry
+        heads = self.heads[group]
+        counts = heads[held[0]]
+        if counts is entry:
+            del heads[held[0]]
+            k = 0
+        else:
+            k = _unhold(counts, held)
+            if not k:
+                del heads[held[0]]
         r = self.units_per_block[group]
-        if self.coarse and len(held) == r:
-            self._removed(group, _decrement(self.counts[(group, r * self.unit)], held[-1:]))
-        self._removed(group, _decrement(self.counts[(group, self.unit)], held))
+        if self.coarse and len(held) == r and k < r:
+            self._removed(group, held[-1:])
+        if k < len(held):
+            self._removed(group, held[k:] if k else held)
 
     def move(self, src_id: int, dst_id: int) -> None:
         entry = self.by_block.pop(src_id, None)
@@ -120,30 +151,25 @@ class UnitTracker:
 
     def clear(self) -> None:
         self.by_block.clear()
-        self.counts.clear()
-
-    def _counts(self, group: int, tokens: int) -> dict:
-        c = self.counts.get((group, tokens))
-        if c is None:
-            c = self.counts[(group, tokens)] = {}
-        return c
+        for heads in self.heads.values():
+            heads.clear()
 
     def _removed(self, group: int, hashes: list) -> None:
-        if hashes:
-            self.pool.kv_event_queue.append(
-                BlockRemoved(block_hashes=hashes, medium=self.pool.medium, group_idx=group)
-            )
+        self.pool.kv_event_queue.append(
+            BlockRemoved(block_hashes=hashes, medium=self.pool.medium, group_idx=group)
+        )
 
-    def _announce(self, request, group: int, units_per_key: int, runs: list, tokens: dict) -> None:
+    def _announce(self, request, group: int, units_per_key: int, runs: list, conv: list,
+                  step: int, tokens: dict) -> None:
         """One BlockStored per run of consecutive fresh keys, chained to the key before.
 
         Key i covers tokens [i*n, (i+1)*n) with n = units_per_key * hash_block_size; its hash
-        (event form, in the run) is the chained unit hash at its last unit, which is what vLLM
-        announces for a block of n tokens.
+        (event form) is the chained unit hash at its last unit, which is what vLLM announces for
+        a block of n tokens. A run's hashes are conv[lo :: step], one per key.
         """
         n = units_per_key * self.unit
-        with_extra = runs and compat.has_extra_keys(request)
-        for first, end, key_hashes in runs:
+        with_extra = compat.has_extra_keys(request)
+        for first, end, lo in runs:
             if with_extra:
                 extra, mm_idx = [], 0
                 for k in range(first, end):
@@ -152,8 +178,13 @@ class UnitTracker:
                 extra = to_event_extra_keys(extra)
             else:
                 extra = [None] * (end - first)
-            parent = (self.to_event_hashes([request.block_hashes[first * units_per_key - 1]])[0]
-                      if first else None)
+            if step == 1:
+                key_hashes = conv if lo == 0 and end - first == len(conv) else conv[lo : lo + end - first]
+            else:
+                key_hashes = conv[lo : lo + (end - first - 1) * step + 1 : step]
+            unit_before = first * units_per_key - 1
+            parent = (None if unit_before < 0 else conv[lo - step] if lo >= step
+                      else self.to_event_hashes([request.block_hashes[unit_before]])[0])
             span = (first * n, end * n)
             token_ids = tokens.get(span)
             if token_ids is None:
@@ -172,31 +203,39 @@ class UnitTracker:
             )
 
 
-def _extend_runs(runs: list[list], first: int, end: int, hashes: list) -> None:
-    """Append keys [first, end) with their hashes, merging with the last run when contiguous."""
+def _extend_runs(runs: list[list], first: int, end: int, lo: int) -> None:
+    """Append keys [first, end) (hashes from conv[lo]), merging with the last run when contiguous."""
     if runs and runs[-1][1] == first:
         runs[-1][1] = end
-        runs[-1][2] += hashes
     else:
-        runs.append([first, end, list(hashes)])
+        runs.append([first, end, lo])
 
 
-def _decrement(counts: dict, held: list) -> list:
-    """Drop one holder of each hash in `held` (counts non-increasing); returns the hashes gone."""
-    # the usual case: this block was the only holder of all its units (k == 0)
-    k = 0 if counts[held[0]] == 1 else bisect_left(held, True, key=lambda h: counts[h] == 1)
-    for h in held[:k]:
-        counts[h] -= 1
-    gone = held[k:]
-    deque(map(counts.pop, gone), maxlen=0)  # bulk delete in C
-    return gone
+def _hold(counts: dict, units: list) -> int:
+    """Count one more holder of `units` (a block's units from some point on, in order);
+    returns how many of them other blocks held already (a prefix of them)."""
+    k = sum(map(counts.__contains__, units))
+    if k:
+        shared = units[:k]
+        counts.update(zip(shared, map(sub, map(counts.__getitem__, shared), repeat(1))))
+    if k < len(units):
+        counts.update(dict.fromkeys(units[k:] if k else units, -1))
+    return k
 
 
-def _tracker(pool: BlockPool, group: int | None = None) -> UnitTracker | None:
-    t = pool.__dict__.get("_kvbm_units")
-    if t is None or (group is not None and group not in t.units_per_block):
-        return None
-    return t
+def _unhold(counts: dict, units: list) -> int:
+    """Count one holder of `units` (a block's units) less; returns how many of them other
+    blocks still hold (a prefix of them: counts only grow along a block's units)."""
+    k = bisect_left(units, -1, key=counts.__getitem__)  # the first unit held only by this block
+    if k:
+        shared = units[:k]
+        counts.update(zip(shared, map(add, map(counts.__getitem__, shared), repeat(1))))
+    deque(map(counts.pop, units[k:] if k else units), maxlen=0)  # bulk delete in C
+    return k
+
+
+def _tracker(pool: BlockPool) -> UnitTracker | None:
+    return pool.__dict__.get("_kvbm_units")
 
 
 def _attach(manager: KVCacheManager) -> None:
@@ -234,7 +273,6 @@ def apply() -> bool:
     changed |= wrap_method(BlockPool, "_maybe_evict_cached_block", _wrap_evict)
     changed |= wrap_method(BlockPool, "move_block_hashes", _wrap_move)
     changed |= wrap_method(BlockPool, "reset_prefix_cache", _wrap_reset)
-    changed |= wrap_method(BlockPool, "_emit_block_removed_events", _wrap_emit_removed)
     return changed
 
 
@@ -246,24 +284,34 @@ def _wrap_manager_init(orig):
     return __init__
 
 
-def _without_vllm_events(pool: BlockPool, call):
-    """Run `call` with the pool's own event emission off: the tracker announces these groups."""
-    pool.enable_kv_cache_events = False
-    try:
-        return call()
-    finally:
-        pool.enable_kv_cache_events = True
+# For tracked groups the pool's own event emission is switched off around vLLM's calls: the
+# tracker announces (and removes) those keys. A tracked block holds only its group's keys.
 
 
 def _wrap_cache_full_blocks(orig):
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                           kv_cache_group_id, block_mask=None):
-        t = _tracker(self, kv_cache_group_id)
-        args = (self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
-                kv_cache_group_id, block_mask)
+        t = self.__dict__.get("_kvbm_units")
         if t is None:
-            return orig(*args)
-        _without_vllm_events(self, lambda: orig(*args))
+            return orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                        kv_cache_group_id, block_mask)
+        if kv_cache_group_id not in t.units_per_block:
+            queue = self.kv_event_queue
+            n = len(queue)
+            orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                 kv_cache_group_id, block_mask)
+            if len(queue) > n:  # vLLM's BlockStored for this range: reuse its token list
+                first, end = num_cached_blocks * block_size, num_full_blocks * block_size
+                token_ids = queue[-1].token_ids
+                if len(token_ids) == end - first:
+                    t.recent_tokens = (request, first, end, token_ids)
+            return None
+        self.enable_kv_cache_events = False
+        try:
+            orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                 kv_cache_group_id, block_mask)
+        finally:
+            self.enable_kv_cache_events = True
         if num_cached_blocks < num_full_blocks:
             t.cache(request, kv_cache_group_id, blocks, num_cached_blocks, num_full_blocks,
                     mask=block_mask)
@@ -274,14 +322,18 @@ def _wrap_cache_full_blocks(orig):
 def _wrap_cache_partial_block(orig):
     def cache_partial_block(self, request, block, num_tokens, kv_cache_group_id, block_size,
                             replace_existing_hashes=False):
-        t = _tracker(self, kv_cache_group_id)
-        args = (self, request, block, num_tokens, kv_cache_group_id, block_size,
-                replace_existing_hashes)
-        if t is None:
-            return orig(*args)
+        t = self.__dict__.get("_kvbm_units")
+        if t is None or kv_cache_group_id not in t.units_per_block:
+            return orig(self, request, block, num_tokens, kv_cache_group_id, block_size,
+                        replace_existing_hashes)
         if replace_existing_hashes:
             t.release(block.block_id)
-        key = _without_vllm_events(self, lambda: orig(*args))
+        self.enable_kv_cache_events = False
+        try:
+            key = orig(self, request, block, num_tokens, kv_cache_group_id, block_size,
+                       replace_existing_hashes)
+        finally:
+            self.enable_kv_cache_events = True
         if key is not None:
             block_idx = num_tokens // block_size
             t.cache(request, kv_cache_group_id, {block_idx: block}, block_idx, block_idx + 1,
@@ -293,10 +345,15 @@ def _wrap_cache_partial_block(orig):
 
 def _wrap_evict(orig):
     def _maybe_evict_cached_block(self, block):
-        evicted = orig(self, block)
-        t = _tracker(self)
-        if t is not None:
-            t.release(block.block_id)
+        t = self.__dict__.get("_kvbm_units")
+        if t is None or block.block_id not in t.by_block:
+            return orig(self, block)
+        self.enable_kv_cache_events = False
+        try:
+            evicted = orig(self, block)
+        finally:
+            self.enable_kv_cache_events = True
+        t.release(block.block_id)
         return evicted
 
     return _maybe_evict_cached_block
@@ -321,13 +378,3 @@ def _wrap_reset(orig):
         return ok
 
     return reset_prefix_cache
-
-
-def _wrap_emit_removed(orig):
-    def _emit_block_removed_events(self, block_hashes):
-        t = _tracker(self)
-        if t is not None:  # removals of these groups come from the tracker
-            block_hashes = [k for k in block_hashes if get_group_id(k) not in t.units_per_block]
-        return orig(self, block_hashes)
-
-    return _emit_block_removed_events
