@@ -272,3 +272,17 @@ def test_lora_and_images_change_the_hashes():
     index.apply("v", batch(stored(hs2, p, 16)), seq=0)
     assert served(index, p, worker=("v", None), extra_keys=[k and k for k in img]) == 48
     assert served(index, p, worker=("v", None)) == 0
+
+
+def test_long_prompts_hash_in_chunks_and_stop_past_an_unheld_block():
+    ids = toks(32 * 300, hi=150000)
+    assert sum(H.event_hash_chunks(ids, 32, 300), []) == H.event_hashes(ids, 32)
+    index = KVIndex(WorkerConfig(hash_block_size=32, block_size=160))
+    hs = H.event_hashes(ids, 32)
+    index.apply("w", batch(stored(hs[:100], ids[:3200], 32, group=1),
+                           stored([hs[99]], ids[3168:3200], 32, group=0, kind="mamba", parent=hs[98]),
+                           stored(hs[250:], ids[8000:], 32, group=1, parent=hs[249])), seq=0)
+    assert served(index, ids) == 3200
+    assert served(index, ids[:3200]) == 0  # the checkpoint at 3200 is the last token: n - 1 rule
+    looked = index._lookup_chunks(H.event_hash_chunks(ids, 32, 299), 5)
+    assert 105 <= len(looked.kv_masks) <= 192  # stopped in the chunk after the first unheld block

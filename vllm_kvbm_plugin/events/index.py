@@ -293,6 +293,22 @@ class PromptHasher:
         w = out.shape[1]
         return out[:, w - 8:].copy().view(">u8").ravel().tolist()
 
+    def event_hash_chunks(self, token_ids, unit: int, n_units: int, as_int: bool = True, chunk: int = 64):
+        """`event_hashes` in chunks of `chunk` units, computed only as far as they are consumed
+        (a router stops at the first block nobody holds)."""
+        tokens = _int64(token_ids, n_units * unit) if n_units else np.zeros(0, np.int64)
+        if not (4 <= unit <= _MAX_FAST_UNIT) or (len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**31)):
+            yield self.event_hashes(token_ids, unit, n_units, None, as_int)
+            return
+        parent = np.frombuffer(self.none_hash, np.uint8)
+        for start in range(0, n_units, chunk):
+            end = min(start + chunk, n_units)
+            buf, offs = _serialize_units(tokens[start * unit:end * unit], end - start, unit, self.fmt)
+            out = self._chain(buf, offs, parent)
+            parent = out[-1].copy()
+            w = out.shape[1]
+            yield out[:, w - 8:].copy().view(">u8").ravel().tolist() if as_int else [bytes(r) for r in out]
+
     def serialized(self, token_ids, unit, n_units=None, unit_keys=None):
         """(buffer, offsets) of the units' bytes for the numba path, or (None, None) when a unit
         needs the general path (extra keys, token ids out of range, odd unit sizes)."""
@@ -308,9 +324,10 @@ class PromptHasher:
             return None, np.zeros(n_units + 1)
         return _serialize_units(tokens, n_units, unit, self.fmt)
 
-    def _chain(self, buf: np.ndarray, offs: np.ndarray) -> np.ndarray:
+    def _chain(self, buf: np.ndarray, offs: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
         parent_at = _PARENT_AT[self.fmt]
-        first = np.frombuffer(self.none_hash, np.uint8)
+        if first is None:
+            first = np.frombuffer(self.none_hash, np.uint8)
         kernel = _sha256_chain_kernel() if self.algo.startswith("sha256") else False
         if kernel:
             out = np.empty((len(offs) - 1, 32), np.uint8)
@@ -318,7 +335,7 @@ class PromptHasher:
             return out
         digest = self._digest
         mv = memoryview(buf)
-        parent, rows = self.none_hash, []
+        parent, rows = bytes(first), []
         for u in range(len(offs) - 1):
             s = int(offs[u])
             buf[s + parent_at:s + parent_at + 32] = np.frombuffer(parent, np.uint8)
@@ -386,6 +403,13 @@ class WorkerMatch(NamedTuple):
     stale: bool  # events were lost: the numbers may be wrong until replay recovers them
 
 
+class _Looked(NamedTuple):
+    kv_masks: list  # per unit: bits of the attention holders of its hash
+    state_masks: list  # per unit: bits of the state holders of its hash
+    acc: list  # running AND of kv_masks: who holds every unit so far
+    checkpoints: list  # units (1-based) some state holder holds, ascending
+
+
 @dataclasses.dataclass
 class _Holder:
     """One (worker, tier, group): the hashes it holds, with store counts."""
@@ -405,6 +429,7 @@ class _Worker:
         self.holders: dict[tuple, _Holder] = {}  # (tier, group) -> holder
         self.hybrid = False
         self.bits = 0  # every holder bit of this worker
+        self._tier_bits: dict | None = None
         # learned (parent, tokens, extra keys) -> hash, for workers whose hashes cannot be computed
         self.learned: dict[tuple, Any] = {}
         self.learned_key: dict[Any, tuple] = {}
@@ -412,6 +437,20 @@ class _Worker:
     @property
     def learns(self) -> bool:
         return not self.hasher.computable
+
+    def tier_bits(self) -> dict:
+        """Tier -> (attention holder bits, state holder bits)."""
+        if self._tier_bits is None:
+            out: dict[Tier, tuple[int, int]] = {}
+            for (tier, _), holder in self.holders.items():
+                kv_bits, st_bits = out.get(tier, (0, 0))
+                if holder.kind in STATE_KINDS:
+                    st_bits |= holder.bit
+                else:
+                    kv_bits |= holder.bit
+                out[tier] = (kv_bits, st_bits)
+            self._tier_bits = out
+        return self._tier_bits
 
 
 class KVIndex:
@@ -421,9 +460,11 @@ class KVIndex:
         self.default = default or WorkerConfig()
         self.configs: dict[Any, WorkerConfig] = {}  # instance -> config
         self.workers: dict[tuple, _Worker] = {}
-        self.kv: dict[Any, int] = {}  # hash -> bits of the (worker, tier, attention group)s holding it
-        self.state: dict[Any, int] = {}  # hash -> bits of the (worker, tier, state group)s holding it
+        # hash -> bits of the (worker, tier, group)s holding it; attention and state holders have
+        # bits of their own, so one lookup per unit serves both
+        self.held_by: dict[Any, int] = {}
         self._next_bit = 1
+        self._state_bits = 0  # bits of every state holder
         # per instance: next expected seq, missing seqs, batches waiting behind a gap
         self.next_seq: dict[Any, int] = {}
         self.missing: dict[Any, set] = {}
@@ -516,9 +557,16 @@ class KVIndex:
             self._next_bit <<= 1
             w.bits |= holder.bit
             if kind in STATE_KINDS:
+                self._state_bits |= holder.bit
+            w._tier_bits = None
+            if kind in STATE_KINDS:
                 w.hybrid = True
         elif holder.kind is None and kind is not None:
             holder.kind = kind
+            w._tier_bits = None
+            w.hybrid = w.hybrid or kind in STATE_KINDS
+            if kind in STATE_KINDS:
+                self._state_bits |= holder.bit
         return holder
 
     def _stored(self, w: _Worker, ev: BlockStored) -> None:
@@ -539,7 +587,7 @@ class KVIndex:
                 w.unit = bs
         if w.config.block_size is None and (w.block_size is None or ev.block_size > w.block_size):
             w.block_size = ev.block_size
-        table = self.state if is_state else self.kv
+        table = self.held_by
         counts, bit = holder.counts, holder.bit
         for h in hashes:
             c = counts.get(h, 0)
@@ -566,7 +614,7 @@ class KVIndex:
         if holder is None:
             self.stats["unknown_removals"] += len(ev.block_hashes)
             return
-        table = self.state if holder.kind in STATE_KINDS else self.kv
+        table = self.held_by
         counts, bit = holder.counts, holder.bit
         for h in ev.block_hashes:
             c = counts.get(h, 0)
@@ -585,13 +633,13 @@ class KVIndex:
             table[h] = m
         else:
             table.pop(h, None)
-        if w.learns and not (self.kv.get(h, 0) & w.bits):
+        if w.learns and not (table.get(h, 0) & w.bits):
             k = w.learned_key.pop(h, None)
             if k is not None and w.learned.get(k) == h:
                 del w.learned[k]
 
     def _clear(self, holder: _Holder) -> None:
-        table = self.state if holder.kind in STATE_KINDS else self.kv
+        table = self.held_by
         bit = holder.bit
         for h in holder.counts:
             m = table.get(h, 0) & ~bit
@@ -611,7 +659,7 @@ class KVIndex:
         (name, path) of the request's adapter; `cache_salt`: the request's salt."""
         n = len(token_ids)
         out: dict[tuple, WorkerMatch] = {}
-        hashed: dict[tuple, list] = {}  # (algo, seed, unit, form) -> event hashes
+        hashed: dict[tuple, _Looked] = {}  # (algo, seed, unit, form) -> the prompt's masks
         unit_keys: dict[int, list | None] = {}  # unit -> extra keys per unit
         for key, w in self.workers.items():
             unit = w.unit
@@ -624,13 +672,19 @@ class KVIndex:
                 unit_keys[unit] = _merge_keys(n_units, unit, extra_keys, lora, cache_salt)
             keys = unit_keys[unit]
             if w.learns:
-                hs = self._walk_learned(w, token_ids, unit, n_units, keys)
+                looked = self._lookup(self._walk_learned(w, token_ids, unit, n_units, keys))
             else:
                 hk = (w.hasher.algo, w.hasher.seed, unit, w.as_int)
-                hs = hashed.get(hk)
-                if hs is None:
-                    hs = hashed[hk] = w.hasher.event_hashes(token_ids, unit, n_units, keys, w.as_int)
-            out[key] = self._serve(w, hs, n, stale)
+                looked = hashed.get(hk)
+                if looked is None:
+                    if keys:
+                        hs = w.hasher.event_hashes(token_ids, unit, n_units, keys, w.as_int)
+                        looked = self._lookup(hs)
+                    else:
+                        looked = self._lookup_chunks(w.hasher.event_hash_chunks(token_ids, unit, n_units, w.as_int),
+                                                     self._widest_block(hk))
+                    hashed[hk] = looked
+            out[key] = self._serve(w, looked, n, stale)
         return out
 
     def _walk_learned(self, w: _Worker, token_ids, unit, n_units, keys) -> list:
@@ -644,38 +698,59 @@ class KVIndex:
             parent = h
         return hs
 
-    def _serve(self, w: _Worker, hs: list, n: int, stale: bool) -> WorkerMatch:
+    def _lookup(self, hs: list) -> "_Looked":
+        """The holder masks of a prompt's hashes, shared by every worker hashing alike."""
+        get = self.held_by.get
+        masks = [get(h, 0) for h in hs]
+        acc = list(itertools.accumulate(masks, operator.and_))
+        state_bits = self._state_bits
+        checkpoints = [u + 1 for u, m in enumerate(masks) if m & state_bits]  # X = that * unit
+        return _Looked(masks, masks, acc, checkpoints)
+
+    def _lookup_chunks(self, chunks, run: int) -> "_Looked":
+        """`_lookup` over hashes computed chunk by chunk, stopping after `run` consecutive units
+        nobody holds: that run holds a block end of every worker, so no hit reaches past it."""
+        get, masks, zeros = self.held_by.get, [], 0
+        for hs in chunks:
+            part = [get(h, 0) for h in hs]
+            masks += part
+            for m in part:
+                zeros = 0 if m else zeros + 1
+                if zeros >= run:
+                    break
+            if zeros >= run:
+                break
+        acc = list(itertools.accumulate(masks, operator.and_))
+        state_bits = self._state_bits
+        checkpoints = [u + 1 for u, m in enumerate(masks) if m & state_bits]
+        return _Looked(masks, masks, acc, checkpoints)
+
+    def _widest_block(self, hk) -> int:
+        """The most units per block among the workers hashing as `hk` (algo, seed, unit, form)."""
+        unit = hk[2]
+        return max(((w.block_size or unit) // unit for w in self.workers.values()
+                    if (w.hasher.algo, w.hasher.seed, w.unit, w.as_int) == hk), default=1) or 1
+
+    def _serve(self, w: _Worker, looked: "_Looked", n: int, stale: bool) -> WorkerMatch:
         unit = w.unit
-        kv_get, state_get = self.kv.get, self.state.get
-        kv_masks = [kv_get(h, 0) for h in hs]
-        state_masks = [state_get(h, 0) for h in hs]
-        checkpoints = [u + 1 for u, m in enumerate(state_masks) if m & w.bits]  # X = that * unit
-        tiers_bits: dict[Tier, tuple[int, int]] = {}
-        for (tier, _), holder in w.holders.items():
-            kv_bits, st_bits = tiers_bits.get(tier, (0, 0))
-            if holder.kind in STATE_KINDS:
-                st_bits |= holder.bit
-            else:
-                kv_bits |= holder.bit
-            tiers_bits[tier] = (kv_bits, st_bits)
+        tiers_bits = w.tier_bits()
         gpu_kv, gpu_st = tiers_bits.get(TIER_GPU, (0, 0))
         gpu = 0
         if gpu_kv:
-            k = _prefix_len(kv_masks, gpu_kv)
+            k = bisect.bisect_left(looked.acc, True, key=lambda m: (m & gpu_kv) != gpu_kv)
             if not w.hybrid:
                 gpu = k * unit
             elif gpu_st:
-                gpu = _last_checkpoint(checkpoints, state_masks, gpu_st, k) * unit
+                gpu = _last_checkpoint(looked.checkpoints, looked.state_masks, gpu_st, k) * unit
         result = {TIER_GPU: gpu}
         others = [t for t in tiers_bits if t != TIER_GPU]
         total = gpu
         if others:
             B = w.block_size or unit
+            args = (gpu, n, unit, B, w.hybrid, looked.kv_masks, looked.state_masks, looked.checkpoints)
             for t in others:
-                result[t] = max(gpu, _tier_hit(gpu, n, unit, B, w.hybrid, kv_masks, state_masks, checkpoints,
-                                               [tiers_bits[t]]))
-            total = max(gpu, _tier_hit(gpu, n, unit, B, w.hybrid, kv_masks, state_masks, checkpoints,
-                                       [tiers_bits[t] for t in others]))
+                result[t] = max(gpu, _tier_hit(*args, [tiers_bits[t]]))
+            total = max(gpu, _tier_hit(*args, [tiers_bits[t] for t in others]))
         return WorkerMatch(total, result, stale)
 
     def held(self, instance, dp=None, tier: Tier = TIER_GPU, group=None) -> set:
@@ -706,14 +781,6 @@ def _merge_keys(n_units, unit, extra_keys, lora, cache_salt):
             keys.append(("cache_salt", cache_salt))
         out.append(tuple(keys) if keys else None)
     return out if any(out) else None
-
-
-def _prefix_len(masks: list[int], bits: int) -> int:
-    """How many leading masks contain every bit of `bits` (C-level running AND, then bisect)."""
-    if not masks:
-        return 0
-    acc = list(itertools.accumulate(masks, operator.and_))
-    return bisect.bisect_left(acc, True, key=lambda m: (m & bits) != bits)
 
 
 def _last_checkpoint(checkpoints: list[int], state_masks: list[int], bits: int, limit: int) -> int:
