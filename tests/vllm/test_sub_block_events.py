@@ -198,3 +198,31 @@ def test_image_units_carry_vllms_extra_keys():
     for i, b in enumerate(h.batches):
         v.apply(b, i)
     assert v.errors == 0 and v.prompt_blocks["with_images"] >= 3, v.report()
+
+
+def test_prompts_diverging_inside_a_block_announce_shared_units_once():
+    """Two physical blocks sharing their first units (prompts that diverge inside a block): the
+    shared units are announced with the first block, removed only when the last holder goes."""
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32, num_blocks=24))
+    rng = random.Random(5)
+    a = [rng.randrange(2000) for _ in range(400)]
+    b = a[:100] + [rng.randrange(2000) for _ in range(300)]
+    h.add(a)
+    h.run()
+    h.add(b)
+    h.run()
+    ua, ub = h.unit_hashes(a), h.unit_hashes(b)
+    assert ub[:3] == ua[:3] and ub[3] != ua[3]
+    assert announced(h) == ua[:12] + ub[3:12]
+    first_of_b = next(e for e in events(h, block_size=32) if ub[3] in e.block_hashes)
+    assert first_of_b.block_hashes[0] == ub[3] and first_of_b.parent_block_hash == ua[2]
+    assert [x for e in events(h, block_size=160) for x in e.block_hashes] == [
+        ua[4], ua[9], ub[4], ub[9]]
+    for _ in range(8):  # other prompts take every block: both holders of units 0..2 go
+        h.add([rng.randrange(2000) for _ in range(600)])
+        h.run()
+    removed = [x for e in events(h, BlockRemoved) for x in e.block_hashes]
+    # units 0..2 once though two blocks held them; unit 4 is also the block's coarse key
+    assert [removed.count(x) for x in ua[:5] + ub[3:5]] == [1, 1, 1, 1, 2, 1, 2]
+    v = validate(h)
+    assert v.errors == 0, v.report()
