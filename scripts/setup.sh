@@ -9,6 +9,14 @@ VENV=$ROOT/.venv
 PY=$VENV/bin/python
 STAMP=$VENV/.kvbm-setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh scripts/repair_cpu_env.py | sha256sum | cut -c1-16)
+# The remote-tier tests run their own redis-server: Debian's, installed when missing (root only;
+# otherwise those tests skip and say why).
+if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "[setup] installing redis-server (apt-get)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server </dev/null >/dev/null \
+    || { apt-get update -q </dev/null >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server </dev/null >/dev/null; } \
+    || echo "[setup] could not install redis-server: remote-tier tests will skip"
+fi
 if ! { [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }; then
   echo "[setup] preparing $VENV (first run takes ~3 min)"
   [ -x "$PY" ] || python3 -m venv "$VENV"
