@@ -90,6 +90,19 @@ def _tiny_model(args) -> int:
     return 0
 
 
+def _match(args) -> int:
+    from vllm_kvbm_plugin.reuse.subseq import match_recording
+
+    prompts = [[int(t) for t in args.prompt.replace(",", " ").split()]] if args.prompt else []
+    if args.prompts:
+        with open(args.prompts) as fp:
+            prompts += [json.loads(line)["token_ids"] for line in fp if line.strip()]
+    with open(args.file) as fp:
+        for out in match_recording(fp, prompts, args.unit):
+            print(json.dumps(out, separators=(",", ":")))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm-kvbm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -118,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("kind", choices=KINDS)
     t.add_argument("--dir", default=None, help="cache directory (default ~/.cache/vllm-kvbm/tiny-models)")
     t.set_defaults(func=_tiny_model)
+
+    m = sub.add_parser("match", help="sub-sequences of prompts that a recorded stream's blocks hold, "
+                       "at any offset (runs, prefix and reusable non-prefix tokens)")
+    m.add_argument("file", help="recorded KV events (JSON lines from `subscribe`)")
+    m.add_argument("--prompt", help="token ids, separated by spaces or commas")
+    m.add_argument("--prompts", help='JSON lines, one per request: {"token_ids": [...]}')
+    m.add_argument("--unit", type=int, default=None, help="hash unit (default: smallest stored block size)")
+    m.set_defaults(func=_match)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,2 @@
+"""Reuse of KV that is not a prefix (issue 12): `subseq` finds where stored hash units occur in a
+new request at any offset, `rope` re-rotates stored K to new positions. Pure: no vLLM import."""

@@ -1,0 +1,514 @@
+"""Sub-sequence index: which stored hash units occur in a new request, at any offset.
+
+Prefix caching serves a request only the stored blocks that start it. RAG and agent prompts repeat
+the same documents at other positions and in other orders; their KV is stored under other keys
+(block hashes chain the whole prefix) but their tokens are the same. This index finds them:
+
+- It holds every stored hash unit: its tokens, its key (the block hash), its parent (the unit
+  before it in its stored sequence) and its position there, with a store count per holder
+  (worker, tier, group) so removals are exact: a unit leaves when its last holder removes it.
+- A request is probed with a polynomial rolling hash over every window of `unit` tokens (every
+  offset, not only unit boundaries). Each window hash is looked up in a compact open-addressing
+  table (numpy arrays: hash, slot), and **every candidate is verified against the stored tokens**:
+  a 64-bit polynomial hash can be collided on purpose, so the hash only proposes.
+- Verified hits at offsets s and s + unit whose units are parent and child form a run; every
+  maximal run is returned as `Run(new_start, old_start, length, keys)`.
+
+Kernels are numba (`window_hashes`, `_probe`, `_chain_runs`); `reference_find` and
+`reference_window_hashes` are the plain-Python definitions the tests hold them to.
+`feed_batch` builds the index from our KV event stream (BlockStored carries token ids).
+"""
+
+from __future__ import annotations
+
+import array
+import time
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import numba
+import numpy as np
+
+from vllm_kvbm_plugin.log import get_logger
+
+logger = get_logger("reuse.subseq")
+
+DEFAULT_BASE = 0x9E3779B97F4A7C15 | 1  # odd, so every power of it is invertible mod 2**64
+_MIX = np.uint64(0xBF58476D1CE4E5B9)  # spreads the window hash's high bits over table buckets
+_EMPTY = -1
+# event groups whose blocks are not plain per-token KV (state checkpoints) or not all kept
+_SKIP_KINDS = frozenset({"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"})
+
+
+class Run(NamedTuple):
+    """Stored units `keys` (consecutive in their stored sequence, which put the first at token
+    `old_start`, -1 if unknown) hold the request's tokens [new_start, new_start + length)."""
+
+    new_start: int
+    old_start: int
+    length: int
+    keys: tuple
+
+
+class Match(NamedTuple):
+    """One request's answer. `prefix_tokens`: what prefix caching already serves (a run from
+    position 0 at position 0); `reusable_tokens`: request tokens outside that prefix covered by
+    some run, i.e. what only position-independent reuse can serve."""
+
+    runs: list[Run]
+    prefix_tokens: int
+    reusable_tokens: int
+    rejected: int  # candidates whose hash matched but whose tokens did not
+    seconds: float
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+
+@numba.njit(cache=True, nogil=True)
+def window_hashes(tokens, unit, base):
+    """uint64 hash of every window tokens[s:s+unit]: sum t[s+i] * base**(unit-1-i) mod 2**64."""
+    n = len(tokens) - unit + 1
+    if n <= 0:
+        return np.empty(0, np.uint64)
+    out = np.empty(n, np.uint64)
+    b = np.uint64(base)
+    top = np.uint64(1)  # base ** (unit - 1)
+    for _ in range(unit - 1):
+        top = top * b
+    h = np.uint64(0)
+    for i in range(unit):
+        h = h * b + np.uint64(tokens[i])
+    out[0] = h
+    for s in range(1, n):
+        h = (h - np.uint64(tokens[s - 1]) * top) * b + np.uint64(tokens[s + unit - 1])
+        out[s] = h
+    return out
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bucket(h, shift):
+    return np.int64((h * _MIX) >> np.uint64(shift))
+
+
+@numba.njit(cache=True, nogil=True)
+def _insert(tab_hash, tab_slot, shift, h, slot):
+    mask = len(tab_slot) - 1
+    i = _bucket(h, shift)
+    while tab_slot[i] != -1:
+        i = (i + 1) & mask
+    tab_hash[i] = h
+    tab_slot[i] = slot
+
+
+@numba.njit(cache=True, nogil=True)
+def _delete(tab_hash, tab_slot, shift, h, slot):
+    """Remove (h, slot) by backward shift: no tombstones, so probes stay as short as at insert."""
+    mask = len(tab_slot) - 1
+    i = _bucket(h, shift)
+    while tab_slot[i] != slot:
+        if tab_slot[i] == -1:
+            return False
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if tab_slot[j] == -1:
+            break
+        home = _bucket(tab_hash[j], shift)
+        # move j into the hole at i unless its home lies cyclically in (i, j]
+        if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+            tab_hash[i] = tab_hash[j]
+            tab_slot[i] = tab_slot[j]
+            i = j
+    tab_slot[i] = -1
+    return True
+
+
+@numba.njit(cache=True, nogil=True)
+def _probe(tokens, wh, unit, tab_hash, tab_slot, shift, unit_tokens):
+    """Verified hits (offset, slot) in offset order, and the count of hash-only (rejected) hits."""
+    mask = len(tab_slot) - 1
+    cap = 64
+    offs = np.empty(cap, np.int64)
+    slots = np.empty(cap, np.int64)
+    n = 0
+    rejected = 0
+    for s in range(len(wh)):
+        h = wh[s]
+        i = _bucket(h, shift)
+        while tab_slot[i] != -1:
+            if tab_hash[i] == h:
+                slot = tab_slot[i]
+                same = True
+                for k in range(unit):
+                    if unit_tokens[slot, k] != tokens[s + k]:
+                        same = False
+                        break
+                if same:
+                    if n == cap:
+                        cap *= 2
+                        offs2 = np.empty(cap, np.int64)
+                        slots2 = np.empty(cap, np.int64)
+                        offs2[:n] = offs[:n]
+                        slots2[:n] = slots[:n]
+                        offs, slots = offs2, slots2
+                    offs[n] = s
+                    slots[n] = slot
+                    n += 1
+                else:
+                    rejected += 1
+            i = (i + 1) & mask
+    return offs[:n], slots[:n], rejected
+
+
+@numba.njit(cache=True, nogil=True)
+def _chain_runs(offs, slots, unit, parent, parent_gen, gen):
+    """Link each hit to the hit one unit earlier holding its parent; return per hit its previous
+    hit (-1: a run starts here) and whether a later hit continues it (False: a run ends here)."""
+    n = len(offs)
+    prev = np.full(n, -1, np.int64)
+    has_next = np.zeros(n, np.bool_)
+    lo = 0  # first hit at offset offs[i] - unit
+    for i in range(n):
+        want = offs[i] - unit
+        while lo < n and offs[lo] < want:
+            lo += 1
+        p = parent[slots[i]]
+        if p < 0 or gen[p] != parent_gen[slots[i]]:
+            continue
+        j = lo
+        while j < n and offs[j] == want:
+            if slots[j] == p:
+                prev[i] = j
+                has_next[j] = True
+                break
+            j += 1
+    return prev, has_next
+
+
+# ---- the index -----------------------------------------------------------------------------------
+
+def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int64, copy=False)
+    return np.frombuffer(array.array("q", tokens), dtype=np.int64)
+
+
+class SubseqIndex:
+    """Stored hash units of `unit` tokens, findable at any offset of a request (module doc)."""
+
+    def __init__(self, unit: int, base: int = DEFAULT_BASE, capacity: int = 1024):
+        if unit < 1:
+            raise ValueError(f"unit must be >= 1, got {unit}")
+        self.unit = unit
+        self.base = np.uint64(base & 0xFFFFFFFFFFFFFFFF)
+        cap = 1 << max(4, (capacity - 1).bit_length())
+        self.unit_tokens = np.zeros((cap, unit), np.int64)
+        self.parent = np.full(cap, -1, np.int64)  # parent's slot, valid while gen matches
+        self.parent_gen = np.zeros(cap, np.int64)
+        self.gen = np.zeros(cap, np.int64)  # bumped whenever a slot is freed
+        self.pos = np.full(cap, -1, np.int64)
+        self.hash = np.zeros(cap, np.uint64)
+        self.keys: list[Any] = [None] * cap
+        self.parent_keys: list[Any] = [None] * cap
+        self.holders: list[dict | None] = [None] * cap
+        self.slot_of: dict[Hashable, int] = {}
+        self.pending: dict[Hashable, dict] = {}  # key -> {holder: stores counted before its tokens}
+        self.children: dict[Hashable, set[int]] = {}  # parent key -> slots naming it as parent
+        self.free = list(range(cap - 1, -1, -1))
+        self._new_table(2 * cap)
+        self.stats = {"stored": 0, "removed": 0, "unknown_removals": 0, "requests": 0,
+                      "rejected": 0, "prefix_tokens": 0, "reusable_tokens": 0, "probed_tokens": 0}
+
+    def __len__(self) -> int:
+        return len(self.slot_of)
+
+    def __contains__(self, key) -> bool:
+        return key in self.slot_of
+
+    # ---- stores and removals ----
+    def add(self, key: Hashable, tokens: Sequence[int] | None, parent: Hashable | None = None,
+            holder: Hashable = None, position: int | None = None) -> None:
+        """A holder stored unit `key` (tokens; `parent`: the unit before it, None at the start of
+        its sequence). Position: given, else the parent's + unit, 0 without parent, -1 unknown.
+        tokens=None counts a store of `key` without its tokens (an event at another block size
+        announcing the same hash): it keeps the unit held until that store is removed too."""
+        self.stats["stored"] += 1
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            h = self.holders[slot]
+            h[holder] = h.get(holder, 0) + 1
+            return
+        if tokens is None:
+            waiting = self.pending.setdefault(key, {})
+            waiting[holder] = waiting.get(holder, 0) + 1
+            return
+        toks = as_tokens(tokens)
+        if len(toks) != self.unit:
+            raise ValueError(f"unit {key!r} has {len(toks)} tokens, the index's unit is {self.unit}")
+        if not self.free:
+            self._grow()
+        slot = self.free.pop()
+        self.unit_tokens[slot] = toks
+        h = window_hashes(toks, self.unit, self.base)[0]
+        self.hash[slot] = h
+        self.keys[slot] = key
+        self.parent_keys[slot] = parent
+        held = self.pending.pop(key, {})
+        held[holder] = held.get(holder, 0) + 1
+        self.holders[slot] = held
+        self.slot_of[key] = slot
+        if parent is not None:
+            self.children.setdefault(parent, set()).add(slot)
+        self._link(slot, parent)
+        if position is not None:
+            self.pos[slot] = position
+        elif parent is None:
+            self.pos[slot] = 0
+        for child in self.children.get(key, ()):  # units stored before their parent
+            self._link(child, key)
+        if 2 * (len(self.slot_of) + 1) > len(self.tab_slot):
+            self._new_table(2 * len(self.tab_slot))
+        else:
+            _insert(self.tab_hash, self.tab_slot, self.shift, h, slot)
+
+    def remove(self, key: Hashable, holder: Hashable = None) -> bool:
+        """The holder dropped one store of `key`; the unit leaves with its last store."""
+        slot = self.slot_of.get(key)
+        h = self.holders[slot] if slot is not None else None
+        if h is None or holder not in h:
+            waiting = self.pending.get(key, {})
+            n = waiting.get(holder, 0)
+            if n:
+                self.stats["removed"] += 1
+                if n > 1:
+                    waiting[holder] = n - 1
+                else:
+                    del waiting[holder]
+                    if not waiting:
+                        del self.pending[key]
+            else:
+                self.stats["unknown_removals"] += 1
+            return False
+        self.stats["removed"] += 1
+        if h[holder] > 1:
+            h[holder] -= 1
+            return False
+        del h[holder]
+        if not h:
+            self._drop(slot)
+        return True
+
+    def clear_holders(self, which) -> None:
+        """Every holder for which which(holder) is true dropped everything (AllBlocksCleared)."""
+        for slot in list(self.slot_of.values()):
+            h = self.holders[slot]
+            for holder in [x for x in h if which(x)]:
+                del h[holder]
+            if not h:
+                self._drop(slot)
+        for key, waiting in list(self.pending.items()):
+            for holder in [x for x in waiting if which(x)]:
+                del waiting[holder]
+            if not waiting:
+                del self.pending[key]
+
+    def _drop(self, slot: int) -> None:
+        key, parent = self.keys[slot], self.parent_keys[slot]
+        _delete(self.tab_hash, self.tab_slot, self.shift, self.hash[slot], slot)
+        del self.slot_of[key]
+        if parent is not None:
+            kids = self.children.get(parent)
+            if kids is not None:
+                kids.discard(slot)
+                if not kids:
+                    del self.children[parent]
+        self.gen[slot] += 1  # children's links to this slot die with it
+        self.parent[slot] = -1
+        self.pos[slot] = -1
+        self.keys[slot] = self.parent_keys[slot] = self.holders[slot] = None
+        self.free.append(slot)
+
+    def _link(self, slot: int, parent: Hashable | None) -> None:
+        ps = self.slot_of.get(parent) if parent is not None else None
+        if ps is None:
+            return
+        self.parent[slot] = ps
+        self.parent_gen[slot] = self.gen[ps]
+        if self.pos[ps] >= 0:
+            self._set_pos(slot, self.pos[ps] + self.unit)
+
+    def _set_pos(self, slot: int, pos: int) -> None:
+        todo = [(slot, pos)]
+        while todo:
+            s, p = todo.pop()
+            if self.pos[s] == p:
+                continue
+            self.pos[s] = p
+            todo.extend((c, p + self.unit) for c in self.children.get(self.keys[s], ()))
+
+    def _grow(self) -> None:
+        old = len(self.parent)
+        new = 2 * old
+        self.unit_tokens = np.concatenate([self.unit_tokens, np.zeros((old, self.unit), np.int64)])
+        self.parent = np.concatenate([self.parent, np.full(old, -1, np.int64)])
+        self.parent_gen = np.concatenate([self.parent_gen, np.zeros(old, np.int64)])
+        self.gen = np.concatenate([self.gen, np.zeros(old, np.int64)])
+        self.pos = np.concatenate([self.pos, np.full(old, -1, np.int64)])
+        self.hash = np.concatenate([self.hash, np.zeros(old, np.uint64)])
+        for lst in (self.keys, self.parent_keys, self.holders):
+            lst.extend([None] * old)
+        self.free.extend(range(new - 1, old - 1, -1))
+
+    def _new_table(self, size: int) -> None:
+        """Open-addressing table of `size` (a power of two) buckets, filled from the live slots."""
+        self.tab_hash = np.zeros(size, np.uint64)
+        self.tab_slot = np.full(size, _EMPTY, np.int64)
+        self.shift = 64 - (size.bit_length() - 1)
+        for slot in self.slot_of.values():
+            _insert(self.tab_hash, self.tab_slot, self.shift, self.hash[slot], slot)
+
+    # ---- queries ----
+    def find(self, tokens: Sequence[int] | np.ndarray) -> Match:
+        """Every maximal run of consecutive stored units whose tokens occur in `tokens`."""
+        t0 = time.perf_counter()
+        toks = as_tokens(tokens)
+        wh = window_hashes(toks, self.unit, self.base)
+        offs, slots, rejected = _probe(toks, wh, self.unit, self.tab_hash, self.tab_slot,
+                                       self.shift, self.unit_tokens)
+        prev, has_next = _chain_runs(offs, slots, self.unit, self.parent, self.parent_gen, self.gen)
+        runs = []
+        for i in np.flatnonzero(~has_next):
+            chain = [int(i)]
+            while prev[chain[-1]] >= 0:
+                chain.append(int(prev[chain[-1]]))
+            chain.reverse()
+            head = slots[chain[0]]
+            runs.append(Run(int(offs[chain[0]]), int(self.pos[head]), len(chain) * self.unit,
+                            tuple(self.keys[slots[j]] for j in chain)))
+        runs.sort()
+        prefix, reusable = coverage(runs, len(toks))
+        m = Match(runs, prefix, reusable, int(rejected), time.perf_counter() - t0)
+        st = self.stats
+        st["requests"] += 1
+        st["rejected"] += m.rejected
+        st["prefix_tokens"] += prefix
+        st["reusable_tokens"] += reusable
+        st["probed_tokens"] += len(toks)
+        return m
+
+    def units(self) -> dict:
+        """Plain view {key: (tokens tuple, parent key, position)}, for `reference_find`."""
+        return {k: (tuple(int(t) for t in self.unit_tokens[s]), self.parent_keys[s], int(self.pos[s]))
+                for k, s in self.slot_of.items()}
+
+
+def coverage(runs: Iterable[Run], n: int) -> tuple[int, int]:
+    """(prefix tokens, reusable non-prefix tokens) of a request of n tokens (see `Match`)."""
+    runs = list(runs)
+    prefix = max((r.length for r in runs if r.new_start == 0 and r.old_start == 0), default=0)
+    covered = np.zeros(n, np.bool_)
+    for r in runs:
+        covered[r.new_start:r.new_start + r.length] = True
+    return prefix, int(covered[prefix:].sum())
+
+
+# ---- plain-Python definitions (the kernels' reference) -------------------------------------------
+
+def reference_window_hashes(tokens: Sequence[int], unit: int, base: int = DEFAULT_BASE) -> list[int]:
+    m = 1 << 64
+    return [sum((t % m) * pow(base, unit - 1 - i, m) for i, t in enumerate(tokens[s:s + unit])) % m
+            for s in range(len(tokens) - unit + 1)]
+
+
+def reference_find(units: dict, tokens: Sequence[int], unit: int) -> list[Run]:
+    """`SubseqIndex.find`'s runs by brute force over `units` {key: (tokens, parent key, position)}:
+    compare tokens directly at every offset, chain parent -> child hits, keep the maximal runs."""
+    by_tokens: dict[tuple, list] = {}
+    for key, (toks, _, _) in units.items():
+        by_tokens.setdefault(tuple(toks), []).append(key)
+    hits = {}  # (offset, key) -> run of keys ending here
+    for s in range(len(tokens) - unit + 1):
+        for key in by_tokens.get(tuple(tokens[s:s + unit]), ()):
+            parent = units[key][1]
+            before = hits.get((s - unit, parent)) if parent in units else None
+            hits[(s, key)] = (before or []) + [key]
+    continued = {(s - unit, units[k][1]) for (s, k) in hits if units[k][1] in units}
+    runs = []
+    for (s, key), chain in hits.items():
+        if (s, key) in continued:
+            continue
+        start = s - (len(chain) - 1) * unit
+        runs.append(Run(start, units[chain[0]][2], len(chain) * unit, tuple(chain)))
+    return sorted(runs)
+
+
+# ---- from the KV event stream --------------------------------------------------------------------
+
+def event_unit(batches: Iterable) -> int | None:
+    """The hash unit of a recorded stream: the smallest block size of a BlockStored with tokens
+    (hybrid models also announce coarse blocks; per-unit events are the smaller ones)."""
+    from vllm_kvbm_plugin.events.types import BlockStored
+
+    unit = None
+    for batch in batches:
+        for ev in batch.events:
+            if (isinstance(ev, BlockStored) and ev.token_ids and ev.block_hashes
+                    and ev.kv_cache_spec_kind not in _SKIP_KINDS):
+                unit = ev.block_size if unit is None else min(unit, ev.block_size)
+    return unit
+
+
+def feed_batch(index: SubseqIndex, batch, worker: Hashable = None) -> None:
+    """Apply one KVEventBatch: units are keyed by block hash, held per (worker, dp rank, tier,
+    group). Events of another block size than the index's unit, or of state/windowed groups, are
+    skipped; a tier event without token ids adds a holder to a unit already known by its hash."""
+    from vllm_kvbm_plugin.events.types import (
+        MEDIUM_GPU,
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        tier_of,
+    )
+
+    dp = batch.data_parallel_rank
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            if ev.kv_cache_spec_kind in _SKIP_KINDS:
+                continue
+            holder = (worker, dp, tier_of(ev), ev.group_idx)
+            parent = ev.parent_block_hash
+            unit = index.unit if ev.block_size == index.unit else 0
+            for i, h in enumerate(ev.block_hashes):
+                toks = ev.token_ids[i * unit:(i + 1) * unit] if unit else None
+                index.add(h, toks if toks is not None and len(toks) == unit else None, parent, holder)
+                parent = h
+        elif isinstance(ev, BlockRemoved):
+            holder = (worker, dp, tier_of(ev), ev.group_idx)
+            for h in ev.block_hashes:
+                index.remove(h, holder)
+        elif isinstance(ev, AllBlocksCleared):
+            index.clear_holders(lambda x: x[0] == worker and x[1] == dp and x[2].medium == MEDIUM_GPU)
+
+
+def match_recording(fp, prompts: Iterable[Sequence[int]], unit: int | None = None) -> Iterable[dict]:
+    """`vllm-kvbm match`: build the index from a recorded stream (JSON lines), then one JSON-ready
+    dict per prompt (runs and metrics), and last {"index": stats}."""
+    from vllm_kvbm_plugin.events import recording
+
+    batches = [b for _, b in recording.read(fp)]
+    unit = unit or event_unit(batches)
+    if unit is None:
+        raise ValueError("the recording has no BlockStored event with token ids: no unit to index")
+    index = SubseqIndex(unit)
+    for batch in batches:
+        feed_batch(index, batch)
+    for tokens in prompts:
+        m = index.find(tokens)
+        yield {"prompt_tokens": len(tokens), "prefix_tokens": m.prefix_tokens,
+               "reusable_tokens": m.reusable_tokens, "rejected": m.rejected,
+               "probe_us": round(m.seconds * 1e6, 1),
+               "runs": [{"new_start": r.new_start, "old_start": r.old_start, "length": r.length,
+                         "keys": [k.hex() if isinstance(k, bytes) else k for k in r.keys]}
+                        for r in m.runs]}
+    yield {"index": {"unit": unit, "units": len(index), **index.stats}}
