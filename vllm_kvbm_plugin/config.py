@@ -25,6 +25,8 @@ class KVBMConfig:
     hash_block_size: int | None = None  # hybrid models: hash granularity (default: --block-size)
     offload_prompt_only: bool = False  # store only blocks made of prompt tokens
     disk_fsync: bool = False  # fsync each block file before it counts as stored
+    remote_url: str | None = None  # shared remote tier: redis://, rediss:// or unix:// (off when unset)
+    remote_lookup_budget_ms: float = 5.0  # per scheduler step, waiting for remote lookups
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "KVBMConfig":
@@ -48,6 +50,14 @@ class KVBMConfig:
                 f"{CONNECTOR_NAME}: eviction_policy {cfg.eviction_policy!r} is not one of "
                 f"{', '.join(POLICIES)}"
             )
+        if cfg.remote_url is not None and (not isinstance(cfg.remote_url, str) or not cfg.remote_url.startswith(
+                ("redis://", "rediss://", "unix://"))):
+            raise ValueError(f"{CONNECTOR_NAME}: remote_url must be a redis://, rediss:// or unix:// URL, "
+                             f"got {cfg.remote_url!r}")
+        b = cfg.remote_lookup_budget_ms
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b <= 1000:
+            raise ValueError(f"{CONNECTOR_NAME}: remote_lookup_budget_ms must be a number of ms in [0, 1000], "
+                             f"got {b!r}")
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
             raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
         return cfg

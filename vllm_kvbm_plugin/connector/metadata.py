@@ -49,6 +49,19 @@ class DiskWrite(NamedTuple):
     meta: bytes
 
 
+class RemoteFetch(NamedTuple):
+    """Remote value -> CPU slot, verified, on the worker's remote thread (the request waits)."""
+    key: Key
+    slot: int
+
+
+class RemoteWrite(NamedTuple):
+    """CPU slot -> remote value, written behind on the worker's remote thread."""
+    key: Key
+    slot: int
+    meta: bytes
+
+
 class DirectLoad(NamedTuple):
     """An open, verified disk file -> KV blocks (entries the CPU tier has no room for)."""
     kind: EntryKind
@@ -67,6 +80,9 @@ class KVBMMetadata(KVConnectorMetadata):
     closes: list[Key] = dataclasses.field(default_factory=list)
     stores: list[Store] = dataclasses.field(default_factory=list)
     disk_writes: list[DiskWrite] = dataclasses.field(default_factory=list)
+    # queued to the remote thread: fetches in start_load_kv, writes in wait_for_save
+    remote_fetches: list[RemoteFetch] = dataclasses.field(default_factory=list)
+    remote_writes: list[RemoteWrite] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -78,6 +94,8 @@ class Op(enum.Enum):
     PREFETCH = "prefetch"
     OPEN = "open"
     WRITE = "write"
+    REMOTE_FETCH = "remote_fetch"
+    REMOTE_WRITE = "remote_write"
 
 
 class Report(NamedTuple):

@@ -39,9 +39,11 @@ from vllm_kvbm_plugin.connector.metadata import (
     Op,
     Prefetch,
     Quorum,
+    RemoteFetch,
+    RemoteWrite,
     Store,
 )
-from vllm_kvbm_plugin.connector.tiers import DiskTier, cpu_tier
+from vllm_kvbm_plugin.connector.tiers import DiskTier, RemoteTier, cpu_tier
 from vllm_kvbm_plugin.hashing import extra_hash, request_keys
 from vllm_kvbm_plugin.log import get_logger
 
@@ -98,6 +100,7 @@ class SchedulerSide:
         self.block_size, self.hash_unit = layout.block_size, layout.hash_unit
         self.cpu = cpu_tier(layout, cfg.eviction_policy)
         self.disk = DiskTier(layout, cfg.eviction_policy) if layout.disk_path else None
+        self.remote = RemoteTier(layout, cfg.remote_url, cfg.remote_lookup_budget_ms) if cfg.remote_url else None
         self.quorum = Quorum(layout.world)
         self.events = EventBuilder(layout)
         self.requests: dict[str, RequestKeys] = {}
@@ -107,10 +110,11 @@ class SchedulerSide:
         self.loads_pinned: list = []
         self.kv_cache_manager = None  # bound later (block ids of the requests)
         logger.info(
-            "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s",
+            "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s",
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
             f"{layout.disk_slots} slots under {cfg.disk_path}" if self.disk is not None else "off",
             cfg.eviction_policy,
+            f", remote tier {cfg.remote_url}" if self.remote is not None else "",
             f", hybrid: state groups {list(layout.groups[STATE])}, hits every {self.hash_unit} tokens"
             if layout.hybrid else "",
         )
@@ -130,6 +134,8 @@ class SchedulerSide:
         out["prefetching"] = len(self.disk.prefetching) if self.disk else 0
         out["direct"] = len(self.disk.held) if self.disk else 0
         out["reports_pending"] = len(self.quorum.pending)
+        if self.remote is not None:
+            out["remote"] = {"fetching": len(self.remote.fetching), "writing": len(self.remote.writing)}
         return out
 
     # ---- keys --------------------------------------------------------------------------------
@@ -152,22 +158,24 @@ class SchedulerSide:
         start = num_computed_tokens // self.block_size
         limit = request.num_tokens - 1  # vLLM must compute at least one token
         st = self._keys(request)
+        if self.remote is not None and not self.remote.ask(request.request_id, self._remote_candidates(st, start, limit)):
+            return None, False  # its remote lookup is still running: wait a step
         plan = self._plan(st, start, limit, self._held)
         if plan is None:
             self._release_claim(request.request_id)
             return 0, False
         disk = self.disk
-        if disk is not None and any(disk.busy_loading(n.key) for n in plan[1]):
+        if any(self._busy_loading(n.key) for n in plan[1]):
             return None, False  # their verification is still running
-        on_disk_only = [n for n in plan[1] if not self._loadable(n.key)]
+        on_disk_only = [n for n in plan[1] if not self._loadable(n.key)]  # on disk or remote
         if on_disk_only:
             in_cpu = [n.key for n in plan[1] if self.cpu.lookup(n.key)]
             for k in in_cpu:  # a prefetch may evict CPU entries, but none this hit needs
                 self.cpu.prepare_load(k)
             rest = self._prefetch(st, on_disk_only)
             issued = len(on_disk_only) - len(rest)
-            for n in rest:
-                if not disk.hold(n.key, request.request_id):
+            for n in rest:  # direct loads: disk entries only
+                if disk is None or not disk.lookup(n.key) or not disk.hold(n.key, request.request_id):
                     break
                 issued += 1
             for k in in_cpu:
@@ -189,7 +197,22 @@ class SchedulerSide:
         return tokens - num_computed_tokens, False
 
     def _held(self, key) -> bool:
-        return self.cpu.lookup(key) or (self.disk is not None and self.disk.lookup(key))
+        return (self.cpu.lookup(key) or (self.disk is not None and self.disk.lookup(key))
+                or (self.remote is not None and self.remote.lookup(key)))
+
+    def _busy_loading(self, key) -> bool:
+        return ((self.disk is not None and self.disk.busy_loading(key))
+                or (self.remote is not None and self.remote.busy_loading(key)))
+
+    def _remote_candidates(self, st: RequestKeys, start: int, limit: int) -> list:
+        """The keys a hit past block `start` could need that the local tiers do not hold."""
+        B, r, unit = self.block_size, self.layout.units_per_block, self.hash_unit
+        keys = [self._block_key(st, i) for i in range(start, limit // B)]
+        if self.layout.hybrid:
+            units = self._unit_keys(st, limit // unit)
+            for u in range(start * r + 1, limit // unit + 1):
+                keys += [state_key(units[u - 1]), partial_key(units[u - 1])]
+        return [k for k in keys if not self.cpu.lookup(k) and not (self.disk is not None and self.disk.lookup(k))]
 
     def _loadable(self, key) -> bool:
         """In a CPU slot, or verified and held open for a direct load."""
@@ -238,12 +261,28 @@ class SchedulerSide:
             parent = self._block_key(st, before) if before >= 0 else None
             if parent is not None and parent not in self.cpu:
                 return needs[i:]
-            entry = self.cpu.prepare_store(n.key, parent, self.disk.announcement(n.key))
+            from_disk = self.disk is not None and self.disk.lookup(n.key)
+            announce = self.disk.announcement(n.key) if from_disk else self._announcer(st, n)
+            entry = self.cpu.prepare_store(n.key, parent, announce)
             if entry is None:
                 return needs[i:]
-            self.disk.prefetch(n.key)
-            self.meta.prefetches.append(Prefetch(n.key, entry.slot))
+            if from_disk:
+                self.disk.prefetch(n.key)
+                self.meta.prefetches.append(Prefetch(n.key, entry.slot))
+            else:
+                self.remote.prefetch(n.key)
+                self.meta.remote_fetches.append(RemoteFetch(n.key, entry.slot))
         return []
+
+    def _announcer(self, st: RequestKeys, n: _Need):
+        """The CPU tier's events of an entry read from the remote tier, built from the request."""
+        B, req = self.block_size, st.request
+        if n.kind == STATE:
+            x = n.index
+            return self.events.announcer(req, x - (self.hash_unit if x % B else B), x, STATE)
+        if (n.index + 1) * B > req.num_tokens or n.key != self._block_key(st, n.index):
+            return NOTHING  # a partial block (hybrid): internal
+        return self.events.announcer(req, n.index * B, (n.index + 1) * B, KV)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         claim = self.claims.pop(request.request_id, None)
@@ -318,6 +357,8 @@ class SchedulerSide:
         for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
             self._release_claim(req_id)
         self.state_loads.clear()
+        if self.remote is not None:
+            self.remote.new_step()
         meta, self.meta = self.meta, KVBMMetadata()
         if self.disk is not None:
             self.disk.close_idle()
@@ -390,6 +431,11 @@ class SchedulerSide:
             self._write_through(k, parent, x, announce)
 
     def _write_through(self, key, parent, end: int, announce) -> None:
+        if self.remote is not None:  # written behind from the CPU slot, as the disk tier is
+            blob = self.remote.prepare_write(key, parent, end, announce)
+            if blob is not None:
+                self.cpu.prepare_load(key)  # the slot is the source of the write
+                self.meta.remote_writes.append(RemoteWrite(key, self.cpu.slot(key), blob))
         if self.disk is None:
             return
         blob = self.disk.prepare_write(key, parent, end, announce)
@@ -414,6 +460,12 @@ class SchedulerSide:
                 self.cpu.complete_store(key, ok)
             elif report.op is Op.OPEN:
                 self.disk.opened(key, ok)
+            elif report.op is Op.REMOTE_FETCH:
+                self.remote.prefetched(key, ok)
+                self.cpu.complete_store(key, ok)
+            elif report.op is Op.REMOTE_WRITE:
+                self.cpu.complete_load(key)  # the write's source slot
+                self.remote.complete_store(key, ok)
             else:  # Op.WRITE
                 self.cpu.complete_load(key)  # the write's source slot
                 self.disk.complete_store(key, ok)
@@ -423,8 +475,11 @@ class SchedulerSide:
     def request_finished(self, request) -> None:
         self.requests.pop(request.request_id, None)
         self._release_claim(request.request_id)
+        if self.remote is not None:
+            self.remote.forget(request.request_id)
         if self.disk is not None:
             self.disk.release(request.request_id)
 
     def take_events(self) -> list:
-        return self.cpu.take_events() + (self.disk.take_events() if self.disk is not None else [])
+        return (self.cpu.take_events() + (self.disk.take_events() if self.disk is not None else [])
+                + (self.remote.take_events() if self.remote is not None else []))

@@ -10,21 +10,26 @@ evicts. What to load or store, and from where, is the planner's business (schedu
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import queue
 import resource
+import threading
+import time
 from collections.abc import Callable
 import msgspec
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from vllm_kvbm_plugin.connector.layout import Layout
-from vllm_kvbm_plugin.events.types import TIER_CPU, Tier, storage_tier
+from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, TIER_CPU, Tier, storage_tier
 from vllm_kvbm_plugin.events.validator import SPARSE_KINDS
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 from vllm_kvbm_plugin.tiers.policies import make_policy
+from vllm_kvbm_plugin.tiers import remote as remotefmt
 
 logger = get_logger("connector")
 
@@ -318,3 +323,191 @@ class DiskTier(TierManager):
             announced = sum(e.meta.announced for _, e in described)
             logger.info("KVBMConnector: disk tier holds %d entries from earlier runs (%d announced, %d "
                         "unreadable files removed)", len(self), announced, unreadable)
+
+
+@dataclasses.dataclass
+class _Lookup:
+    asked: float
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    found: list = dataclasses.field(default_factory=list)  # set by the lookup thread before `done`
+    merged: bool = False
+
+
+class RemoteTier:
+    """The shared remote tier (Redis / Valkey), scheduler side. The server holds the entries and
+    evicts any of them whenever it likes, so this side keeps no index: it knows the keys a lookup
+    or one of its own writes found recently (`present`), the fetches and writes in flight, and
+    what it announced. Lookups run on a thread; a scheduler step waits for answers at most
+    `budget` seconds in all, a request at most LOOKUP_PATIENCE (it waits steps meanwhile), and
+    a lookup that takes longer, or a server that failed (Breaker), is a miss.
+
+    Events: this instance announces the entries it wrote (STORAGE, REMOTE, ownership = the tier's
+    id), and the removal of those it later finds missing or corrupt; evictions by the server are
+    not seen here."""
+
+    PRESENT_TTL = 10.0  # s: a key seen present is trusted that long without asking again
+    LOOKUP_PATIENCE = 0.2  # s: a request waits (steps) that long for its lookup, then it is a miss
+    MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for removals)
+
+    def __init__(self, layout: Layout, url: str, budget_ms: float):
+        root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
+        self.name = storage_tier(f"kvbm-remote:{root_hex}", LOCALITY_REMOTE)
+        self.url = url
+        self.prefixes = [remotefmt.key_prefix(layout.root, r) for r in range(layout.world)]
+        self.budget = budget_ms / 1000
+        self.budget_left = self.budget
+        self.breaker = remotefmt.Breaker("scheduler", url)
+        self.present: dict = {}  # key -> when it was seen present
+        self.fetching: set = set()
+        self.writing: dict = {}  # key -> (Announce, parent)
+        self.announced: collections.OrderedDict = collections.OrderedDict()  # key -> Announce
+        self.lookups: dict = {}  # request id -> _Lookup
+        self.events: list = []
+        self.counters: collections.Counter = collections.Counter()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._client = None
+
+    def __len__(self) -> int:
+        return len(self.present)
+
+    def names(self, key) -> list[str]:
+        h = diskfmt.key_hex(key)
+        return [p + h for p in self.prefixes]
+
+    def busy(self) -> int:
+        return len(self.fetching) + len(self.writing)
+
+    # ---- lookups -------------------------------------------------------------------------
+    def lookup(self, key) -> bool:
+        """Seen present (every rank's value) within PRESENT_TTL."""
+        t = self.present.get(key)
+        return t is not None and time.monotonic() - t < self.PRESENT_TTL
+
+    def ask(self, req_id: str, keys: list) -> bool:
+        """Look `keys` up for `req_id` (once per request); True once answered (`lookup` then
+        knows), False while the request should wait a step. A failed server answers at once."""
+        lk = self.lookups.get(req_id)
+        if lk is None:
+            lk = self.lookups[req_id] = _Lookup(time.monotonic())
+            keys = [k for k in keys if not self.lookup(k)]
+            if not keys or not self.breaker.allow_soon():
+                lk.done.set()
+            else:
+                self._submit(lk, keys)
+        if not lk.done.is_set() and self.budget_left > 0:
+            t0 = time.perf_counter()
+            lk.done.wait(self.budget_left)
+            self.budget_left -= time.perf_counter() - t0
+        if lk.done.is_set():
+            if not lk.merged:
+                lk.merged = True
+                now = time.monotonic()
+                for k in lk.found:
+                    self.present[k] = now
+            return True
+        if time.monotonic() - lk.asked < self.LOOKUP_PATIENCE:
+            return False
+        self.counters["lookup_timeouts"] += 1
+        lk.merged = True  # a miss: the request goes on without the remote tier
+        lk.done.set()
+        return True
+
+    def new_step(self) -> None:
+        self.budget_left = self.budget
+        if len(self.present) > 4 * self.MAX_ANNOUNCED:
+            now = time.monotonic()
+            self.present = {k: t for k, t in self.present.items() if now - t < self.PRESENT_TTL}
+
+    def forget(self, req_id: str) -> None:
+        self.lookups.pop(req_id, None)
+
+    def _submit(self, lk: _Lookup, keys: list) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._lookup_loop, name="kvbm-remote-lookups", daemon=True)
+            self._thread.start()
+        self._jobs.put((lk, keys))
+
+    def _lookup_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            lk, keys = job
+            try:
+                if self.breaker.allow():
+                    lk.found = self._exists(keys)
+                    self.breaker.success()
+                    self.counters["lookups"] += 1
+                    self.counters["lookup_keys_found"] += len(lk.found)
+            except Exception as e:  # anything the client raises is a miss
+                self.breaker.failure(e)
+                self.counters["lookup_failures"] += 1
+            lk.done.set()
+
+    def _exists(self, keys: list) -> list:
+        """The keys whose value every rank holds, in one pipelined round trip."""
+        if self._client is None:
+            self._client = remotefmt.connect(self.url)
+        pipe = self._client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(*self.names(k))
+        counts = pipe.execute()
+        return [k for k, n in zip(keys, counts) if n == len(self.prefixes)]
+
+    # ---- fetches into CPU slots ------------------------------------------------------------
+    def prefetch(self, key) -> None:
+        self.fetching.add(key)
+
+    def busy_loading(self, key) -> bool:
+        return key in self.fetching
+
+    def prefetched(self, key, ok: bool) -> None:
+        self.fetching.discard(key)
+        self.counters["fetched" if ok else "fetch_misses"] += 1
+        if not ok:
+            self.lost(key)
+
+    def lost(self, key) -> None:
+        """`key` is missing or did not verify (the worker deleted it): forget it, announce its removal."""
+        self.present.pop(key, None)
+        a = self.announced.pop(key, None)
+        if a is not None:
+            for ev in a.events:
+                self.events.append(BlockRemoved(block_hashes=[a.vhash], medium=self.name.medium,
+                                                group_idx=ev.group_idx, locality=self.name.locality,
+                                                ownership=self.name.ownership))
+
+    # ---- writes behind -----------------------------------------------------------------------
+    def prepare_write(self, key, parent, end: int, announce: Announcer) -> bytes | None:
+        """The value's metadata blob when `key` should be written now, else None (known present,
+        being written, or the server failed lately)."""
+        if key in self.writing or self.lookup(key) or self.breaker.is_open():
+            return None
+        a = announce(self.name)
+        self.writing[key] = (a, parent)
+        return diskfmt.encode_meta(end, [_ENCODE(e) for e in a.events])
+
+    def complete_store(self, key, ok: bool) -> None:
+        a, parent = self.writing.pop(key, (None, None))
+        self.counters["written" if ok else "write_failures"] += 1
+        if not ok:
+            return
+        self.present[key] = time.monotonic()
+        # announced only with its parent, as the other tiers are (a router needs the chain)
+        if a is not None and a.events and key not in self.announced and (parent is None or parent in self.announced):
+            self.events += a.events
+            a.announced = True
+            self.announced[key] = a
+            if len(self.announced) > self.MAX_ANNOUNCED:
+                self.announced.popitem(last=False)  # its removal will never be announced by us
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(2 * remotefmt.SOCKET_TIMEOUT + 1)
+            self._thread = None

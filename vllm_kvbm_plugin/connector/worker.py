@@ -24,6 +24,7 @@ from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.copy import copy_pages
 
 logger = get_logger("connector.worker")
@@ -80,6 +81,7 @@ class WorkerSide:
         self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
+        self.remote = RemoteIO(self, self.cfg.remote_url) if self.cfg.remote_url else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.layout.num_blocks
@@ -213,6 +215,8 @@ class WorkerSide:
             else:
                 self._failed("read")
             self._report(Op.PREFETCH, p.key, ok)
+        for f in meta.remote_fetches:
+            self.remote.submit(("fetch", f.key, f.slot))
         if meta.loads:
             t0 = time.perf_counter()
             self._copy(meta.loads, to_pool=False)
@@ -238,6 +242,8 @@ class WorkerSide:
                 self._report(Op.STORE, s.key, True)
         for w in meta.disk_writes:
             self._submit_write(w.key, w.slot, w.meta)
+        for w in meta.remote_writes:
+            self.remote.submit(("write", w.key, w.slot, w.meta))
 
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         while True:
@@ -246,6 +252,8 @@ class WorkerSide:
             except queue.Empty:
                 break
             self._report(Op.WRITE, key, ok)
+        if self.remote is not None:
+            self.reports += self.remote.take_reports()
         reports, self.reports = self.reports, []
         if not reports:
             return None
@@ -309,7 +317,9 @@ class WorkerSide:
             self._disk_results.put((key, ok))
 
     def wait_for_disk(self, timeout: float = 30.0) -> None:
-        """Block until queued disk writes are done (shutdown)."""
+        """Block until queued disk writes and remote operations are done (shutdown, tests)."""
+        if self.remote is not None:
+            self.remote.drain(timeout)
         if self._writer is not None:
             self._disk_jobs.put(None)
             self._writer.join(timeout)
@@ -320,3 +330,112 @@ class WorkerSide:
         for fd in self.held.values():
             os.close(fd)
         self.held.clear()
+
+
+class RemoteIO:
+    """The remote tier, worker side: one thread and one connection per worker. Fetches (verified
+    into their not-yet-ready pool slots) and writes (from slots the scheduler keeps pinned until
+    reported) are taken in batches, one pipelined round trip each; a value that does not verify
+    is deleted. Every failure is a miss, reported like any other (the Breaker then spares the
+    server for a while)."""
+
+    BATCH = 64
+
+    def __init__(self, side: WorkerSide, url: str):
+        self.side, self.url = side, url
+        self.prefix = remotefmt.key_prefix(side.layout.root, side.rank)
+        self.breaker = remotefmt.Breaker(f"worker {side.rank}", url)
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.client = None
+        self.failures = {"fetch": 0, "write": 0}  # misses and failed writes (connector stats name disk only)
+
+    def submit(self, job: tuple) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="kvbm-remote-io", daemon=True)
+            self.thread.start()
+        self.jobs.put(job)
+
+    def take_reports(self) -> list[Report]:
+        out = []
+        while True:
+            try:
+                out.append(self.results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def drain(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.jobs.put(None)
+            self.thread.join(timeout)
+            self.thread = None
+
+    def _loop(self) -> None:
+        while True:
+            batch, job = [], self.jobs.get()
+            while job is not None:
+                batch.append(job)
+                if len(batch) >= self.BATCH:
+                    break
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._run(batch)
+            if job is None:
+                return
+
+    def _run(self, batch: list) -> None:
+        fetches = [j for j in batch if j[0] == "fetch"]
+        writes = [j for j in batch if j[0] == "write"]
+        done: dict = {}
+        if self.breaker.allow():
+            t0 = time.perf_counter()
+            try:
+                if self.client is None:
+                    self.client = remotefmt.connect(self.url)
+                done = self._fetch(fetches, t0) if fetches else {}
+                t0 = time.perf_counter()
+                if writes:
+                    self._write(writes)
+                    self.side._record("remote", "write", len(writes), t0)
+                    done.update({("write", j[1]): True for j in writes})
+                self.breaker.success()
+            except Exception as e:  # down, slow, reset, paused, out of memory: a miss
+                self.breaker.failure(e)
+        for job in batch:
+            ok = done.get((job[0], job[1]), False)
+            if not ok:
+                self.failures[job[0]] += 1
+            self.results.put(Report(Op.REMOTE_FETCH if job[0] == "fetch" else Op.REMOTE_WRITE, job[1], ok))
+
+    def _fetch(self, fetches: list, t0: float) -> dict:
+        pipe = self.client.pipeline(transaction=False)
+        for _, key, _slot in fetches:
+            pipe.get(self.prefix + diskfmt.key_hex(key))
+        values = pipe.execute()
+        done, bad = {}, []
+        pool = self.side.pool
+        for (_, key, slot), value in zip(fetches, values):
+            ok = remotefmt.read_value(value, key, self.side.fingerprint, pool[slot].numpy())
+            if not ok and value is not None:
+                bad.append(self.prefix + diskfmt.key_hex(key))
+                logger.warning("KVBMConnector: remote value %s does not verify; deleted (a miss)",
+                               diskfmt.key_hex(key))
+            done[("fetch", key)] = ok
+        if bad:
+            self.client.delete(*bad)
+        n = sum(done.values())
+        if n:
+            self.side._record("remote", "read", n, t0)
+        return done
+
+    def _write(self, writes: list) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pool, fp = self.side.pool, self.side.fingerprint
+        for _, key, slot, meta in writes:
+            parts = remotefmt.value_parts(key, fp, pool[slot].numpy(), meta)
+            pipe.set(self.prefix + diskfmt.key_hex(key), b"".join(parts))
+        pipe.execute()

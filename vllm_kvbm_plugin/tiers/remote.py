@@ -1,0 +1,116 @@
+"""The remote tier's store: one Redis / Valkey key per entry and rank, the value the same bytes as a
+disk block file (tiers/disk.py: header with key, layout fingerprint, lengths, checksum; payload;
+metadata), so a value is verified exactly as a file is. The server may evict any key at any time.
+
+Failure is a miss: every call goes through a `Breaker` that, after a failure (down, slow, reset,
+paused), stops using the server for a backoff that doubles up to 30 s, then lets one call probe it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers.checksum import checksum_final, checksum_update
+
+logger = get_logger("tiers.remote")
+
+SOCKET_TIMEOUT = 0.5  # s: a server slower than this is treated as down (the breaker opens)
+
+
+def key_prefix(root: tuple[int, int], rank: int) -> str:
+    """Keys of one layout (model, dtype, KV spec, hash unit) and rank; the disk format version
+    names the value format."""
+    return f"kvbm:{diskfmt.VERSION}:{root[0]:016x}{root[1]:016x}:r{rank}:"
+
+
+def value_parts(key, fingerprint: bytes, payload: np.ndarray, meta: bytes) -> list:
+    """The value of `key`: a disk block file's bytes, as parts (the payload is not copied)."""
+    return diskfmt.encode(key, fingerprint, payload, meta)
+
+
+def read_value(value, key, fingerprint: bytes, out: np.ndarray) -> bool:
+    """Verify a value read from the store and copy its payload into `out` (uint8, the exact
+    payload size). False for anything but a complete value of `key` written under `fingerprint`
+    (then `out` holds garbage and must not be used)."""
+    out = out.reshape(-1)
+    plen = out.nbytes
+    if value is None or len(value) < diskfmt.HEADER_SIZE + plen:
+        return False
+    buf = np.frombuffer(value, dtype=np.uint8)
+    magic, version, flags, k, fp, hplen, hmlen, checksum, reserved = diskfmt._HEADER.unpack_from(value, 0)
+    if (magic != diskfmt.MAGIC or version != diskfmt.VERSION or flags or reserved or k != diskfmt.key_bytes(key)
+            or fp != fingerprint or hplen != plen or diskfmt.HEADER_SIZE + plen + hmlen != len(value)):
+        return False
+    acc = np.zeros(2, dtype=np.uint64)
+    payload = buf[diskfmt.HEADER_SIZE: diskfmt.HEADER_SIZE + plen]
+    checksum_update(acc, payload, 0, out)
+    meta = bytes(value[diskfmt.HEADER_SIZE + plen:])
+    return diskfmt._combine(checksum_final(acc, plen), meta) == checksum
+
+
+def connect(url: str):
+    """A redis-py client for `url` (redis://, rediss://, unix://) with short timeouts: a slow
+    server must never hold a caller for long."""
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
+                                retry_on_timeout=False, health_check_interval=0)
+
+
+class Breaker:
+    """Circuit breaker: closed (use the server), open (a miss without asking, until the backoff
+    ends), then one probe call decides. One log line per state change; counters for stats."""
+
+    MIN_BACKOFF, MAX_BACKOFF = 0.5, 30.0
+
+    def __init__(self, name: str, url: str):
+        self.name, self.url = name, url
+        self.lock = threading.Lock()
+        self.open_until = 0.0  # 0: closed
+        self.backoff = self.MIN_BACKOFF
+        self.probing = False
+        self.failures = 0
+        self.opened = 0
+
+    def allow(self) -> bool:
+        """Whether to call the server now (closed, or the one probe after the backoff)."""
+        with self.lock:
+            if not self.open_until:
+                return True
+            if self.probing or time.monotonic() < self.open_until:
+                return False
+            self.probing = True
+            return True
+
+    def is_open(self) -> bool:
+        return bool(self.open_until)
+
+    def allow_soon(self) -> bool:
+        """Closed, or its backoff is over (the next call probes the server)."""
+        return not self.open_until or time.monotonic() >= self.open_until
+
+    def success(self) -> None:
+        with self.lock:
+            if self.open_until:
+                logger.info("KVBMConnector remote tier (%s, %s): server back, using it again", self.name, self.url)
+            self.open_until, self.backoff, self.probing = 0.0, self.MIN_BACKOFF, False
+
+    def failure(self, error: BaseException) -> None:
+        with self.lock:
+            self.failures += 1
+            if self.open_until and not self.probing:
+                return  # already open: calls that were in flight
+            if not self.open_until:
+                self.opened += 1
+                logger.warning("KVBMConnector remote tier (%s, %s): %s: %s; every remote lookup, read and "
+                               "write is a miss for %.1f s", self.name, self.url, type(error).__name__,
+                               error, self.backoff)
+            else:  # the probe failed
+                self.backoff = min(self.backoff * 2, self.MAX_BACKOFF)
+            self.open_until = time.monotonic() + self.backoff
+            self.probing = False
