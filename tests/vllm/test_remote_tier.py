@@ -67,3 +67,117 @@ def test_instance_b_hits_what_instance_a_stored(server, hybrid, hit):
               if isinstance(ev, BlockStored) and ev.medium == MEDIUM_STORAGE]
     assert remote and all(ev.locality == LOCALITY_REMOTE and ev.ownership == a.connector.remote.name.ownership
                           for ev in remote)
+
+
+@pytest.fixture
+def thread_errors():
+    """Exceptions raised in any thread (the remote I/O threads must never raise)."""
+    errors, hook = [], threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    yield errors
+    threading.excepthook = hook
+
+
+def wait_backoff(h: SchedulerHarness) -> None:
+    """Let the breakers' first backoff end, so the next call probes the server."""
+    time.sleep(h.connector.remote.breaker.MIN_BACKOFF + 0.1)
+
+
+def test_server_killed_between_requests_is_a_miss_and_hits_resume_after_restart(server, thread_errors):
+    a, b = instance(server.url), instance(server.url)
+    p, q = prompt(), prompt()
+    assert serve(a, p) == 0
+    server.kill()
+    assert serve(b, p) == 0  # a miss, computed; every step checked the KV
+    assert b.connector.remote.breaker.opened == 1
+    assert serve(a, prompt()) == 0  # A's writes fail too: never an error
+    server.start()  # empty, same port
+    wait_backoff(a)
+    assert serve(a, q) == 0
+    assert server.client().dbsize() > 0  # A stores again without a restart
+    wait_backoff(b)
+    assert serve(b, q) == 192  # and B hits again
+    assert not b.connector.remote.breaker.is_open()
+    assert idle(a) and idle(b)
+    assert not thread_errors
+
+
+def test_server_killed_during_a_write_burst(server, thread_errors):
+    a = instance(server.url)
+    prompts = [prompt() for _ in range(6)]  # 6 x 8 blocks: no preemption
+    ids = [a.add(t, max_tokens=40) for t in prompts]  # decoding completes another block each
+    a.step()  # the prompts' blocks: written behind
+    server.kill()
+    deadline = time.monotonic() + 30
+    while a.scheduler.has_unfinished_requests():
+        a.step()
+        assert time.monotonic() < deadline
+    a.settle()
+    assert set(ids) <= set(a.cached_tokens)
+    assert a.connector.remote.counters["write_failures"] > 0, a.connector.remote.counters
+    assert idle(a)
+    assert not thread_errors
+    server.start()
+    wait_backoff(a)
+    b = instance(server.url)
+    assert serve(a, prompts[0]) == 192  # A's own CPU tier
+    a.reset_prefix_cache()
+    r = prompt()
+    assert serve(a, r) == 0
+    assert serve(b, r) == 192
+
+
+def test_client_pause_never_stalls_a_step(server, thread_errors):
+    budget_ms = 5.0
+    a, b = instance(server.url), instance(server.url, remote_lookup_budget_ms=budget_ms)
+    p = prompt()
+    assert serve(a, p) == 0
+    server.client().execute_command("CLIENT", "PAUSE", 3000)
+    t_pause = time.monotonic()
+    longest = 0.0
+    for t in [p] + [prompt() for _ in range(5)]:
+        b.add(t, max_tokens=4)
+    while b.scheduler.has_unfinished_requests():
+        t0 = time.perf_counter()
+        b.step()
+        longest = max(longest, time.perf_counter() - t0)
+    assert time.monotonic() - t_pause < 3.0, "the test must run while the server is paused"
+    assert longest < (budget_ms + 50) / 1000, f"a step took {longest * 1000:.0f} ms"
+    b.settle()
+    assert b.connector.remote.counters["fetched"] == 0  # every remote lookup was a miss
+    assert not thread_errors
+
+
+def _value_names(server) -> list:
+    return sorted(server.client().keys("kvbm:*"))
+
+
+@pytest.mark.parametrize("damage", ["setrange", "truncate", "other_layout"])
+def test_bad_values_are_misses_and_deleted(server, damage):
+    a, b = instance(server.url), instance(server.url)
+    p = prompt()
+    assert serve(a, p) == 0
+    # the value of block 2 (keys are per block; find it by B's own key naming)
+    name = b.connector.remote.names(_block_key(b, p, 2))[0].encode()
+    c = server.client()
+    value = c.get(name)
+    assert value is not None
+    if damage == "setrange":
+        c.setrange(name, 64 + 100, b"\xff\xfe")
+    elif damage == "truncate":
+        c.set(name, value[:-10])
+    else:  # the same key written by another model or layout: its header names another fingerprint
+        c.set(name, value[:24] + bytes(16) + value[40:])
+    assert serve(b, p) == 2 * 32  # the leading run before the bad value
+    assert b.connector.remote.counters["fetch_misses"] == 1
+    assert c.get(name) == value  # deleted, then B wrote the block it computed: the good bytes again
+
+
+def _block_key(h: SchedulerHarness, tokens: list[int], i: int):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_kvbm_plugin.connector.scheduler import RequestKeys
+
+    st = RequestKeys(Request("probe", list(tokens), SamplingParams(max_tokens=1), None), [])
+    return h.connector._block_key(st, i)

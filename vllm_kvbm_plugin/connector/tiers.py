@@ -482,7 +482,7 @@ class RemoteTier:
     def prepare_write(self, key, parent, end: int, announce: Announcer) -> bytes | None:
         """The value's metadata blob when `key` should be written now, else None (known present,
         being written, or the server failed lately)."""
-        if key in self.writing or self.lookup(key) or self.breaker.is_open():
+        if key in self.writing or self.lookup(key) or not self.breaker.allow_soon():
             return None
         a = announce(self.name)
         self.writing[key] = (a, parent)
