@@ -103,6 +103,24 @@ def _match(args) -> int:
     return 0
 
 
+def _route(args) -> int:
+    import logging
+
+    from vllm_kvbm_plugin.events.index import WorkerConfig
+    from vllm_kvbm_plugin.router import Router, Worker, serve
+
+    try:
+        workers = [Worker.parse(w) for w in args.worker]
+    except ValueError as e:
+        print(f"vllm-kvbm route: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed), policy=args.policy)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    serve(router, args.host, args.port)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm-kvbm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -139,6 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--prompts", help='JSON lines, one per request: {"token_ids": [...]}')
     m.add_argument("--unit", type=int, default=None, help="hash unit (default: smallest stored block size)")
     m.set_defaults(func=_match)
+
+    r = sub.add_parser("route", help="route OpenAI completions to the worker holding most of the prompt "
+                       "(its KV event stream fed to events.index)")
+    r.add_argument("--worker", action="append", required=True, metavar="URL,EVENTS[,REPLAY]",
+                   help="a `vllm serve` URL, its KV events endpoint and replay endpoint (repeat per worker)")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    r.add_argument("--topic", default="", help="KV events topic prefix")
+    r.add_argument("--policy", choices=("kv", "round-robin"), default="kv",
+                   help="default policy (a request's X-KVBM-Policy header overrides it)")
+    r.add_argument("--hash-algo", default="sha256", help="the workers' --prefix-caching-hash-algo")
+    r.add_argument("--hash-seed", default=None, help="the workers' PYTHONHASHSEED, if set")
+    r.set_defaults(func=_route)
 
     args = p.parse_args(argv)
     return args.func(args)
