@@ -182,41 +182,52 @@ def _filtered_windows(tokens, unit, base, bits, fshift):
 
 
 @numba.njit(cache=True, nogil=True)
-def _probe(tokens, unit, base, tab_hash, tab_slot, shift, unit_tokens, bits, fshift):
-    """Verified hits (offset, slot) in offset order, and the count of hash-only (rejected) hits.
-    A filter of 2 bits in 16-32 per unit (cache-resident) turns away almost every window that no
-    unit holds before it touches the table. Table reads, then token checks, each in a loop of
-    independent loads, so their cache misses overlap."""
-    cand, cand_hash = _filtered_windows(tokens, unit, base, bits, fshift)
+def _verify(tokens, unit, cand, cand_hash, tab_hash, tab_slot, shift, unit_tokens, offs, slots):
+    """Table lookups and token checks of the candidate windows, hits written to offs/slots;
+    returns (hits, rejected), hits = -1 when offs is too small. Arrays are never reassigned in
+    the loop: that alone makes it four times slower."""
     mask = len(tab_slot) - 1
-    offs = np.empty(len(cand), np.int64)
-    slots = np.empty(len(cand), np.int64)
     n = 0
+    rejected = 0
     for c in range(len(cand)):
+        s = cand[c]
         h = cand_hash[c]
         i = _bucket(h, shift)
         while tab_slot[i] != -1:
             if tab_hash[i] == h:
-                if n == len(offs):  # several units with the same hash
-                    offs = np.concatenate((offs, np.empty(n + 1, np.int64)))
-                    slots = np.concatenate((slots, np.empty(n + 1, np.int64)))
-                offs[n] = cand[c]
-                slots[n] = tab_slot[i]
-                n += 1
+                slot = tab_slot[i]
+                same = True
+                for k in range(unit):
+                    if unit_tokens[slot, k] != tokens[s + k]:
+                        same = False
+                        break
+                if not same:
+                    rejected += 1
+                elif n == len(offs):
+                    return -1, rejected
+                else:
+                    offs[n] = s
+                    slots[n] = slot
+                    n += 1
             i = (i + 1) & mask
-    kept = 0
-    for c in range(n):
-        s, slot = offs[c], slots[c]
-        same = True
-        for k in range(unit):
-            if unit_tokens[slot, k] != tokens[s + k]:
-                same = False
-                break
-        if same:
-            offs[kept] = s
-            slots[kept] = slot
-            kept += 1
-    return offs[:kept], slots[:kept], n - kept
+    return n, rejected
+
+
+@numba.njit(cache=True, nogil=True)
+def _probe(tokens, unit, base, tab_hash, tab_slot, shift, unit_tokens, bits, fshift):
+    """Verified hits (offset, slot) in offset order, and the count of hash-only (rejected) hits.
+    A filter of 2 bits in 16-32 per unit (cache-resident) turns away almost every window that no
+    unit holds before it touches the table."""
+    cand, cand_hash = _filtered_windows(tokens, unit, base, bits, fshift)
+    cap = len(cand) + 16
+    while True:  # more hits than candidates only when several units hold the same tokens
+        offs = np.empty(cap, np.int64)
+        slots = np.empty(cap, np.int64)
+        n, rejected = _verify(tokens, unit, cand, cand_hash, tab_hash, tab_slot, shift,
+                              unit_tokens, offs, slots)
+        if n >= 0:
+            return offs[:n], slots[:n], rejected
+        cap *= 4
 
 
 @numba.njit(cache=True, nogil=True)
@@ -287,6 +298,17 @@ def _runs(offs, slots, prev, has_next, unit, pos, n_tokens):
     for t in range(prefix, n_tokens):
         reusable += covered[t]
     return starts, order, prefix, reusable
+
+
+@numba.njit(cache=True, nogil=True)
+def _find(tokens, unit, base, tab_hash, tab_slot, shift, unit_tokens, bits, fshift, parent,
+          parent_gen, gen, pos):
+    """`SubseqIndex.find` in one call (each numba call costs ~10 us of argument unboxing)."""
+    offs, slots, rejected = _probe(tokens, unit, base, tab_hash, tab_slot, shift, unit_tokens,
+                                   bits, fshift)
+    prev, has_next = _chain_runs(offs, slots, unit, parent, parent_gen, gen)
+    starts, order, prefix, reusable = _runs(offs, slots, prev, has_next, unit, pos, len(tokens))
+    return starts, order, prefix, reusable, rejected
 
 
 # ---- the index -----------------------------------------------------------------------------------
@@ -486,13 +508,13 @@ class SubseqIndex:
         """Every maximal run of consecutive stored units whose tokens occur in `tokens`."""
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
-        offs, slots, rejected = _probe(toks, self.unit, self.base, self.tab_hash, self.tab_slot,
-                                       self.shift, self.unit_tokens, self.bits, self.fshift)
-        prev, has_next = _chain_runs(offs, slots, self.unit, self.parent, self.parent_gen, self.gen)
-        starts, order, prefix, reusable = _runs(offs, slots, prev, has_next, self.unit, self.pos, len(toks))
-        keys, unit = self.keys, self.unit
-        order = order.tolist()
-        runs = [Run(new, old, d * unit, tuple([keys[s] for s in order[at:at + d]]))
+        starts, order, prefix, reusable, rejected = _find(
+            toks, self.unit, self.base, self.tab_hash, self.tab_slot, self.shift, self.unit_tokens,
+            self.bits, self.fshift, self.parent, self.parent_gen, self.gen, self.pos)
+        unit, all_keys = self.unit, self.keys
+        keys = list(map(all_keys.__getitem__, order.tolist()))
+        new_run = tuple.__new__  # Run(...) is a Python-level constructor: 3x slower
+        runs = [new_run(Run, (new, old, d * unit, tuple(keys[at:at + d])))
                 for new, old, d, at in starts.tolist()]
         runs.sort()
         m = Match(runs, int(prefix), int(reusable), int(rejected), time.perf_counter() - t0)
