@@ -1,0 +1,59 @@
+"""The router's choice: most servable tokens per the index, ties to the least loaded worker, and
+round-robin on request (the HTTP path runs end to end in tests/serve/test_router.py)."""
+
+import random
+
+import pytest
+
+from vllm_kvbm_plugin.events.index import PromptHasher
+from vllm_kvbm_plugin.events.types import BlockStored, KVEventBatch
+from vllm_kvbm_plugin.router import Router, Worker
+
+rng = random.Random(7)
+
+
+def toks(n):
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def store(router, url, prompt, unit=16):
+    hs = PromptHasher().event_hashes(prompt, unit)
+    ev = BlockStored(block_hashes=hs, parent_block_hash=None, token_ids=prompt[:len(hs) * unit], block_size=unit,
+                     lora_id=None, medium="GPU", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention")
+    router.index.apply(url, KVEventBatch(0.0, [ev]))
+
+
+def make_router(tmp_path, **kw):
+    workers = [Worker.parse(f"http://127.0.0.1:{9000 + i},ipc://{tmp_path}/ev{i},ipc://{tmp_path}/rp{i}")
+               for i in range(2)]
+    return Router(workers, settle_s=0, **kw)
+
+
+def test_worker_spec():
+    w = Worker.parse("http://127.0.0.1:8000/,tcp://127.0.0.1:5557")
+    assert (w.url, w.events, w.replay) == ("http://127.0.0.1:8000", "tcp://127.0.0.1:5557", None)
+    with pytest.raises(ValueError, match="URL,EVENTS_ENDPOINT"):
+        Worker.parse("http://127.0.0.1:8000")
+
+
+def test_most_servable_tokens_then_least_loaded(tmp_path):
+    router = make_router(tmp_path)
+    a, b = toks(100), toks(100)
+    store(router, router.workers[1].url, a)
+    store(router, router.workers[0].url, b[:48])
+    assert router.choose(a) == (1, [0, 96])
+    assert router.choose(b) == (0, [48, 0])
+    router.done(1, {"policy": "kv", "prompt_tokens": 100, "predicted": 96, "served": 96, "scores": [0, 96]})
+    # a tie: worker 0 has a request in flight, worker 1 none
+    assert router.choose(toks(50))[0] == 1
+    stats = router.stats()
+    assert stats["by_policy"]["kv"] == {"requests": 1, "served": 96, "predicted": 96, "mispredicted": 0}
+
+
+def test_round_robin_on_request(tmp_path):
+    router = make_router(tmp_path)
+    a = toks(100)
+    store(router, router.workers[1].url, a)
+    assert [router.choose(a, "round-robin")[0] for _ in range(3)] == [0, 1, 0]
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_router(tmp_path, policy="random")
