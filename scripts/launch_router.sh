@@ -2,7 +2,7 @@
 # Two `vllm serve` workers (a tiny hybrid model, this plugin, KV events) behind `vllm-kvbm route`.
 # Sends a workload of shared prefixes through the router twice in one run, KV-aware and round-robin
 # (fresh prefixes each time), and prints per request what the index predicted and what the worker
-# served (cached_tokens), then the sums.
+# served (cached_tokens), then the sums; then a text prompt twice (plain, streamed).
 #   ./scripts/launch_router.sh [MODEL_DIR]      (default: a tiny local Qwen3-Next)
 # Env: GROUPS_N (5 prefixes), ROUNDS (3 requests per prefix), PREFIX (640 tokens), SUFFIX (40),
 # READY_TIMEOUT seconds (300), KEEP_WORKDIR=1 to keep logs. Everything listens on loopback only.
@@ -79,12 +79,14 @@ groups, rounds = int(os.environ.get("GROUPS_N", 5)), int(os.environ.get("ROUNDS"
 prefix_len, suffix_len = int(os.environ.get("PREFIX", 640)), int(os.environ.get("SUFFIX", 40))
 
 
-def complete(tokens, policy):
-    body = {"model": "model", "prompt": tokens, "max_tokens": 4, "temperature": 0}
+def complete(prompt, policy, stream=False):
+    body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json", "X-KVBM-Policy": policy})
     with urllib.request.urlopen(req, timeout=300) as r:
-        return json.load(r)
+        return r.read()
 
 
 for seed, policy in ((1, "kv"), (2, "round-robin")):  # fresh prefixes per phase: both start cold
@@ -103,4 +105,13 @@ ratio = kv["served"] / rr["served"] if rr["served"] else float("inf")
 print(f"[router] served cached tokens: kv={kv['served']} round-robin={rr['served']} ratio={ratio:.2f}")
 print(f"[router] mispredicted: kv={kv['mispredicted']}/{kv['requests']} "
       f"round-robin={rr['mispredicted']}/{rr['requests']}")
+
+# a text prompt (the router tokenizes it with a worker's /tokenize), then the same streamed
+text = " ".join(["the router sends each request to the engine that holds its prefix"] * 30)
+complete(text, "kv")
+complete(text, "kv", stream=True)
+for rec, how in zip(json.load(urllib.request.urlopen(url + "/router/stats", timeout=30))["requests"][-2:],
+                    ("text", "text, streamed")):
+    print(f"[{how}] worker {rec['worker']} prompt_tokens={rec['prompt_tokens']} "
+          f"predicted={rec['predicted']} served={rec['served']}")
 PY

@@ -133,8 +133,13 @@ class Router:
             s["requests"] += 1
             s["served"] += r["served"] or 0
             s["predicted"] += r["predicted"]
-            s["mispredicted"] += r["predicted"] != r["served"]
+            s["mispredicted"] += r["served"] is not None and r["predicted"] != r["served"]
         return {"workers": [w.url for w in self.workers], "by_policy": sums, "requests": records}
+
+
+def _cached_tokens(response: dict) -> int | None:
+    usage = response.get("usage") or {}
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 def _post(url: str, body: dict, timeout: float = 600):
@@ -189,11 +194,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body["prompt"] = token_ids
             with _post(worker.url + self.path, body) as r:
-                data = r.read()
-                status = r.status
-            if status == 200 and not body.get("stream"):
-                details = json.loads(data).get("usage", {}).get("prompt_tokens_details") or {}
-                served = details.get("cached_tokens")
+                if body.get("stream"):
+                    served = self._relay_stream(r)
+                    return
+                data, status = r.read(), r.status
+            served = _cached_tokens(json.loads(data))
         except urllib.error.HTTPError as e:
             status, data = e.code, e.read()
         except (urllib.error.URLError, OSError) as e:
@@ -201,8 +206,22 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             self.router.done(i, {"worker": i, "policy": policy or self.router.policy, "prompt_tokens": len(token_ids),
                                  "predicted": scores[i], "served": served, "scores": scores})
-        ctype = "text/event-stream" if body.get("stream") else "application/json"
-        self._reply(status, data, ctype)
+        self._reply(status, data)
+
+    def _relay_stream(self, r) -> int | None:
+        """Pass server-sent events through as they come (the connection ends the stream); the
+        cached tokens from the usage chunk (`stream_options: {"include_usage": true}`), if any."""
+        self.send_response(r.status)
+        self.send_header("Content-Type", r.headers.get("Content-Type", "text/event-stream"))
+        self.end_headers()
+        served = None
+        for line in r:
+            self.wfile.write(line)
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                served = _cached_tokens(json.loads(line[6:])) if served is None else served
+            if line == b"\n":
+                self.wfile.flush()
+        return served
 
     def _token_ids(self, body: dict) -> list[int]:
         """The prompt as token ids: given as such, or a text tokenized by a worker as it would."""

@@ -1,5 +1,6 @@
 """`vllm-kvbm route` end to end (scripts/launch_router.sh): two `vllm serve` workers on tiny
-Qwen3-Next, a workload of shared prefixes routed KV-aware and round-robin in the same run."""
+Qwen3-Next, a workload of shared prefixes routed KV-aware and round-robin in the same run, then a
+text prompt (tokenized through a worker) plain and streamed."""
 
 import os
 import pathlib
@@ -28,4 +29,9 @@ def test_router_beats_round_robin_and_predicts_exactly(tmp_path):
     assert {w for p, w, *_ in rows if p == "kv"} == {"0", "1"}, "the router used one worker only"
     assert served["round-robin"] > 0 and served["kv"] >= 1.5 * served["round-robin"], served
     assert f"kv={served['kv']} round-robin={served['round-robin']}" in out
+    # a text prompt tokenized through a worker, then the same streamed: the second is a hit, predicted
+    text = re.findall(r"\[text(, streamed)?\] worker \d prompt_tokens=(\d+) predicted=(\d+) served=(\d+)", out)
+    assert len(text) == 2, out[-2000:]
+    (_, n, p1, s1), (_, _, p2, s2) = text
+    assert (p1, s1) == ("0", "0") and p2 == s2 and 0 < int(s2) < int(n)
     assert not list(tmp_path.glob("kvbm-router-*")), "the work directory was not cleaned up"
