@@ -64,7 +64,7 @@ class UnitTracker:
         # group -> first unit hash -> its only holder's by_block entry, or, when blocks share it,
         # {unit hash: -(number of holders)} over their units
         self.heads: dict[int, dict] = {g: {} for g in units_per_block}
-        self.to_event_hashes = compat.event_hash_converter()
+        self.to_event_hashes = compat.struct_event_hash_converter()
         # (request, first token, end token, token_ids) of the last BlockStored vLLM built for an
         # untracked group (e.g. Mamba, cached just before): the same token list serves our events
         self.recent_tokens: tuple | None = None
@@ -78,7 +78,7 @@ class UnitTracker:
         r = self.units_per_block[group]
         conv = self.to_event_hashes(
             request.block_hashes[start * r : (end - 1) * r + (r if n_last is None else n_last)])
-        heads, by_block, n = self.heads[group], self.by_block, len(conv)
+        heads, by_block, n, coarse = self.heads[group], self.by_block, len(conv), self.coarse
         unit_runs: list[list] = []  # [first unit, end unit, index in conv] of fresh units
         block_runs: list[list] = []  # [first block, end block, index in conv] of fresh full blocks
         for bi in range(start, end):
@@ -86,9 +86,11 @@ class UnitTracker:
             if block.is_null or (mask is not None and not mask[bi - start]):
                 continue
             a = (bi - start) * r
-            b = min(a + r, n)
-            if a >= b:
-                continue
+            b = a + r
+            if b > n:
+                b = n
+                if a >= b:
+                    continue
             entry = by_block.get(block.block_id)
             if entry is None:
                 held = conv[a:b]
@@ -110,19 +112,39 @@ class UnitTracker:
                 held += new
                 counts = heads[held[0]]
                 k = had if counts is entry else had + _hold(counts, new)
+            # runs of consecutive fresh keys (the last run grows while contiguous)
             if k < b - a:
-                _extend_runs(unit_runs, bi * r + k, bi * r + b - a, a + k)
-            if b - a == r and k < r and self.coarse:
-                _extend_runs(block_runs, bi, bi + 1, b - 1)
+                u = bi * r
+                if unit_runs and unit_runs[-1][1] == u + k:
+                    unit_runs[-1][1] = u + b - a
+                else:
+                    unit_runs.append([u + k, u + b - a, a + k])
+            if coarse and b - a == r and k < r:
+                if block_runs and block_runs[-1][1] == bi:
+                    block_runs[-1][1] = bi + 1
+                else:
+                    block_runs.append([bi, bi + 1, b - 1])
         tokens: dict = {}  # token slices shared by coarse and unit events over the same range
         recent = self.recent_tokens
         if recent is not None and recent[0] is request:
             tokens[(recent[1], recent[2])] = recent[3]
             self.recent_tokens = None
+        if not (unit_runs or block_runs):
+            return
+        # The parent of a run starting at this range's first unit is the unit before the range,
+        # converted once for the coarse and the unit events; the previous block usually holds it.
+        parent = None
+        if start and ((unit_runs and unit_runs[0][2] == 0) or (block_runs and block_runs[0][2] < r)):
+            prev = by_block.get(blocks[start - 1].block_id) if type(blocks) is list else None
+            if prev is not None and len(prev[1]) == r:
+                parent = prev[1][-1]
+            else:
+                parent = self.to_event_hashes([request.block_hashes[start * r - 1]])[0]
+        with_extra = compat.has_extra_keys(request)
         if block_runs:
-            self._announce(request, group, r, block_runs, conv, r, tokens)
+            self._announce(request, group, r, block_runs, conv, r, tokens, parent, with_extra)
         if unit_runs:
-            self._announce(request, group, 1, unit_runs, conv, 1, tokens)
+            self._announce(request, group, 1, unit_runs, conv, 1, tokens, parent, with_extra)
 
     def release(self, block_id: int) -> None:
         entry = self.by_block.pop(block_id, None)
@@ -160,15 +182,15 @@ class UnitTracker:
         )
 
     def _announce(self, request, group: int, units_per_key: int, runs: list, conv: list,
-                  step: int, tokens: dict) -> None:
+                  step: int, tokens: dict, parent_before, with_extra: bool) -> None:
         """One BlockStored per run of consecutive fresh keys, chained to the key before.
 
         Key i covers tokens [i*n, (i+1)*n) with n = units_per_key * hash_block_size; its hash
         (event form) is the chained unit hash at its last unit, which is what vLLM announces for
-        a block of n tokens. A run's hashes are conv[lo :: step], one per key.
+        a block of n tokens. A run's hashes are conv[lo :: step], one per key; a run starting
+        at conv's first key has parent `parent_before`.
         """
         n = units_per_key * self.unit
-        with_extra = compat.has_extra_keys(request)
         for first, end, lo in runs:
             if with_extra:
                 extra, mm_idx = [], 0
@@ -182,9 +204,7 @@ class UnitTracker:
                 key_hashes = conv if lo == 0 and end - first == len(conv) else conv[lo : lo + end - first]
             else:
                 key_hashes = conv[lo : lo + (end - first - 1) * step + 1 : step]
-            unit_before = first * units_per_key - 1
-            parent = (None if unit_before < 0 else conv[lo - step] if lo >= step
-                      else self.to_event_hashes([request.block_hashes[unit_before]])[0])
+            parent = conv[lo - step] if lo >= step else parent_before
             span = (first * n, end * n)
             token_ids = tokens.get(span)
             if token_ids is None:
@@ -201,14 +221,6 @@ class UnitTracker:
                     extra_keys=extra,
                 )
             )
-
-
-def _extend_runs(runs: list[list], first: int, end: int, lo: int) -> None:
-    """Append keys [first, end) (hashes from conv[lo]), merging with the last run when contiguous."""
-    if runs and runs[-1][1] == first:
-        runs[-1][1] = end
-    else:
-        runs.append([first, end, lo])
 
 
 def _hold(counts: dict, units: list) -> int:
