@@ -194,3 +194,13 @@ def _block_key(h: SchedulerHarness, tokens: list[int], i: int):
 
     st = RequestKeys(Request("probe", list(tokens), SamplingParams(max_tokens=1), None), [])
     return h.connector._block_key(st, i)
+
+
+def test_remote_config_is_validated():
+    from vllm_kvbm_plugin.config import KVBMConfig
+
+    assert KVBMConfig.from_extra({"remote_url": "unix:///run/redis.sock"}).remote_url == "unix:///run/redis.sock"
+    for bad in ({"remote_url": "http://x"}, {"remote_url": 5}, {"remote_lookup_budget_ms": -1},
+                {"remote_lookup_budget_ms": True}):
+        with pytest.raises(ValueError, match="remote_"):
+            KVBMConfig.from_extra(bad)
