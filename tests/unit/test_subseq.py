@@ -263,3 +263,26 @@ def test_cli_match_on_a_recording(tmp_path, capsys):
     assert cli.main(["match", str(events), "--prompt", " ".join(map(str, a[:unit]))]) == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     assert line["prefix_tokens"] == unit
+
+
+def test_units_whose_kv_depends_on_more_than_tokens_are_never_found():
+    """Same tokens, but an image, a cache salt (vLLM's extra keys on the first block) or a LoRA
+    adapter: their KV differs, so they and every unit after them stay unfindable, yet are
+    counted so that removals stay exact."""
+    unit = 8
+    doc = toks(4 * unit)
+    index = SubseqIndex(unit)
+    salted = stored_event([1, 2, 3, 4], None, doc, unit, extra_keys=[("salt-a",), None, None, None])
+    image = stored_event([11, 12, 13, 14], None, doc, unit, extra_keys=[None, None, (("mm", "img", 0),), None])
+    lora = BlockStored(block_hashes=[21, 22], parent_block_hash=None, token_ids=doc[:2 * unit],
+                       block_size=unit, lora_id=1, medium="GPU", lora_name="adapter")
+    feed_batch(index, KVEventBatch(1.0, [salted, image, lora]))
+    m = index.find(doc)
+    assert [r.keys for r in m.runs] == [(11, 12)]  # the image's unit and the one after it: never
+    lora_index = SubseqIndex(unit)
+    feed_batch(lora_index, KVEventBatch(1.0, [salted, lora]), lora_name="adapter")
+    assert [r.keys for r in lora_index.find(doc).runs] == [(21, 22)]
+    # removals stay exact for excluded units
+    feed_batch(index, KVEventBatch(2.0, [BlockRemoved(block_hashes=[1, 2, 3, 4, 13, 14, 21, 22], medium="GPU")]))
+    assert index.stats["unknown_removals"] == 0 and not index.excluded and not index.pending
+    assert sorted(index.slot_of) == [11, 12]

@@ -339,6 +339,7 @@ class SubseqIndex:
         self.holders: list[dict | None] = [None] * cap
         self.slot_of: dict[Hashable, int] = {}
         self.pending: dict[Hashable, dict] = {}  # key -> {holder: stores counted before its tokens}
+        self.excluded: set = set()  # held keys that must never be found (see `add`)
         self.children: dict[Hashable, set[int]] = {}  # parent key -> slots naming it as parent
         self.free = list(range(cap - 1, -1, -1))
         self._new_table(2 * cap)
@@ -353,18 +354,23 @@ class SubseqIndex:
 
     # ---- stores and removals ----
     def add(self, key: Hashable, tokens: Sequence[int] | None, parent: Hashable | None = None,
-            holder: Hashable = None, position: int | None = None) -> None:
+            holder: Hashable = None, position: int | None = None, exclude: bool = False) -> None:
         """A holder stored unit `key` (tokens; `parent`: the unit before it, None at the start of
         its sequence). Position: given, else the parent's + unit, 0 without parent, -1 unknown.
         tokens=None counts a store of `key` without its tokens (an event at another block size
-        announcing the same hash): it keeps the unit held until that store is removed too."""
+        announcing the same hash): it keeps the unit held until that store is removed too.
+        exclude=True: the unit must never be found (its KV depends on more than its tokens: an
+        image, a LoRA adapter, a cache salt); it is counted like a tokenless store, and
+        `excluded` names it while it is held so that its descendants can be excluded too."""
         self.stats["stored"] += 1
         slot = self.slot_of.get(key)
         if slot is not None:
             h = self.holders[slot]
             h[holder] = h.get(holder, 0) + 1
             return
-        if tokens is None:
+        if exclude:
+            self.excluded.add(key)
+        if tokens is None or key in self.excluded:
             waiting = self.pending.setdefault(key, {})
             waiting[holder] = waiting.get(holder, 0) + 1
             return
@@ -412,6 +418,7 @@ class SubseqIndex:
                     del waiting[holder]
                     if not waiting:
                         del self.pending[key]
+                        self.excluded.discard(key)
             else:
                 self.stats["unknown_removals"] += 1
             return False
@@ -437,6 +444,7 @@ class SubseqIndex:
                 del waiting[holder]
             if not waiting:
                 del self.pending[key]
+                self.excluded.discard(key)
 
     def _drop(self, slot: int) -> None:
         key, parent = self.keys[slot], self.parent_keys[slot]
@@ -588,10 +596,13 @@ def event_unit(batches: Iterable) -> int | None:
     return unit
 
 
-def feed_batch(index: SubseqIndex, batch, worker: Hashable = None) -> None:
+def feed_batch(index: SubseqIndex, batch, worker: Hashable = None, lora_name: str | None = None) -> None:
     """Apply one KVEventBatch: units are keyed by block hash, held per (worker, dp rank, tier,
-    group). Events of another block size than the index's unit, or of state/windowed groups, are
-    skipped; a tier event without token ids adds a holder to a unit already known by its hash."""
+    group). Events of state/windowed groups are skipped; events of another block size than the
+    index's unit only count stores of their hashes. Units whose KV depends on more than their
+    tokens are held but never found: units with extra keys (images, the cache salt vLLM folds
+    into a request's first block), every unit after one of those in its sequence, and units of
+    another LoRA adapter than `lora_name`."""
     from vllm_kvbm_plugin.events.types import (
         MEDIUM_GPU,
         AllBlocksCleared,
@@ -608,9 +619,14 @@ def feed_batch(index: SubseqIndex, batch, worker: Hashable = None) -> None:
             holder = (worker, dp, tier_of(ev), ev.group_idx)
             parent = ev.parent_block_hash
             unit = index.unit if ev.block_size == index.unit else 0
+            other_lora = ev.lora_name != lora_name or (lora_name is None and ev.lora_id is not None)
+            extra = ev.extra_keys or ()
             for i, h in enumerate(ev.block_hashes):
                 toks = ev.token_ids[i * unit:(i + 1) * unit] if unit else None
-                index.add(h, toks if toks is not None and len(toks) == unit else None, parent, holder)
+                exclude = (other_lora or (i < len(extra) and extra[i] is not None)
+                           or parent in index.excluded)
+                index.add(h, toks if toks is not None and len(toks) == unit else None, parent, holder,
+                          exclude=exclude)
                 parent = h
         elif isinstance(ev, BlockRemoved):
             holder = (worker, dp, tier_of(ev), ev.group_idx)
