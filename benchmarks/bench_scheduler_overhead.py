@@ -3,7 +3,8 @@
 vLLM's real Scheduler runs in-process with a hybrid KV cache config (a Mamba group and a full-attention
 group sharing an inflated block) and simulated model outputs. KV events are on in both runs; the
 vanilla run has every patch removed. After a warm-up pair, runs alternate (vanilla, plugin, ...);
-the best and the median per-step times are compared. Published batches are counted and dropped,
+the best and the median per-step times are compared, and the spread of the runs is printed (on a
+shared machine the best of a few runs is still at the mercy of other processes). Published batches are counted and dropped,
 as vLLM's publisher thread does (retaining them would bill garbage-collector work to the run with
 more events). Then a lockstep measure: a vanilla and a plugin scheduler on the same workload,
 stepped alternately (patches switched between steps), so load from other processes on a shared
@@ -107,12 +108,17 @@ def main() -> None:
                 info[with_plugin] = (steps, n_events)
         van, plg = min(times[False]), min(times[True])
         med = statistics.median(times[True]) / statistics.median(times[False])
+        paired = [p / v for v, p in zip(times[False], times[True])]  # each rep's plugin over its vanilla
         print(f"{name}: vanilla {van * 1e3:.3f} ms/step ({info[False][0]} steps, {info[False][1]} events), "
               f"plugin {plg * 1e3:.3f} ms/step ({info[True][1]} events) -> ratio {plg / van:.3f}x best, "
               f"{med:.3f}x median")
+        print(f"{name}: spread (noise from other processes): vanilla runs "
+              f"{min(times[False]) * 1e3:.3f}-{max(times[False]) * 1e3:.3f} ms/step, paired ratios "
+              f"{min(paired):.3f}-{max(paired):.3f}x")
         if args.lockstep_reps:
             ratios = [lockstep_once(block, unit, prompts) for _ in range(args.lockstep_reps)]
-            print(f"{name}: lockstep ratio {min(ratios):.3f}x best, {statistics.median(ratios):.3f}x median")
+            print(f"{name}: lockstep ratio {min(ratios):.3f}x best, {statistics.median(ratios):.3f}x median "
+                  f"(all: {' '.join(f'{r:.3f}' for r in ratios)})")
     plugin.register()
 
 
