@@ -22,7 +22,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
-def engine(model: str, url: str | None):
+def engine(model: str, url: str | None, connector: bool = True):
     from vllm import LLM
 
     from vllm_kvbm_plugin.testing import tiny_models
@@ -30,11 +30,32 @@ def engine(model: str, url: str | None):
     extra = {"cpu_bytes_to_use": 1 << 30}
     if url:
         extra["remote_url"] = url
+    ktc = {"kv_connector": "KVBMConnector", "kv_connector_module_path": "vllm_kvbm_plugin.connector",
+           "kv_role": "kv_both", "kv_connector_extra_config": extra} if connector else None
     return LLM(model=str(tiny_models.build(model)), dtype="bfloat16", max_model_len=2048,
                enforce_eager=True, block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1,
-               kv_transfer_config={"kv_connector": "KVBMConnector",
-                                   "kv_connector_module_path": "vllm_kvbm_plugin.connector",
-                                   "kv_role": "kv_both", "kv_connector_extra_config": extra})
+               kv_transfer_config=ktc)
+
+
+def miss_phase(args) -> dict:
+    """Recompute TTFT of prompts nobody stored: without a connector ("off"), with the remote tier
+    configured and every lookup a miss ("miss"), and with the server down ("down")."""
+    import random
+
+    from bench_ttft import ttft
+
+    rng = random.Random({"off": 11, "miss": 12, "down": 13}[args.phase])
+    url = {"off": None, "miss": args.url, "down": "redis://127.0.0.1:9/0"}[args.phase]
+    llm = engine(args.model, url, connector=args.phase != "off")
+    times = []
+    for i in range(args.reps + 1):
+        t, cached, _ = ttft(llm, [rng.randrange(10, 2000) for _ in range(args.tokens)])
+        assert cached == 0
+        if i:
+            times.append(t)
+        time.sleep(0.5)  # the writes behind of the miss finish (they would compete for the 2 cores)
+    llm.llm_engine.engine_core.shutdown()
+    return {args.phase: times}
 
 
 def phase(args) -> dict:
@@ -107,12 +128,13 @@ def main() -> None:
     ap.add_argument("--model", default="llama-big")
     ap.add_argument("--tokens", type=int, default=1856)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--phase", choices=["store", "remote"])
+    ap.add_argument("--phase", choices=["store", "remote", "off", "miss", "down"])
     ap.add_argument("--url")
     ap.add_argument("--out")
+    ap.add_argument("--no-miss", action="store_true", help="skip the miss / server-down overhead runs")
     args = ap.parse_args()
     if args.phase:
-        json.dump(phase(args), open(args.out, "w"))
+        json.dump(phase(args) if args.phase in ("store", "remote") else miss_phase(args), open(args.out, "w"))
         os._exit(0)
     from vllm_kvbm_plugin.testing.redis_server import RedisServer
 
@@ -120,7 +142,7 @@ def main() -> None:
     try:
         res = {}
         with tempfile.TemporaryDirectory() as d:
-            for name in ("store", "remote"):
+            for name in ("store", "remote") + (() if args.no_miss else ("off", "miss", "down")):
                 f = os.path.join(d, name + ".json")
                 subprocess.run([sys.executable, __file__, "--phase", name, "--url", server.url, "--out", f,
                                 "--tokens", str(args.tokens), "--reps", str(args.reps), "--model", args.model],
@@ -137,6 +159,12 @@ def main() -> None:
     print(f"  remote hit (second process)  {med['remote'] * 1e3:8.1f} ms  -> {med['recompute'] / med['remote']:.1f}x "
           f"vs recompute, {med['remote'] / med['cpu']:.2f}x of a CPU hit ({res['remote']['cached']} tokens)")
     print(f"  outputs identical (recompute, CPU hit, remote hit in another process): {same}")
+    if not args.no_miss:
+        off = statistics.median(res["off"]["off"])
+        for name, what in (("miss", "every lookup a miss"), ("down", "server down")):
+            m = statistics.median(res[name][name])
+            print(f"  remote tier configured, {what:20s} {m * 1e3:8.1f} ms  -> {m / off:.3f}x of no connector "
+                  f"({off * 1e3:.1f} ms)")
     print(f"  remote reads of {n} values: ours (GET + verify into a slot) {ours:.2f} GiB/s, "
           f"raw pipelined GETs {raw:.2f} GiB/s -> {ours / raw:.2f}")
 

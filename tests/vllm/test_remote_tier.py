@@ -10,6 +10,7 @@ import time
 import pytest
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, BlockStored
+from vllm_kvbm_plugin.events.validator import Validator
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
@@ -67,6 +68,11 @@ def test_instance_b_hits_what_instance_a_stored(server, hybrid, hit):
               if isinstance(ev, BlockStored) and ev.medium == MEDIUM_STORAGE]
     assert remote and all(ev.locality == LOCALITY_REMOTE and ev.ownership == a.connector.remote.name.ownership
                           for ev in remote)
+    for h in (a, b):  # each instance's stream (vLLM's, CPU, remote tier) is consistent
+        v = Validator()
+        for batch in h.batches:
+            v.apply(batch)
+        assert v.errors == 0, v.report()
 
 
 @pytest.fixture
