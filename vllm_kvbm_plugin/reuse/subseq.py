@@ -534,6 +534,11 @@ class SubseqIndex:
         st["probed_tokens"] += len(toks)
         return m
 
+    def warm_up(self) -> None:
+        """Load (or compile) the probe kernels now, so that no request's probe time includes it."""
+        _find(np.zeros(0, np.int64), self.unit, self.base, self.tab_hash, self.tab_slot, self.shift,
+              self.unit_tokens, self.bits, self.fshift, self.parent, self.parent_gen, self.gen, self.pos)
+
     def units(self) -> dict:
         """Plain view {key: (tokens tuple, parent key, position)}, for `reference_find`."""
         return {k: (tuple(int(t) for t in self.unit_tokens[s]), self.parent_keys[s], int(self.pos[s]))
@@ -648,6 +653,7 @@ def match_recording(fp, prompts: Iterable[Sequence[int]], unit: int | None = Non
     index = SubseqIndex(unit)
     for batch in batches:
         feed_batch(index, batch)
+    index.warm_up()
     for tokens in prompts:
         m = index.find(tokens)
         yield {"prompt_tokens": len(tokens), "prefix_tokens": m.prefix_tokens,
