@@ -21,6 +21,7 @@ from vllm_kvbm_plugin.reuse.subseq import (
     DEFAULT_BASE,
     Run,
     SubseqIndex,
+    coverage,
     event_unit,
     feed_batch,
     reference_find,
@@ -112,6 +113,7 @@ def test_random_streams_match_reference_with_removals():
         request = [rng.randrange(vocab) for _ in range(rng.randrange(0, 80))]
         m = index.find(request)
         assert m.runs == reference_find(index.units(), request, unit), step
+        assert (m.prefix_tokens, m.reusable_tokens) == coverage(m.runs, len(request))
         assert m.rejected == 0
     assert len(index) == len(live)
 

@@ -271,7 +271,6 @@ def _runs(offs, slots, prev, has_next, unit, pos, n_tokens):
             total += depth[i]
     starts = np.empty((n_runs, 4), np.int64)
     order = np.empty(total, np.int64)
-    covered = np.zeros(n_tokens, np.bool_)
     r = 0
     at = 0
     prefix = 0
@@ -291,12 +290,15 @@ def _runs(offs, slots, prev, has_next, unit, pos, n_tokens):
         starts[r, 3] = at
         if new_start == 0 and starts[r, 1] == 0 and d * unit > prefix:
             prefix = d * unit
-        covered[new_start:new_start + d * unit] = True
         r += 1
         at += d
     reusable = 0
-    for t in range(prefix, n_tokens):
-        reusable += covered[t]
+    end = prefix  # union of the runs past the prefix, in start order
+    for r in np.argsort(starts[:, 0]):
+        lo, hi = max(starts[r, 0], end), starts[r, 0] + starts[r, 2] * unit
+        if hi > lo:
+            reusable += hi - lo
+            end = hi
     return starts, order, prefix, reusable
 
 
@@ -546,7 +548,8 @@ class SubseqIndex:
 
 
 def coverage(runs: Iterable[Run], n: int) -> tuple[int, int]:
-    """(prefix tokens, reusable non-prefix tokens) of a request of n tokens (see `Match`)."""
+    """(prefix tokens, reusable non-prefix tokens) of a request of n tokens (see `Match`), by
+    marking covered tokens: the plain-Python definition `_runs` is tested against."""
     runs = list(runs)
     prefix = max((r.length for r in runs if r.new_start == 0 and r.old_start == 0), default=0)
     covered = np.zeros(n, np.bool_)
