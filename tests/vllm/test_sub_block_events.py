@@ -226,3 +226,37 @@ def test_prompts_diverging_inside_a_block_announce_shared_units_once():
     assert [removed.count(x) for x in ua[:5] + ub[3:5]] == [1, 1, 1, 1, 2, 1, 2]
     v = validate(h)
     assert v.errors == 0, v.report()
+
+
+def test_chunked_prefill_chains_each_chunk_to_the_unit_before_it():
+    """A prompt cached over several steps: each chunk's first coarse and unit events take their
+    parent from the block the previous chunk cached (converted once, not again per event)."""
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32, max_num_batched_tokens=320))
+    prompt = list(range(5000, 6000))
+    h.add(prompt, max_tokens=2)
+    h.run()
+    units = h.unit_hashes(prompt)
+    fine, coarse = events(h, block_size=32), events(h, block_size=160)
+    assert len(fine) >= 2 and len(coarse) >= 2, "the prompt is cached in several chunks"
+    assert announced(h) == units[: len(announced(h))]
+    assert all(e.parent_block_hash is not None for e in fine[1:] + coarse[1:])
+    for e in fine:
+        i = units.index(e.block_hashes[0])
+        assert e.parent_block_hash == (units[i - 1] if i else None)
+    for e in coarse:
+        i = units.index(e.block_hashes[0])
+        assert e.parent_block_hash == (units[i - 5] if i >= 5 else None)
+    assert validate(h).errors == 0
+
+
+@pytest.mark.parametrize("size", [8, 16, 32])
+def test_event_hashes_match_vllms_conversion(size):
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from vllm_kvbm_plugin import compat
+
+    rng = random.Random(size)
+    convert = compat.struct_event_hash_converter()
+    for n in (0, 1, 3, 40, 40):
+        hashes = [rng.randbytes(size) for _ in range(n)]
+        assert convert(hashes) == [maybe_convert_block_hash(x) for x in hashes]
