@@ -50,3 +50,20 @@ def test_dead_server_is_a_miss(run_engine, baseline, server):
     assert again["num_cached_tokens"] == HIT  # the CPU tier still serves
     assert "Traceback" not in r["log"]
     assert "every remote lookup, read and write is a miss" in r["log"]
+
+
+def test_hybrid_second_engine_hits_attention_kv_and_state(run_engine, server):
+    from .test_hybrid_tiers import LENGTHS, LLM, PROMPTS, expected_hit
+    from .test_tiers_engine import connector
+
+    def run(**extra):
+        llm = dict(LLM, kv_transfer_config=connector(**extra)) if extra else LLM
+        return outputs(run_engine({"model": "qwen3next", "llm": llm, "events": False,
+                                   "steps": [{"prompts": PROMPTS}]}))
+
+    baseline = [o["tokens"] for o in run()]
+    a = run(cpu_bytes_to_use=64 << 20, remote_url=server.url)
+    assert [o["num_cached_tokens"] for o in a] == [0] * len(PROMPTS)
+    b = run(cpu_bytes_to_use=64 << 20, remote_url=server.url)
+    assert [o["num_cached_tokens"] for o in b] == [expected_hit(n) for n in LENGTHS]
+    assert [o["tokens"] for o in a] == [o["tokens"] for o in b] == baseline
