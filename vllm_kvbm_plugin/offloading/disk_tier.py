@@ -5,7 +5,7 @@
 
 Optional keys: "eviction_policy" (lru | lineage | multi_lru, default lineage), "threads" (I/O
 threads, default 2), "fsync" (default false), "enable_kv_events" (default true; effective when
-the engine publishes KV events), "load_wait_ms" (default 20: see get_finished_jobs).
+the engine publishes KV events).
 
 The same block files as KVBMConnector's disk tier (tiers/disk.py: checksummed, written to a
 temporary file and renamed into place, opened without following symlinks or blocking, verified
@@ -55,7 +55,6 @@ from vllm_kvbm_plugin.tiers.policies import make_policy
 logger = get_logger("offloading")
 
 WRITE_PAUSE = 10.0  # s without new stores after a failed write (full disk, read-only directory)
-LOAD_WAIT_MS = 20.0  # at most this long per step, the scheduler waits for an in-flight load
 _FORMAT = "vllm-offload-chunk-v1"  # part of the fingerprint: how a chunk's bytes are laid out
 
 
@@ -98,7 +97,7 @@ class KVBMDiskTier(SecondaryTierManager):
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, path: str,
                  bytes_to_use: int, eviction_policy: str = "lineage", threads: int = 2,
                  fsync: bool = False, enable_kv_events: bool = True, locality: str | None = None,
-                 load_wait_ms: float = LOAD_WAIT_MS, backpressure_detector=None):
+                 backpressure_detector=None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
         self.chunk_bytes = self.block_size_bytes
@@ -111,7 +110,6 @@ class KVBMDiskTier(SecondaryTierManager):
         file_bytes = diskfmt.HEADER_SIZE + self.chunk_bytes + 128  # + metadata (~100 bytes)
         self.index = TierIndex(max(0, int(bytes_to_use) // file_bytes), make_policy(eviction_policy))
         self.fsync = bool(fsync)
-        self.load_wait = max(0.0, float(load_wait_ms)) / 1e3
         events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
         self._events: list[OffloadingEvent] | None = [] if events_on else None
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, int(threads)), "kvbm-disk-tier")
@@ -171,13 +169,6 @@ class KVBMDiskTier(SecondaryTierManager):
         self._jobs[job.job_id] = (future, True, (list(job.keys), [k for k, _ in work]))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        """Also waits (at most `load_wait_ms`, GIL released) for in-flight loads. A load is on a
-        request's TTFT path, and meanwhile the engine steps in a busy loop that holds the GIL; each
-        GIL hand-back to an I/O thread after a syscall then costs a switch interval (5 ms), and a
-        chunk file takes about five syscalls: a 58-chunk promotion took ~400 ms instead of ~10."""
-        loading = [f for f, is_load, _ in self._jobs.values() if is_load and not f.done()]
-        if loading and self.load_wait:
-            concurrent.futures.wait(loading, timeout=self.load_wait)
         results = []
         for job_id in [j for j, (f, _, _) in self._jobs.items() if f.done()]:
             future, is_load, keys = self._jobs.pop(job_id)
