@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from timing import prompts
 import uuid
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -141,13 +143,6 @@ def ttft(llm, prompt, scheduled: list) -> tuple[float, float, int, list]:
                        use_tqdm=False)[0]
     t = time.perf_counter() - t0
     return t, (scheduled[0] - t0 if scheduled else t), out.num_cached_tokens, list(out.outputs[0].token_ids)
-
-
-def prompts(n: int, reps: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(7)
-    return [[rng.randrange(10, 2000) for _ in range(n)] for _ in range(reps + 1)]  # +1 warm-up
 
 
 def engine_phase(args) -> dict:

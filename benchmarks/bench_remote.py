@@ -59,7 +59,8 @@ def miss_phase(args) -> dict:
 
 
 def phase(args) -> dict:
-    from bench_ttft import prompts, ttft
+    from bench_ttft import ttft
+    from timing import prompts
 
     llm = engine(args.model, args.url)
     res = {"recompute": [], "cpu": [], "remote": [], "cached": 0, "tokens": []}

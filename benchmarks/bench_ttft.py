@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from timing import prompts
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
@@ -47,13 +49,6 @@ def ttft(llm, prompt) -> tuple[float, int, list]:
     out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=1, temperature=0),
                        use_tqdm=False)[0]
     return time.perf_counter() - t0, out.num_cached_tokens, list(out.outputs[0].token_ids)
-
-
-def prompts(n: int, reps: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(7)
-    return [[rng.randrange(10, 2000) for _ in range(n)] for _ in range(reps + 1)]  # +1 warm-up
 
 
 def phase_store(args) -> dict:
