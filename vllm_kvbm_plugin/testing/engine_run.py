@@ -51,11 +51,10 @@ def _worker_hash_block_size(worker) -> int | None:
     return worker.vllm_config.cache_config.hash_block_size
 
 
-def run(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def start_engine(spec: dict):
+    """(LLM, Subscriber of its KV events or None) for a scenario spec's "model", "llm" and "events"."""
+    from vllm import LLM
 
-    from vllm_kvbm_plugin.events import recording
     from vllm_kvbm_plugin.events.subscriber import Subscriber
 
     sock_dir = tempfile.mkdtemp(prefix="kvbm-events-")
@@ -69,6 +68,16 @@ def run(spec: dict) -> dict:
     llm = LLM(model=_model_dir(spec["model"]), **kwargs)
     sub = Subscriber(endpoint, replay, topic="kv", start_seq=0) if spec.get("events", True) else None
     time.sleep(0.3)  # let the SUB socket join before the first batch (replay covers the rest)
+    return llm, sub
+
+
+def run(spec: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_kvbm_plugin.events import recording
+
+    llm, sub = start_engine(spec)
     records, steps = [], []
 
     def drain(idle_ms: int) -> None:

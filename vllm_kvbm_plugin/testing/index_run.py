@@ -13,31 +13,19 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
-import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def run(spec: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_kvbm_plugin.events import recording
-    from vllm_kvbm_plugin.events.subscriber import Subscriber
-    from vllm_kvbm_plugin.testing.engine_run import _model_dir
+    from vllm_kvbm_plugin.testing.engine_run import start_engine
 
-    sock_dir = tempfile.mkdtemp(prefix="kvbm-index-")
-    endpoint, replay = f"ipc://{sock_dir}/pub", f"ipc://{sock_dir}/replay"
-    kwargs = dict(dtype="bfloat16", max_model_len=2048, enforce_eager=True, block_size=32,
-                  enable_prefix_caching=True, seed=0, max_num_seqs=8)
-    kwargs.update(spec.get("llm", {}))
-    kwargs["kv_events_config"] = dict(enable_kv_cache_events=True, publisher="zmq",
-                                      endpoint=endpoint, replay_endpoint=replay, topic="kv")
-    llm = LLM(model=_model_dir(spec["model"]), **kwargs)
-    sub = Subscriber(endpoint, replay, topic="kv", start_seq=0)
-    time.sleep(0.3)
+    llm, sub = start_engine({**spec, "events": True})
     records, steps = [], []
 
     def drain(idle_ms: int) -> None:
