@@ -353,30 +353,36 @@ def scan(base: str) -> list[tuple[tuple[int, int], int]]:
     names are skipped and left alone. Temporary files whose writer is gone are removed."""
     out = []
     try:
-        bfd = os.open(base, _DFLAGS)
-    except OSError:
-        return out
-    try:
-        with os.scandir(bfd) as it:
-            prefixes = [e.name for e in it if _PREFIX_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        for sub in prefixes:
-            try:
-                dfd = os.open(sub, _DFLAGS, dir_fd=bfd)
-            except OSError:
-                continue
+        for sub, dfd in _prefix_dirs(base):
             try:
                 with os.scandir(dfd) as it:
                     for e in it:
                         _scan_entry(e, sub, dfd, out)
             except OSError:
-                pass
-            finally:
-                os.close(dfd)
+                pass  # this prefix directory only
     except OSError:
         pass
+    return out
+
+
+def _prefix_dirs(base: str):
+    """(name, fd) of each key-prefix directory of `base`, found by lstat and opened without
+    following links; each fd is closed when the caller moves on. OSError if `base` cannot be opened."""
+    bfd = os.open(base, _DFLAGS)
+    try:
+        with os.scandir(bfd) as it:
+            names = [e.name for e in it if _PREFIX_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        for name in names:
+            try:
+                fd = os.open(name, _DFLAGS, dir_fd=bfd)
+            except OSError:
+                continue  # replaced meanwhile: not followed
+            try:
+                yield name, fd
+            finally:
+                os.close(fd)
     finally:
         os.close(bfd)
-    return out
 
 
 def _scan_entry(e: os.DirEntry, prefix: str, dfd: int, out: list) -> None:
@@ -450,21 +456,8 @@ def prepare_block_dir(root: str, base: str) -> None:
     and tighten base's existing key-prefix directories the same way (one log line)."""
     make_private_dir(root, base)
     tightened = 0
-    bfd = os.open(base, _DFLAGS)
-    try:
-        with os.scandir(bfd) as it:
-            names = [e.name for e in it if _PREFIX_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        for name in names:
-            try:
-                fd = os.open(name, _DFLAGS, dir_fd=bfd)
-            except OSError:
-                continue  # replaced meanwhile: not followed
-            try:
-                tightened += _tighten(fd, os.path.join(base, name), quiet=True)
-            finally:
-                os.close(fd)
-    finally:
-        os.close(bfd)
+    for name, fd in _prefix_dirs(base):
+        tightened += _tighten(fd, os.path.join(base, name), quiet=True)
     if tightened:
         logger.info("KVBM disk tier: %d key-prefix directories under %s were open to other users; "
                     "now 0700", tightened, base)
