@@ -96,20 +96,24 @@ def hot_prefix_then_scan(m, chunks: int) -> tuple[list, list]:
     """A 4-chunk prefix reused by 5 requests, then one scan of 3x the tier's size of cold chunks
     (stored 2 at a time by requests that are never seen again)."""
     hot = [chunk_key(f"hot{i}") for i in range(4)]
-    r = Request(m, hot)
-    r.store()
-    r.finish()
-    for _ in range(5):
-        r = Request(m, hot)
-        r.load(hot)
-        r.finish()
+    store_and_reuse(m, hot, 5)
     cold = [chunk_key(f"cold{i}") for i in range(3 * chunks)]
-    refused = 0
     for i in range(0, len(cold), 2):
         s = Request(m, cold[i: i + 2])
-        refused += s.store() is None
+        s.store()
         s.finish()
     return hot, cold
+
+
+def store_and_reuse(m, keys: list, uses: int) -> None:
+    """One request stores `keys`, then `uses` requests load them."""
+    r = Request(m, keys)
+    r.store()
+    r.finish()
+    for _ in range(uses):
+        r = Request(m, keys)
+        r.load(keys)
+        r.finish()
 
 
 @pytest.mark.parametrize("policy", ["MultiLRUCachePolicy", "lru"])
@@ -128,13 +132,7 @@ def test_multi_lru_admits_a_newcomer_asked_for_often_enough():
     """A tier full of hot chunks refuses one-off newcomers, but admits one requested repeatedly."""
     m = manager("MultiLRUCachePolicy", 2)
     hot = [chunk_key("h0"), chunk_key("h1")]
-    r = Request(m, hot)
-    r.store()
-    r.finish()
-    for _ in range(2):
-        r = Request(m, hot)
-        r.load(hot)
-        r.finish()
+    store_and_reuse(m, hot, 2)
     once = Request(m, [chunk_key("once")])
     assert once.store() is None and held(m) == set(hot)
     once.finish()
