@@ -6,12 +6,11 @@ import os
 import random
 import socket
 import stat
-import subprocess
-import sys
 import time
 
 import pytest
 
+from vllm_kvbm_plugin.testing.files import locked_writer
 from vllm_kvbm_plugin.tiers import disk
 
 from .helpers import outputs
@@ -121,13 +120,7 @@ def foreign_run(run_engine, tmp_path_factory):
     abandoned = str(files[2]) + ".tmp4242"
     with open(abandoned, "wb") as f:
         f.write(b"partial")
-    writer = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, time\n"
-        f"fd = os.open({live!r}, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(900)\n")], stdout=subprocess.PIPE, text=True)
-    assert writer.stdout.readline().strip() == "locked"
+    writer = locked_writer(live, 900)
     # directories an older version left open to other users
     for p in (layout, rank, str(files[0].parent)):
         os.chmod(p, 0o755)

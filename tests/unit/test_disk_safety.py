@@ -6,14 +6,13 @@ import logging
 import os
 import socket
 import stat
-import subprocess
-import sys
 import threading
 import tracemalloc
 
 import numpy as np
 import pytest
 
+from vllm_kvbm_plugin.testing.files import locked_writer
 from vllm_kvbm_plugin.tiers import disk
 
 FP = bytes(range(16))
@@ -221,14 +220,8 @@ def test_temporary_files_of_live_writers_stay_and_abandoned_ones_go(tmp_path):
     # a writer in another process holds its temporary file
     live = disk.block_path(str(base), OTHER) + ".tmp999999.cafe"
     os.mkdir(os.path.dirname(live))
-    writer = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({live!r}, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('locked', flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    writer = locked_writer(live, 60)
     try:
-        assert writer.stdout.readline().strip() == "locked"
         assert finishes(disk.scan, str(base)) == [(GOOD, os.path.getsize(path))]
         assert os.path.exists(live), "a live writer's temporary file stays"
         assert not os.path.exists(crashed) and not os.path.exists(abandoned)
