@@ -439,6 +439,7 @@ class RemoteTier:
                     lk.found = self._exists(keys)
                     self.breaker.success()
                     self.counters["lookups"] += 1
+                    self.counters["lookup_keys"] += len(keys)
                     self.counters["lookup_keys_found"] += len(lk.found)
             except Exception as e:  # anything the client raises is a miss
                 self.breaker.failure(e)

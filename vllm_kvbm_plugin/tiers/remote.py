@@ -76,6 +76,7 @@ class Breaker:
         self.probing = False
         self.failures = 0
         self.opened = 0
+        self.closed = 0
 
     def allow(self) -> bool:
         """Whether to call the server now (closed, or the one probe after the backoff)."""
@@ -97,6 +98,7 @@ class Breaker:
     def success(self) -> None:
         with self.lock:
             if self.open_until:
+                self.closed += 1
                 logger.info("KVBMConnector remote tier (%s, %s): server back, using it again", self.name, self.url)
             self.open_until, self.backoff, self.probing = 0.0, self.MIN_BACKOFF, False
 
