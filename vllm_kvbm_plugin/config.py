@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 CONNECTOR_NAME = "KVBMConnector"
+DERIVED = ("pic_model",)  # KVBMConfig fields filled from the model, never from the user
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,13 +28,16 @@ class KVBMConfig:
     disk_fsync: bool = False  # fsync each block file before it counts as stored
     remote_url: str | None = None  # shared remote tier: redis://, rediss:// or unix:// (off when unset)
     remote_lookup_budget_ms: float = 5.0  # per scheduler step, waiting for remote lookups
+    # derived from the model by connector_config, not a setting: connector.pic.PicModel when
+    # position-independent loads can re-rotate its K, else why not (a string)
+    pic_model: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "KVBMConfig":
         from vllm_kvbm_plugin.tiers.policies import POLICIES
 
         extra = dict(extra or {})
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in DERIVED}
         unknown = sorted(set(extra) - set(fields))
         if unknown:
             raise ValueError(
@@ -91,4 +95,7 @@ def connector_config(vllm_config) -> KVBMConfig | None:
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None or ktc.kv_connector != CONNECTOR_NAME:
         return None
-    return KVBMConfig.from_extra(ktc.kv_connector_extra_config)
+    from vllm_kvbm_plugin.connector.pic import model_support
+
+    cfg = KVBMConfig.from_extra(ktc.kv_connector_extra_config)
+    return dataclasses.replace(cfg, pic_model=model_support(vllm_config))

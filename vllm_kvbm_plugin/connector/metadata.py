@@ -69,14 +69,27 @@ class DirectLoad(NamedTuple):
     key: Key
 
 
+class PicLoad(NamedTuple):
+    """Tokens [src_offset, +count) of a CPU slot -> tokens [dst_offset, +count) of KV blocks, K
+    re-rotated from positions old_position.. to new_position.. (connector/pic.py)."""
+    block_ids: tuple[int, ...]
+    dst_offset: int
+    slot: int
+    src_offset: int
+    count: int
+    old_position: int
+    new_position: int
+
+
 @dataclasses.dataclass
 class KVBMMetadata(KVConnectorMetadata):
     # start_load_kv runs, in order: opens (verify a block file, keep it open), prefetches, loads,
-    # direct loads, closes; wait_for_save runs stores, then queues the disk writes.
+    # direct loads, position-independent loads, closes; wait_for_save runs stores, then queues the disk writes.
     opens: list[Key] = dataclasses.field(default_factory=list)
     prefetches: list[Prefetch] = dataclasses.field(default_factory=list)
     loads: list[Load] = dataclasses.field(default_factory=list)
     direct_loads: list[DirectLoad] = dataclasses.field(default_factory=list)
+    pic_loads: list[PicLoad] = dataclasses.field(default_factory=list)
     closes: list[Key] = dataclasses.field(default_factory=list)
     stores: list[Store] = dataclasses.field(default_factory=list)
     disk_writes: list[DiskWrite] = dataclasses.field(default_factory=list)

@@ -43,6 +43,7 @@ from vllm_kvbm_plugin.connector.metadata import (
     RemoteWrite,
     Store,
 )
+from vllm_kvbm_plugin.connector.pic import PicPlanner
 from vllm_kvbm_plugin.connector.tiers import DiskTier, RemoteTier, cpu_tier
 from vllm_kvbm_plugin.hashing import extra_hash, request_keys
 from vllm_kvbm_plugin.log import get_logger
@@ -98,7 +99,8 @@ class SchedulerSide:
         self.layout = layout
         self.cfg = cfg
         self.block_size, self.hash_unit = layout.block_size, layout.hash_unit
-        self.cpu = cpu_tier(layout, cfg.eviction_policy)
+        self.pic = PicPlanner.create(layout, cfg)  # position-independent loads (pic.py), or None
+        self.cpu = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
         self.disk = DiskTier(layout, cfg.eviction_policy) if layout.disk_path else None
         self.remote = RemoteTier(layout, cfg.remote_url, cfg.remote_lookup_budget_ms) if cfg.remote_url else None
         self.quorum = Quorum(layout.world)
@@ -155,6 +157,12 @@ class SchedulerSide:
 
     # ---- hits --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        hit, is_async = self._exact_hit(request, num_computed_tokens)
+        if self.pic is not None and hit is not None:  # opted-in requests: runs that continue the hit
+            hit += self.pic.extend(request, num_computed_tokens, hit, request.num_tokens - 1)
+        return hit, is_async
+
+    def _exact_hit(self, request, num_computed_tokens: int):
         start = num_computed_tokens // self.block_size
         limit = request.num_tokens - 1  # vLLM must compute at least one token
         st = self._keys(request)
@@ -285,6 +293,8 @@ class SchedulerSide:
         return self.events.announcer(req, n.index * B, (n.index + 1) * B, KV)
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if self.pic is not None:
+            self.pic.after_alloc(request, blocks, num_external_tokens, self.meta, self.loads_pinned)
         claim = self.claims.pop(request.request_id, None)
         if claim is None:
             return
@@ -356,6 +366,8 @@ class SchedulerSide:
         self.loads_pinned = []
         for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
             self._release_claim(req_id)
+        if self.pic is not None:
+            self.pic.release_all()
         self.state_loads.clear()
         if self.remote is not None:
             self.remote.new_step()
@@ -390,6 +402,8 @@ class SchedulerSide:
                     block_ids = self.kv_cache_manager.get_block_ids(req_id)
                 self.meta.stores.append(Store(k, KV, tuple(block_ids[g][i] for g in self.layout.groups[KV]),
                                               entry.slot))
+                if self.pic is not None:
+                    self.pic.stored(req, i, k, parent)
             else:
                 self.cpu.touch(k)
             self._write_through(k, parent, (i + 1) * B, announce)
@@ -475,6 +489,8 @@ class SchedulerSide:
     def request_finished(self, request) -> None:
         self.requests.pop(request.request_id, None)
         self._release_claim(request.request_id)
+        if self.pic is not None:
+            self.pic.release(request.request_id)
         if self.remote is not None:
             self.remote.forget(request.request_id)
         if self.disk is not None:

@@ -228,6 +228,10 @@ class WorkerSide:
                 if fd is None or not self._load_direct(d.kind, d.block_ids, fd):
                     self._direct_load_failed(d.key, d.block_ids)
             self._record("disk", "load", len(meta.direct_loads), t0)
+        if meta.pic_loads:
+            from vllm_kvbm_plugin.connector import pic
+
+            pic.load(self, meta.pic_loads)
         for key in meta.closes:
             fd = self.held.pop(key, None)
             if fd is not None:

@@ -1,0 +1,202 @@
+"""Position-independent loads (connector/pic.py) inside vLLM's real Scheduler with real WorkerSides.
+
+The stand-in forward here writes what a RoPE model's layer 0 would: K = vLLM's own rotary
+embedding (get_rope, llama3 scaling) of a vector that depends only on the token, applied at the
+token's position, and V = another vector of the token. Every step checks, before the forward,
+that every token a request already has holds exactly that K (to 1e-5) and V (bit-identical): a
+load from another position without the re-rotation, or into the wrong block or offset, fails it.
+Runs on vLLM 0.32 and 0.33."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from vllm_kvbm_plugin.connector import pic
+from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness, SimulatedWorker
+
+B, HEAD = 16, 64
+ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256, "rope_theta": 500000.0}
+SALT = "kvbm-pic:tenant-a"
+rng = random.Random(5)
+PRE = [rng.randrange(10, 2000) for _ in range(2 * B)]
+DOCS = [[rng.randrange(10, 2000) for _ in range(4 * B)] for _ in range(4)]
+
+
+def prompt(order, question=(5, 6, 7, 8, 9)):
+    return PRE + [t for d in order for t in DOCS[d]] + list(question)
+
+
+class RotaryWorker(SimulatedWorker):
+    """SimulatedWorker whose forward writes rotary K and plain V (module docstring)."""
+
+    def setup(self, vllm_config):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        with set_current_vllm_config(vllm_config):
+            self.rope = get_rope(HEAD, 1024, is_neox_style=True, rope_parameters=dict(ROPE), dtype=torch.float32)
+
+    @staticmethod
+    def _raw(tokens, salt: float):
+        t = torch.tensor(tokens, dtype=torch.float32)[:, None]
+        return torch.sin(t * 0.37 + torch.arange(HEAD) * (0.11 + salt))
+
+    def _kv(self, tokens, positions):
+        raw = self._raw(tokens, 0.0)
+        _, k = self.rope.forward_native(positions, torch.zeros_like(raw), raw.clone())
+        return k, self._raw(tokens, 0.5)
+
+    def _forward(self, tokens, start, end, block_ids):
+        ids = block_ids[self._kv_group()]
+        pos = torch.arange(start, end)
+        k, v = self._kv(tokens[start:end], pos)
+        blocks = torch.tensor([ids[p // B] for p in range(start, end)])
+        for t in self.attention:
+            t[blocks, 0, pos % B, :HEAD] = k
+            t[blocks, 0, pos % B, HEAD:] = v
+
+    def check(self, spans):
+        for rid, (tokens, start, _end, block_ids, _new) in spans.items():
+            if start == 0:
+                continue
+            ids = block_ids[self._kv_group()]
+            pos = torch.arange(start)
+            k, v = self._kv(tokens[:start], pos)
+            blocks = torch.tensor([ids[p // B] for p in range(start)])
+            for t in self.attention:
+                got = t[blocks, 0, pos % B]
+                bad_k = ((got[:, :HEAD] - k).abs().amax(dim=1) > 1e-5).nonzero()
+                bad_v = (got[:, HEAD:] != v).any(dim=1).nonzero()
+                for what, bad in (("K", bad_k), ("V", bad_v)):
+                    if len(bad):
+                        raise AssertionError(f"{rid}: {what} of token {int(bad[0])} is not what the forward writes")
+
+
+def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96) -> SchedulerHarness:
+    model = tmp_path / "llama"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": HEAD, "vocab_size": 2048, "max_position_embeddings": 1024,
+        "rope_scaling": ROPE, "rope_theta": ROPE["rope_theta"], "torch_dtype": "float32"}))
+    h = SchedulerHarness(HarnessConfig(model_dir=str(model), hybrid=False, block_size=B, hash_block_size=None,
+                                       num_blocks=num_blocks, max_model_len=1024,
+                                       connector={"cpu_bytes_to_use": cpu_bytes}))
+    for w in h.workers:
+        w.__class__ = RotaryWorker
+        w.setup(h.vllm_config)
+    return h
+
+
+def serve(h, tokens, **kwargs) -> int:
+    rid = h.add(tokens, max_tokens=2, **kwargs)
+    h.run()
+    h.settle()
+    return h.cached_tokens[rid]
+
+
+def pinned(h) -> int:
+    return h.connector.cpu.busy()
+
+
+def test_reordered_documents_load_with_k_rerotated(tmp_path):
+    h = harness(tmp_path)
+    planner = h.connector.pic
+    assert planner is not None and h.connector.cpu is planner.cpu
+    assert serve(h, prompt([0, 1, 2, 3])) == 0
+    h.reset_prefix_cache()
+    # the same documents reordered, salted: no exact hit (the salt is in its keys), so the
+    # preamble comes position-independently too (at its own positions), then each document
+    # continues it without a gap, from where it was stored (other positions)
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 2 * B + 16 * B
+    assert planner.stats["tokens"] == 18 * B and planner.stats["served"] == 1
+    assert pinned(h) == 0 and not planner.claims
+
+
+def test_unsalted_and_other_salts_are_served_as_today(tmp_path):
+    h = harness(tmp_path)
+    serve(h, prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    # the salted request stores its blocks (PIC-loaded ones included) under its salted keys only
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
+    tokens = h.connector.pic.stats["tokens"]
+    h.reset_prefix_cache()
+    # so the same prompt without the salt finds just the public preamble, as without the salted one
+    assert serve(h, prompt([2, 0, 3, 1])) == 2 * B
+    h.reset_prefix_cache()
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt="tenant-b") == 0  # another salt: its own keys
+    assert h.connector.pic.stats["tokens"] == tokens  # neither was served position-independently
+    h.reset_prefix_cache()
+    # the same salt hits its own stored blocks exactly (a prefix hit, nothing re-rotated)
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
+    assert h.connector.pic.stats["tokens"] == tokens
+    assert pinned(h) == 0
+
+
+def test_a_salt_reuses_its_own_blocks_at_other_positions_and_no_other_salt_does(tmp_path):
+    h = harness(tmp_path)
+    own = PRE + DOCS[1] + DOCS[3] + [4]
+    assert serve(h, own, cache_salt=SALT) == 0
+    h.reset_prefix_cache()
+    # the salted blocks sit in the salt's own index: another salt never finds them
+    assert serve(h, PRE + DOCS[3] + [4, 4], cache_salt="kvbm-pic:tenant-b") == 0
+    h.reset_prefix_cache()
+    # the same salt: the preamble is an exact hit (its salted keys), then document 3 from position 96
+    assert serve(h, PRE + DOCS[3] + [4, 4], cache_salt=SALT) == 2 * B + 4 * B
+
+
+def test_unaligned_runs_load_up_to_the_first_gap(tmp_path):
+    h = harness(tmp_path)
+    serve(h, prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    # 5 tokens of its own after the preamble: nothing stored holds tokens 32-36, so only the
+    # preamble is served (position-independently, at its own positions)
+    assert serve(h, PRE + [1, 2, 3, 4, 5] + DOCS[2] + [9], cache_salt=SALT) == 2 * B
+
+
+def test_a_run_continues_mid_block_from_inside(tmp_path):
+    h = harness(tmp_path)
+    assert serve(h, PRE + [4], cache_salt=SALT) == 0  # the salt's own preamble blocks
+    # a public sequence holding the preamble from token 8 on, then document 3: its blocks are
+    # offset by 8 tokens against the request below, and hold document 3 up to its token 56
+    assert serve(h, PRE[8:] + DOCS[3] + [9]) == 0
+    h.reset_prefix_cache()
+    # exact hit: the salted preamble (32); the public run starts at 8 and holds the hit's end, so
+    # the load starts 8 tokens into a stored block and ends at 88 (two destination blocks per
+    # stored one, K re-rotated by +8)
+    assert serve(h, PRE + DOCS[3] + [9, 9], cache_salt=SALT) == 88
+    assert h.connector.pic.stats["tokens"] == 56
+    assert pinned(h) == 0
+
+
+def test_without_rerotation_the_check_fails(tmp_path, monkeypatch):
+    h = harness(tmp_path)
+    serve(h, prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    monkeypatch.setattr(pic, "rerotate", lambda k, old, new, *a, **kw: k)
+    with pytest.raises(AssertionError, match="K of token 32 "):
+        serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT)
+
+
+def test_evicted_blocks_leave_the_index(tmp_path):
+    slot = B * 2 * HEAD * 4  # one block of the one attention layer, float32
+    h = harness(tmp_path, cpu_bytes=12 * slot)
+    serve(h, prompt([0, 1, 2, 3]))  # 18 full blocks into a 12-slot tier: the LRU ones go
+    planner = h.connector.pic
+    index = planner.indexes[None]
+    assert len(index) == len(h.connector.cpu) == 12
+    assert set(planner.namespace_of) == set(h.connector.cpu.index.entries)
+    h.reset_prefix_cache()
+    # the evicted blocks (the preamble and documents 0-1) are gone: no exact hit, no run to continue
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
+
+
+def test_hybrid_models_have_no_planner():
+    from vllm_kvbm_plugin.testing.scheduler import HarnessConfig as HC
+
+    h = SchedulerHarness(HC(hybrid=True, connector={"cpu_bytes_to_use": 1 << 22}))
+    assert h.connector.pic is None

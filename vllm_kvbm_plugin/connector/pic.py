@@ -1,0 +1,295 @@
+"""Position-independent loads (issue 12, layer 2): KV the CPU tier holds for tokens that a request
+has at another position, loaded token by token with K re-rotated to the new positions.
+
+Opt-in per request: only a request whose `cache_salt` starts with `kvbm-pic:` is served. vLLM
+folds the salt into the first block's hash and our keys fold it in the same way, so everything
+such a request leaves behind (vLLM's prefix cache, our tier entries) lies under keys that no
+request without that salt computes: approximate KV never reaches anybody who did not ask for it.
+
+- Scheduler side (`PicPlanner`): a sub-sequence index per namespace (requests without extra keys:
+  the public one; each `kvbm-pic:` salt: its own) fed with every KV block the CPU tier stores
+  (its tokens, tier key, parent and position) and told when the tier drops it (`PicCpuTier`).
+  After the exact prefix hit, the runs the index finds that continue it without a gap (a run
+  holding the next token) are claimed as token ranges of tier entries, pinned like any load.
+- Worker side (`load`): per attention layer, K of those tokens re-rotated from the old to the new
+  positions in float32 (`reuse.rope`, with the model's own RoPE parameters), V copied.
+
+Only models whose K we can re-rotate exactly take part (`model_support`): dense Llama / Mistral /
+Qwen2 / Qwen3 with `default`, `linear` or `llama3` RoPE, vLLM's CPU KV layout, no hybrid or MLA
+caches. For every other model the planner is off: a plain miss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import torch
+
+from vllm_kvbm_plugin import compat
+from vllm_kvbm_plugin.connector.layout import KV
+from vllm_kvbm_plugin.connector.metadata import PicLoad
+from vllm_kvbm_plugin.connector.tiers import TierManager
+from vllm_kvbm_plugin.events.types import TIER_CPU
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.reuse.rope import RopeSpec, UnsupportedRope, rerotate
+from vllm_kvbm_plugin.reuse.subseq import SubseqIndex
+
+logger = get_logger("connector.pic")
+
+SALT_PREFIX = "kvbm-pic:"
+# dense decoders whose attention applies get_rope(head_dim, rope_parameters, neox) to K as is
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
+@dataclasses.dataclass(frozen=True)
+class PicModel:
+    """What the workers need to re-rotate the model's K: its RoPE and the largest position."""
+    rope: RopeSpec
+    max_positions: int
+
+
+def model_support(vllm_config) -> PicModel | str:
+    """The model's RoPE if its stored K can be re-rotated exactly, else the reason it cannot."""
+    from vllm.platforms import current_platform
+
+    mc = getattr(vllm_config, "model_config", None)
+    if getattr(mc, "hf_config", None) is None:
+        return "no model config"
+    if not current_platform.is_cpu():
+        return "KV layouts other than vLLM's CPU layout are not supported yet"
+    archs = set(getattr(mc.hf_config, "architectures", None) or ())
+    if not archs & ARCHITECTURES:
+        return f"architecture {sorted(archs)} is not one of {sorted(ARCHITECTURES)}"
+    if mc.use_mla:
+        return "MLA caches a latent, not K"
+    hf = mc.hf_text_config
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    params = dict(params)
+    if "rope_theta" not in params and getattr(hf, "rope_theta", None) is not None:
+        params["rope_theta"] = hf.rope_theta
+    try:
+        return PicModel(RopeSpec.from_parameters(mc.get_head_size(), params, is_neox_style=True),
+                        int(mc.max_model_len))
+    except (UnsupportedRope, ValueError, KeyError) as e:
+        return f"RoPE cannot be re-rotated exactly: {e}"
+
+
+def wants(request) -> bool:
+    """Opted in: a `kvbm-pic:` salt and nothing else that changes KV (LoRA, images, embeddings)."""
+    salt = request.cache_salt
+    return bool(salt) and salt.startswith(SALT_PREFIX) and _namespace(request) == salt
+
+
+def _namespace(request):
+    """Which index a request's blocks go to: None (public: no extra keys), its `kvbm-pic:` salt,
+    or False (never indexed: LoRA, images, prompt embeddings, another salt)."""
+    if not compat.has_extra_keys(request):
+        return None
+    salt = request.cache_salt
+    if (salt and salt.startswith(SALT_PREFIX) and request.lora_request is None and not request.mm_features
+            and getattr(request, "prompt_embeds", None) is None):
+        return salt
+    return False
+
+
+class PicCpuTier(TierManager):
+    """The CPU tier, telling the planner about every entry that leaves it."""
+
+    def __init__(self, capacity: int, policy: str, on_removed):
+        super().__init__(TIER_CPU, capacity, policy)
+        self.on_removed = on_removed
+
+    def _evicted(self, evicted: list) -> None:
+        for key, _ in evicted:
+            self.on_removed(key)
+        super()._evicted(evicted)
+
+    def complete_store(self, key, ok: bool) -> None:
+        super().complete_store(key, ok)
+        if not ok:
+            self.on_removed(key)
+
+
+@dataclasses.dataclass
+class _Segment:
+    """Tokens [new_position, new_position + count) of a request from a tier entry's tokens
+    [src_offset, src_offset + count), computed at old_position onwards."""
+    key: tuple
+    src_offset: int
+    count: int
+    old_position: int
+    new_position: int
+
+
+@dataclasses.dataclass
+class _PicClaim:
+    computed: int  # the request's tokens before any hit (vLLM's num_computed_tokens)
+    segments: list
+
+
+class PicPlanner:
+    """Scheduler side: the sub-sequence indexes of the CPU tier and the claims of opted-in requests."""
+
+    def __init__(self, layout, cfg):
+        self.block_size = layout.block_size
+        self.kv_groups = layout.groups[KV]
+        self.cpu = PicCpuTier(layout.cpu_slots, cfg.eviction_policy, self.removed)
+        self.indexes: dict = {}  # namespace -> SubseqIndex over whole blocks
+        self.namespace_of: dict = {}  # tier key -> namespace
+        self.claims: dict[str, _PicClaim] = {}
+        self.stats = {"requests": 0, "served": 0, "tokens": 0, "segments": 0}
+
+    @classmethod
+    def create(cls, layout, cfg) -> "PicPlanner | None":
+        """A planner when the model's KV can be loaded position-independently, else None."""
+        model = cfg.pic_model
+        if not isinstance(model, PicModel):
+            why = model or "no model information"
+        elif layout.hybrid or any(k != "full_attention" for k in layout.spec_kinds):
+            why = "hybrid, MLA or windowed KV cache groups"
+        else:
+            logger.info("KVBMConnector: position-independent loads for requests salted %r (RoPE %s)",
+                        SALT_PREFIX, model.rope.rope_type)
+            return cls(layout, cfg)
+        logger.info("KVBMConnector: no position-independent loads (%s)", why)
+        return None
+
+    # ---- the index, fed from the CPU tier ----
+    def stored(self, request, block: int, key, parent) -> None:
+        """The CPU tier took block `block` of `request` under `key`."""
+        ns = _namespace(request)
+        if ns is False or key in self.namespace_of:
+            return
+        B = self.block_size
+        index = self.indexes.get(ns)
+        if index is None:
+            index = self.indexes[ns] = SubseqIndex(B)
+        index.add(key, request.all_token_ids[block * B:(block + 1) * B], parent, position=block * B)
+        self.namespace_of[key] = ns
+
+    def removed(self, key) -> None:
+        ns = self.namespace_of.pop(key, False)
+        if ns is False:
+            return
+        index = self.indexes[ns]
+        index.remove(key)
+        if ns is not None and not len(index) and not index.pending:
+            del self.indexes[ns]  # a salt's index lives while the tier holds its blocks
+
+    # ---- claims ----
+    def extend(self, request, computed: int, hit: int, limit: int) -> int:
+        """Tokens past the exact hit [computed, computed + hit) that runs of stored blocks hold
+        without a gap (never token `limit`), claimed and pinned for this request."""
+        self.release(request.request_id)
+        if not wants(request):
+            return 0
+        self.stats["requests"] += 1
+        end = start = computed + hit
+        if end >= limit:
+            return 0
+        tokens = request.all_token_ids[:limit]
+        runs = [r for ns in (None, request.cache_salt) if (ix := self.indexes.get(ns)) is not None
+                for r in ix.find(tokens).runs if r.old_start >= 0]
+        B = self.block_size
+        segments = []
+        while end < limit:
+            best = max((r for r in runs if r.new_start <= end < r.new_start + r.length),
+                       key=lambda r: r.new_start + r.length, default=None)
+            if best is None:
+                break
+            before = end
+            for j in range((end - best.new_start) // B, len(best.keys)):
+                key = best.keys[j]
+                if not self.cpu.lookup(key):
+                    break
+                first = best.new_start + j * B  # the request's token that the entry's token 0 is
+                stop = min(first + B, limit)
+                while end < stop:  # one segment per destination block
+                    n = min(stop, (end // B + 1) * B) - end
+                    segments.append(_Segment(key, end - first, n, best.old_start + j * B + end - first, end))
+                    self.cpu.prepare_load(key)
+                    end += n
+            if end == before:
+                break
+        if segments:
+            self.claims[request.request_id] = _PicClaim(computed, segments)
+        return end - start
+
+    def after_alloc(self, request, blocks, num_external_tokens: int, meta, loads_pinned: list) -> None:
+        """Turn the claimed segments vLLM took into loads (the rest is unpinned)."""
+        claim = self.claims.pop(request.request_id, None)
+        if claim is None:
+            return
+        end = claim.computed + max(num_external_tokens, 0)
+        block_ids = blocks.get_block_ids()
+        B, served = self.block_size, 0
+        for s in claim.segments:
+            n = min(s.count, end - s.new_position)
+            if n <= 0:
+                self.cpu.complete_load(s.key)
+                continue
+            self.cpu.touch(s.key)
+            loads_pinned.append(s.key)  # unpinned once the metadata is built
+            ids = tuple(block_ids[g][s.new_position // B] for g in self.kv_groups)
+            meta.pic_loads.append(PicLoad(ids, s.new_position % B, self.cpu.slot(s.key), s.src_offset, n,
+                                          s.old_position, s.new_position))
+            served += n
+        if served:
+            self.stats["served"] += 1
+            self.stats["tokens"] += served
+            self.stats["segments"] += sum(1 for s in claim.segments if s.new_position < end)
+
+    def release(self, req_id: str) -> None:
+        claim = self.claims.pop(req_id, None)
+        for s in claim.segments if claim else ():
+            self.cpu.complete_load(s.key)
+
+    def release_all(self) -> None:
+        for req_id in list(self.claims):
+            self.release(req_id)
+
+
+# ---- worker side -------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=4)
+def _cos_sin(rope: RopeSpec, max_positions: int) -> torch.Tensor:
+    return rope.cos_sin_cache(max_positions)
+
+
+def load(side, ops: list[PicLoad]) -> None:
+    """Run position-independent loads on a WorkerSide: per attention layer, K of the slot tokens
+    re-rotated from their old to their new positions in float32, V copied. vLLM's CPU layout
+    only ([blocks, kv heads, block size, 2 * head size], K first); a layer in any other layout
+    fails the loads (reported as load errors, so vLLM recomputes those blocks)."""
+    t0 = time.perf_counter()
+    model: PicModel = side.cfg.pic_model
+    rope = model.rope
+    D, B = rope.head_size, side.layout.block_size
+    cache = _cos_sin(rope, model.max_positions)
+    old = torch.cat([torch.arange(o.old_position, o.old_position + o.count) for o in ops])
+    new = torch.cat([torch.arange(o.new_position, o.new_position + o.count) for o in ops])
+    slots = torch.tensor([o.slot for o in ops])
+    for gi, layers in enumerate(side.layers[KV]):
+        for layer in layers:
+            t = layer.tensor
+            if t.dim() != 4 or layer.dim != 0 or t.shape[2] != B or t.shape[3] != 2 * D:
+                logger.error("KVBMConnector: position-independent loads need vLLM's CPU KV layout "
+                             "[blocks, heads, %d, %d]; got %s: those blocks are recomputed", B, 2 * D, tuple(t.shape))
+                side.load_errors.update(o.block_ids[gi] for o in ops)
+                return
+            nbytes = t[0].numel() * t.element_size()
+            src = side.pool[slots, layer.offset:layer.offset + nbytes].view(t.dtype).view(len(ops), *t.shape[1:])
+            k = torch.cat([src[i, :, o.src_offset:o.src_offset + o.count, :D] for i, o in enumerate(ops)], dim=1)
+            k = rerotate(k.transpose(0, 1), old, new, cache, rope.rotary_dim, rope.is_neox_style).transpose(0, 1)
+            at = 0
+            for i, o in enumerate(ops):
+                dst = t[o.block_ids[gi], :, o.dst_offset:o.dst_offset + o.count]
+                dst[..., :D] = k[:, at:at + o.count]
+                dst[..., D:] = src[i, :, o.src_offset:o.src_offset + o.count, D:]
+                at += o.count
+    with side._stats_lock:
+        data = side.stats.data
+        for name, v in (("pic_loads", len(ops)), ("pic_tokens", len(new)), ("pic_seconds", time.perf_counter() - t0)):
+            data[name] = data.get(name, 0) + v
