@@ -19,7 +19,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = config.connector_config(vllm_config)
-        self._sched = self._worker = None
+        self._sched = self._worker = self._remote_counters = None
         from vllm_kvbm_plugin.connector.layout import Layout
 
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg)  # raises for groups we cannot hold
@@ -63,7 +63,25 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self):
-        return self._worker.get_stats() if self._worker is not None else None
+        """Worker side: transfers and the remote breaker's changes; scheduler side (vLLM adds it
+        to the workers'): the remote tier's hits, misses, errors and breaker changes."""
+        from vllm_kvbm_plugin.connector.stats import KVBMStats, RemoteCounters
+
+        if self._worker is not None:
+            stats, remote = self._worker.get_stats(), self._worker.remote
+        else:
+            stats, remote = None, self._sched.remote
+        if remote is None:
+            return stats
+        if self._remote_counters is None:
+            self._remote_counters = RemoteCounters()
+        if self._worker is not None:
+            changes = self._remote_counters.take(breaker=remote.breaker, side="worker")
+        else:
+            changes = self._remote_counters.take(remote, remote.breaker, "scheduler")
+        if not changes:
+            return stats
+        return (stats or KVBMStats()).aggregate(KVBMStats(data=changes))
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

@@ -2,11 +2,19 @@
 
 Workers count blocks, bytes and seconds per (tier, direction): cpu/store (KV -> CPU slots),
 cpu/load (CPU slots -> KV), disk/write, disk/read (verified reads: prefetches into CPU slots and
-checks before a direct load), disk/load (disk -> KV directly), plus failed disk reads and writes. vLLM aggregates them across workers and steps (`aggregate`), logs `reduce()` with its
-"KV Transfer metrics" line, and feeds Prometheus through `KVBMPromMetrics`:
+checks before a direct load), disk/load (disk -> KV directly), remote/write, remote/read (verified
+GETs into CPU slots), plus failed disk reads and writes. The remote tier's lookups, errors and
+circuit-breaker changes are counted where they happen (scheduler side, worker breakers) and turned
+into per-interval stats by `RemoteCounters`. vLLM aggregates stats across workers, the scheduler
+and steps (`aggregate`), logs `reduce()` with its "KV Transfer metrics" line, and feeds Prometheus
+through `KVBMPromMetrics`:
     vllm:kvbm_blocks_total, vllm:kvbm_bytes_total, vllm:kvbm_transfer_seconds_total
         {tier, direction}
     vllm:kvbm_disk_failures_total{operation}
+    vllm:kvbm_remote_hits_total     (blocks read from the server and verified)
+    vllm:kvbm_remote_misses_total   (blocks looked up and not on the server)
+    vllm:kvbm_remote_errors_total{operation}   (lookup, lookup_timeout, fetch, write)
+    vllm:kvbm_remote_breaker_changes_total{side, state}   (scheduler / worker; open / closed)
 """
 
 from __future__ import annotations
@@ -18,8 +26,37 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-DIRECTIONS = (("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"), ("disk", "load"))
+DIRECTIONS = (("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"), ("disk", "load"),
+              ("remote", "write"), ("remote", "read"))
 FIELDS = ("blocks", "bytes", "seconds")
+# stats key -> its running total in the scheduler-side RemoteTier's counters
+REMOTE_TIER = {"remote_hits": lambda c: c["fetched"],
+               "remote_misses": lambda c: c["lookup_keys"] - c["lookup_keys_found"],
+               "remote_lookup_errors": lambda c: c["lookup_failures"],
+               "remote_lookup_timeout_errors": lambda c: c["lookup_timeouts"],
+               "remote_fetch_errors": lambda c: c["fetch_misses"],
+               "remote_write_errors": lambda c: c["write_failures"]}
+ERRORS = ("lookup", "lookup_timeout", "fetch", "write")
+BREAKER = tuple(f"remote_{side}_breaker_{state}" for side in ("scheduler", "worker") for state in ("open", "closed"))
+
+
+class RemoteCounters:
+    """The remote tier's running totals (RemoteTier.counters, Breaker.opened / closed) as the
+    change since the last call: what one stats interval adds."""
+
+    def __init__(self):
+        self.last: dict[str, int] = {}
+
+    def take(self, remote=None, breaker=None, side: str = "scheduler") -> dict[str, int]:
+        totals = {}
+        if remote is not None:
+            totals = {name: total(remote.counters) for name, total in REMOTE_TIER.items()}
+        if breaker is not None:
+            totals[f"remote_{side}_breaker_open"] = breaker.opened
+            totals[f"remote_{side}_breaker_closed"] = breaker.closed
+        out = {k: v - self.last.get(k, 0) for k, v in totals.items() if v != self.last.get(k, 0)}
+        self.last = totals
+        return out
 
 
 @dataclasses.dataclass
@@ -56,6 +93,9 @@ class KVBMStats(KVConnectorStats):
         for op in ("read", "write"):
             if self.data.get(f"disk_{op}_failures"):
                 out[f"disk_{op}_failures"] = self.data[f"disk_{op}_failures"]
+        for k in ("remote_hits", "remote_misses", *(f"remote_{e}_errors" for e in ERRORS), *BREAKER):
+            if self.data.get(k):
+                out[k] = self.data[k]
         return out
 
 
@@ -74,6 +114,19 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
         self._failures = self._counter_cls(name="vllm:kvbm_disk_failures_total",
                                            labelnames=labelnames + ["operation"],
                                            documentation="Disk tier reads (corrupt or missing) and writes that failed")
+        self._remote = {
+            "hits": self._counter_cls(name="vllm:kvbm_remote_hits_total", labelnames=labelnames,
+                                      documentation="Blocks read from the remote tier's server and verified"),
+            "misses": self._counter_cls(name="vllm:kvbm_remote_misses_total", labelnames=labelnames,
+                                        documentation="Blocks a remote-tier lookup did not find on the server"),
+        }
+        self._remote_errors = self._counter_cls(
+            name="vllm:kvbm_remote_errors_total", labelnames=labelnames + ["operation"],
+            documentation="Remote-tier lookups that failed or were late, fetches of missing or corrupt values, "
+                          "failed writes (each a miss)")
+        self._breaker = self._counter_cls(
+            name="vllm:kvbm_remote_breaker_changes_total", labelnames=labelnames + ["side", "state"],
+            documentation="Remote-tier circuit breaker state changes (open: the server is not used for a backoff)")
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -86,3 +139,13 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
             v = transfer_stats_data.get(f"disk_{op}_failures", 0)
             if v:
                 self._failures.labels(*labels, op).inc(v)
+        for name, counter in self._remote.items():
+            if v := transfer_stats_data.get(f"remote_{name}", 0):
+                counter.labels(*labels).inc(v)
+        for op in ERRORS:
+            if v := transfer_stats_data.get(f"remote_{op}_errors", 0):
+                self._remote_errors.labels(*labels, op).inc(v)
+        for k in BREAKER:
+            if v := transfer_stats_data.get(k, 0):
+                side, _, state = k[len("remote_"):].partition("_breaker_")
+                self._breaker.labels(*labels, side, state).inc(v)
