@@ -21,6 +21,9 @@ def is_supported() -> bool:
     return vllm_minor() in SUPPORTED
 
 
+_BlockStored = None  # vllm.distributed.kv_events.BlockStored, imported on first use
+
+
 def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_ids, block_size,
                        group_idx, extra_keys, medium=None):
     """A BlockStored filled like BlockPool._build_block_stored_event (0.32 and 0.33) fills it.
@@ -29,10 +32,11 @@ def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_
     private builder, whose signature differs between versions and which re-walks the extra keys.
     `lookahead_token_ids` (0.33, EAGLE) keeps its default: sub-block events are off with lookahead.
     """
-    from vllm.distributed.kv_events import BlockStored
-
+    global _BlockStored
+    if _BlockStored is None:
+        from vllm.distributed.kv_events import BlockStored as _BlockStored
     lora = request.lora_request
-    return BlockStored(
+    return _BlockStored(
         block_hashes=block_hashes,
         parent_block_hash=parent_block_hash,
         token_ids=token_ids,

@@ -68,6 +68,10 @@ class UnitTracker:
         # (request, first token, end token, token_ids) of the last BlockStored vLLM built for an
         # untracked group (e.g. Mamba, cached just before): the same token list serves our events
         self.recent_tokens: tuple | None = None
+        # Removed hashes per group, coarse and unit kept apart, sent as one BlockRemoved each
+        # before our next BlockStored and when vLLM takes the step's events (`flush_removed`).
+        self.removed_coarse: dict[int, list] = {}
+        self.removed_units: dict[int, list] = {}
 
     def cache(self, request, group: int, blocks, start: int, end: int, n_last: int | None = None,
               mask=None) -> None:
@@ -141,6 +145,8 @@ class UnitTracker:
             else:
                 parent = self.to_event_hashes([request.block_hashes[start * r - 1]])[0]
         with_extra = compat.has_extra_keys(request)
+        if self.removed_units or self.removed_coarse:
+            self.flush_removed()
         if block_runs:
             self._announce(request, group, r, block_runs, conv, r, tokens, parent, with_extra)
         if unit_runs:
@@ -162,9 +168,17 @@ class UnitTracker:
                 del heads[held[0]]
         r = self.units_per_block[group]
         if self.coarse and len(held) == r and k < r:
-            self._removed(group, held[-1:])
+            coarse = self.removed_coarse.get(group)
+            if coarse is None:
+                self.removed_coarse[group] = [held[-1]]
+            else:
+                coarse.append(held[-1])
         if k < len(held):
-            self._removed(group, held[k:] if k else held)
+            units = self.removed_units.get(group)
+            if units is None:
+                self.removed_units[group] = held[k:]
+            else:
+                units += held[k:] if k else held
 
     def move(self, src_id: int, dst_id: int) -> None:
         entry = self.by_block.pop(src_id, None)
@@ -172,14 +186,20 @@ class UnitTracker:
             self.by_block[dst_id] = entry
 
     def clear(self) -> None:
+        self.removed_coarse.clear()
+        self.removed_units.clear()
         self.by_block.clear()
         for heads in self.heads.values():
             heads.clear()
 
-    def _removed(self, group: int, hashes: list) -> None:
-        self.pool.kv_event_queue.append(
-            BlockRemoved(block_hashes=hashes, medium=self.pool.medium, group_idx=group)
-        )
+    def flush_removed(self) -> None:
+        """One BlockRemoved per group for its coarse keys, one for its units, in removal order
+        (coarse first, as a block's coarse key ends its last unit)."""
+        queue, medium = self.pool.kv_event_queue, self.pool.medium
+        for pending in (self.removed_coarse, self.removed_units):
+            for group, hashes in pending.items():
+                queue.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
+            pending.clear()
 
     def _announce(self, request, group: int, units_per_key: int, runs: list, conv: list,
                   step: int, tokens: dict, parent_before, with_extra: bool) -> None:
@@ -285,6 +305,7 @@ def apply() -> bool:
     changed |= wrap_method(BlockPool, "_maybe_evict_cached_block", _wrap_evict)
     changed |= wrap_method(BlockPool, "move_block_hashes", _wrap_move)
     changed |= wrap_method(BlockPool, "reset_prefix_cache", _wrap_reset)
+    changed |= wrap_method(BlockPool, "take_events", _wrap_take_events)
     return changed
 
 
@@ -390,3 +411,13 @@ def _wrap_reset(orig):
         return ok
 
     return reset_prefix_cache
+
+
+def _wrap_take_events(orig):
+    def take_events(self):
+        t = self.__dict__.get("_kvbm_units")
+        if t is not None and (t.removed_units or t.removed_coarse):
+            t.flush_removed()
+        return orig(self)
+
+    return take_events
