@@ -14,10 +14,13 @@ import random
 
 import numpy as np
 
-from vllm_kvbm_plugin.hashing import request_keys, spec
+from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.reuse.subseq import SubseqIndex
 
 from timing import best
+
+KEYER = Keyer(bytes(range(16)))  # any secret: the timing does not depend on it
+request_keys = KEYER.request_keys
 
 
 def main() -> None:
@@ -48,7 +51,7 @@ def main() -> None:
     while sum(map(len, parts)) < args.tokens:
         parts.append(docs[pick.randrange(len(docs))])
     request = np.concatenate(parts)[:args.tokens].astype(np.int64)
-    root = spec.root_key("bench", "bfloat16", "LBHNC", unit)
+    root = KEYER.root("bench", "bfloat16", "LBHNC", unit)
 
     fresh = rng.integers(0, 150000, args.tokens).astype(np.int64)  # a request nothing holds
     print(f"{args.tokens} tokens, unit {unit}, {len(index)} units stored, table {len(index.tab_slot)} buckets")

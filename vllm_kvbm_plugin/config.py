@@ -4,6 +4,8 @@ Environment (read when used, so tests and subprocesses can set them late):
   KVBM_DISABLE=1        the plugin applies no patch at all (vLLM behaves as without it)
   KVBM_COARSE_EVENTS=0  hybrid models: drop the inflated-block events of full-attention groups
                         and keep only the per-hash-unit ones (default 1: keep both)
+  KVBM_KEY_SECRET=<32 hex> the block-key secret every instance sharing a tier uses (else one kept
+                        in the remote store or disk_path: tiers/secret.py)
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ class KVBMConfig:
                              f"got {b!r}")
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
             raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
+        if os.environ.get("KVBM_KEY_SECRET"):  # a malformed one fails here, before the engine starts
+            from vllm_kvbm_plugin.tiers.secret import ENV, parse
+
+            parse(os.environ[ENV], f"{CONNECTOR_NAME}: {ENV}")
         return cfg
 
 

@@ -45,7 +45,7 @@ from vllm_kvbm_plugin.connector.metadata import (
 )
 from vllm_kvbm_plugin.connector.pic import PicPlanner
 from vllm_kvbm_plugin.connector.tiers import DiskTier, RemoteTier, cpu_tier
-from vllm_kvbm_plugin.hashing import extra_hash, request_keys
+from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.log import get_logger
 
 logger = get_logger("connector")
@@ -58,7 +58,7 @@ class RequestKeys:
     stored_upto: int = 0  # blocks [0, stored_upto) were offered to the tiers
 
 
-def unit_keys(st: RequestKeys, n_units: int, unit: int, root, pool) -> list:
+def unit_keys(st: RequestKeys, n_units: int, unit: int, root, pool, keyer: Keyer) -> list:
     """Stable keys of the request's first n_units hash units (computed once, extended), with
     vLLM's extra keys (images, LoRA, salt) folded in as vLLM computes them (`pool`)."""
     have = len(st.unit_keys)
@@ -71,9 +71,9 @@ def unit_keys(st: RequestKeys, n_units: int, unit: int, root, pool) -> list:
             for u in compat.units_with_extra_keys(req, unit, have, n_units):
                 keys, _ = compat.block_extra_keys(pool, req, u * unit, (u + 1) * unit, 0)
                 if keys:
-                    extras[u - have] = extra_hash(keys)
+                    extras[u - have] = keyer.extra_hash(keys)
         parent = st.unit_keys[-1] if have else root
-        new = request_keys(tokens, unit, parent, extras)
+        new = keyer.request_keys(tokens, unit, parent, extras)
         st.unit_keys += map(tuple, new.tolist())  # (int, int): hashable tier keys
     return st.unit_keys
 
@@ -102,7 +102,8 @@ class SchedulerSide:
         self.pic = PicPlanner.create(layout, cfg)  # position-independent loads (pic.py), or None
         self.cpu = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
         self.disk = DiskTier(layout, cfg.eviction_policy) if layout.disk_path else None
-        self.remote = RemoteTier(layout, cfg.remote_url, cfg.remote_lookup_budget_ms) if cfg.remote_url else None
+        remote_on = cfg.remote_url and not layout.remote_off  # off: the secret could not be read from it
+        self.remote = RemoteTier(layout, cfg.remote_url, cfg.remote_lookup_budget_ms) if remote_on else None
         self.quorum = Quorum(layout.world)
         self.events = EventBuilder(layout)
         self.requests: dict[str, RequestKeys] = {}
@@ -148,7 +149,7 @@ class SchedulerSide:
         return st
 
     def _unit_keys(self, st: RequestKeys, n_units: int) -> list:
-        return unit_keys(st, n_units, self.hash_unit, self.layout.root, self.pool)
+        return unit_keys(st, n_units, self.hash_unit, self.layout.root, self.pool, self.layout.keyer)
 
     def _block_key(self, st: RequestKeys, i: int):
         """Key of block i: the key of its last unit."""

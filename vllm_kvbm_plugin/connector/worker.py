@@ -81,7 +81,8 @@ class WorkerSide:
         self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
-        self.remote = RemoteIO(self, self.cfg.remote_url) if self.cfg.remote_url else None
+        remote_on = self.cfg.remote_url and not self.layout.remote_off  # as the scheduler side decided
+        self.remote = RemoteIO(self, self.cfg.remote_url) if remote_on else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.layout.num_blocks
