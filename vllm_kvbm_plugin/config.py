@@ -28,7 +28,7 @@ class KVBMConfig:
     hash_block_size: int | None = None  # hybrid models: hash granularity (default: --block-size)
     offload_prompt_only: bool = False  # store only blocks made of prompt tokens
     disk_fsync: bool = False  # fsync each block file before it counts as stored
-    remote_url: str | None = None  # shared remote tier: redis://, rediss:// or unix:// (off when unset)
+    remote_url: str | None = None  # shared remote tier: redis://, rediss://, unix://, redis+cluster://h:p,h:p (off when unset)
     remote_lookup_budget_ms: float = 5.0  # per scheduler step, waiting for remote lookups
     # derived from the model by connector_config, not a setting: connector.pic.PicModel when
     # position-independent loads can re-rotate its K, else why not (a string)
@@ -56,10 +56,13 @@ class KVBMConfig:
                 f"{CONNECTOR_NAME}: eviction_policy {cfg.eviction_policy!r} is not one of "
                 f"{', '.join(POLICIES)}"
             )
-        if cfg.remote_url is not None and (not isinstance(cfg.remote_url, str) or not cfg.remote_url.startswith(
-                ("redis://", "rediss://", "unix://"))):
-            raise ValueError(f"{CONNECTOR_NAME}: remote_url must be a redis://, rediss:// or unix:// URL, "
-                             f"got {cfg.remote_url!r}")
+        if cfg.remote_url is not None:
+            from vllm_kvbm_plugin.tiers.remote import check_url
+
+            try:
+                check_url(cfg.remote_url)
+            except ValueError as e:
+                raise ValueError(f"{CONNECTOR_NAME}: {e}") from None
         b = cfg.remote_lookup_budget_ms
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b <= 1000:
             raise ValueError(f"{CONNECTOR_NAME}: remote_lookup_budget_ms must be a number of ms in [0, 1000], "

@@ -452,9 +452,11 @@ class RemoteTier:
             self._client = remotefmt.connect(self.url)
         pipe = self._client.pipeline(transaction=False)
         for k in keys:
-            pipe.exists(*self.names(k))
-        counts = pipe.execute()
-        return [k for k, n in zip(keys, counts) if n == len(self.prefixes)]
+            for name in self.names(k):  # one key per command: a cluster routes each to its node
+                pipe.exists(name)
+        found = pipe.execute()
+        n = len(self.prefixes)
+        return [k for i, k in enumerate(keys) if all(found[i * n : (i + 1) * n])]
 
     # ---- fetches into CPU slots ------------------------------------------------------------
     def prefetch(self, key) -> None:

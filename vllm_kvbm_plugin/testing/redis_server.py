@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 
@@ -22,12 +23,13 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, maxmemory: str = "256mb", port: int | None = None):
+    def __init__(self, maxmemory: str = "256mb", port: int | None = None, extra_args: tuple = ()):
         self.binary = server_binary()
         if self.binary is None:
             raise RuntimeError("no redis-server or valkey-server on PATH (scripts/setup.sh installs Debian's)")
         self.port = port or _free_port()
         self.maxmemory = maxmemory
+        self.extra_args = list(extra_args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -39,7 +41,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--daemonize", "no",
-             "--loglevel", "warning"],
+             "--loglevel", "warning", *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -70,3 +72,49 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.proc = None
+
+
+class RedisClusterServers:
+    """A Redis Cluster of `n` masters (no replicas) on loopback ports, every slot assigned by
+    `redis-cli --cluster create`; each node is a RedisServer (kill / start one to take it down
+    and back: it rejoins from its nodes file)."""
+
+    def __init__(self, n: int = 3, maxmemory: str = "128mb"):
+        self.cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if self.cli is None:
+            raise RuntimeError("no redis-cli or valkey-cli on PATH (Debian's redis-server brings redis-cli)")
+        self.dir = tempfile.mkdtemp(prefix="kvbm-cluster-")
+        self.nodes = []
+        for _ in range(n):
+            port = _free_port()
+            self.nodes.append(RedisServer(maxmemory, port, ("--cluster-enabled", "yes", "--dir", self.dir,
+                                                            "--cluster-config-file", f"nodes-{port}.conf",
+                                                            "--cluster-port", str(_free_port()),  # bus
+                                                            "--cluster-node-timeout", "2000")))
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.nodes)
+
+    def start(self) -> "RedisClusterServers":
+        for s in self.nodes:
+            s.start()
+        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.nodes),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+        self.wait_ok()
+        return self
+
+    def wait_ok(self, timeout: float = 20) -> None:
+        """Until every node says cluster_state:ok (all slots served)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(s.client().cluster("info").get("cluster_state") == "ok" for s in self.nodes):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the test cluster did not reach cluster_state:ok")
+
+    def stop(self) -> None:
+        for s in self.nodes:
+            s.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

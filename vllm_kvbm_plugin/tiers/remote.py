@@ -53,13 +53,50 @@ def read_value(value, key, fingerprint: bytes, out: np.ndarray) -> bool:
     return diskfmt._combine(checksum_final(acc, plen), meta) == checksum
 
 
+URL_SCHEMES = ("redis://", "rediss://", "unix://")
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def check_url(url) -> None:
+    """A clear startup error for anything but a URL `connect` takes."""
+    if not isinstance(url, str) or not url.startswith(URL_SCHEMES + CLUSTER_SCHEMES):
+        raise ValueError(f"remote_url must start with one of {', '.join(URL_SCHEMES + CLUSTER_SCHEMES)}, "
+                         f"got {url!r}")
+    if url.startswith(CLUSTER_SCHEMES):
+        cluster_seeds(url)
+
+
+def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """Seed nodes, user and password of `redis+cluster://[user:password@]host:port[,host:port...]`
+    (rediss+cluster:// for TLS): any node of the cluster will do, the client learns the rest."""
+    rest = url.split("://", 1)[1].split("/", 1)[0]
+    auth, _, hosts = rest.rpartition("@")
+    user, _, password = auth.partition(":")
+    seeds = []
+    for node in hosts.split(","):
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"remote_url {url!r}: cluster seeds must be host:port[,host:port...], got {node!r}")
+        seeds.append((host.strip("[]"), int(port)))
+    return seeds, user or None, password or None
+
+
 def connect(url: str):
-    """A redis-py client for `url` (redis://, rediss://, unix://) with short timeouts: a slow
-    server must never hold a caller for long."""
+    """A redis-py client for `url` with short timeouts and no retries: a slow server must never
+    hold a caller for long (the Breaker decides when to try again). For a Redis Cluster, a
+    cluster client: it routes each single-key command of a pipeline to the node owning the key."""
     import redis
 
-    return redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
-                                retry_on_timeout=False, health_check_interval=0)
+    opts = dict(socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, health_check_interval=0)
+    if not url.startswith(CLUSTER_SCHEMES):
+        return redis.Redis.from_url(url, retry_on_timeout=False, **opts)
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    seeds, user, password = cluster_seeds(url)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds], username=user, password=password,
+                        ssl=url.startswith("rediss"), retry=Retry(NoBackoff(), 0), **opts)
 
 
 class Breaker:
