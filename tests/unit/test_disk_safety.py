@@ -2,6 +2,7 @@
 part 5, issue 14). Real files, FIFOs, sockets, symlinks and sparse files; each call that could hang
 runs in a thread with a deadline."""
 
+import fcntl
 import logging
 import os
 import socket
@@ -355,3 +356,71 @@ def test_symlinks_in_the_chain_are_refused_and_not_followed(tmp_path, umask):
     store(base, GOOD)
     assert stat.S_IMODE(os.stat(real).st_mode) == 0o755
     assert stat.S_IMODE(os.stat(real / FP.hex()).st_mode) == 0o700
+
+
+# ---- O_DIRECT writes (issue 10) ----------------------------------------------------------------
+# sizes around the direct-write buffer: one piece, a piece boundary, several pieces and a short last
+DIRECT_SIZES = [disk._DIRECT_MIN, disk._DIRECT_CHUNK - disk.HEADER_SIZE, disk._DIRECT_CHUNK + 13,
+                3 * disk._DIRECT_CHUNK + 4032]
+
+
+@pytest.mark.parametrize("size", DIRECT_SIZES)
+@pytest.mark.parametrize("meta", [b"", b"m" * 5000], ids=["no-meta", "meta"])
+def test_direct_writes_are_the_same_exact_private_file(tmp_path, size, meta):
+    data = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    base = disk.block_dir(str(tmp_path), FP, 0)
+    path = disk.block_path(base, GOOD)
+    disk.write_block(path, GOOD, FP, data, meta, direct=True)
+    assert base not in disk._no_direct  # ext4 / tmpfs take O_DIRECT: this was a direct write
+    ours = open(path, "rb").read()
+    assert len(ours) == disk.HEADER_SIZE + size + len(meta)  # the page padding was cut off
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
+    out = np.empty(size, dtype=np.uint8)
+    assert disk.read_into(path, GOOD, FP, out) == meta and (out == data).all()
+    disk.write_atomic(path, disk.encode(GOOD, FP, data, meta))  # the reference encoding
+    assert ours == open(path, "rb").read()
+    with open(path, "r+b") as f:  # and the checksum still covers every payload byte
+        f.seek(disk.HEADER_SIZE + size - 1)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 0x80]))
+    assert disk.read_into(path, GOOD, FP, out) is None
+
+
+def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
+    """The kernel's own EINVAL: offsets and lengths of 8 bytes are no O_DIRECT alignment ext4 or
+    tmpfs take. The block is stored all the same, and later writes under that root go buffered."""
+    monkeypatch.setattr(disk, "_DIRECT_ALIGN", 8)
+    monkeypatch.setattr(disk, "_no_direct", set())
+    base = disk.block_dir(str(tmp_path), FP, 0)
+    data = np.frombuffer(os.urandom(disk._DIRECT_MIN + 8), dtype=np.uint8)
+    with caplog.at_level(logging.INFO, logger="vllm.kvbm.disk"):
+        for k in (GOOD, OTHER):
+            disk.write_block(disk.block_path(base, k), k, FP, data, b"meta", direct=True)
+    assert disk._no_direct == {base}
+    assert sum("O_DIRECT refused" in r.getMessage() for r in caplog.records) == 1  # said once
+    for k in (GOOD, OTHER):
+        path = disk.block_path(base, k)
+        assert os.path.getsize(path) == disk.HEADER_SIZE + data.nbytes + 4
+        out = np.empty(data.nbytes, dtype=np.uint8)
+        assert disk.read_into(path, k, FP, out) == b"meta" and (out == data).all()
+    assert not [n for n in os.listdir(os.path.dirname(disk.block_path(base, GOOD))) if ".tmp" in n]
+
+
+def test_direct_writes_keep_their_temporary_file_locked_until_renamed(tmp_path, monkeypatch):
+    base = tmp_path / "b"
+    path = disk.block_path(str(base), GOOD)
+    seen = {}
+    write = disk._write_direct
+
+    def watching(fd, *args):
+        seen["flags"] = fcntl.fcntl(fd, fcntl.F_GETFL)
+        disk.scan(str(base))  # a starting engine scanning meanwhile: the live temp stays
+        seen["temps"] = [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
+        write(fd, *args)
+
+    monkeypatch.setattr(disk, "_write_direct", watching)
+    disk.write_block(path, GOOD, FP, np.zeros(disk._DIRECT_MIN, dtype=np.uint8), b"m", direct=True)
+    assert seen["flags"] & os.O_DIRECT and len(seen["temps"]) == 1
+    assert os.path.getsize(path) == disk.HEADER_SIZE + disk._DIRECT_MIN + 1

@@ -28,9 +28,9 @@ def payload(key: bytes) -> np.ndarray:
 class Tiered:
     """vLLM's tiering manager with our disk tier at `path`, and the calls the connector makes."""
 
-    def __init__(self, path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru"):
+    def __init__(self, path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru", **opts):
         tier = {"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
-                "bytes_to_use": bytes_to_use, "eviction_policy": policy}
+                "bytes_to_use": bytes_to_use, "eviction_policy": policy, **opts}
         self.spec, self.m = tiering_manager([tier], cpu_chunks, CHUNK, cpu_policy,
                                             engine_id=f"kvbm-test-{uuid.uuid4().hex[:8]}")
         self.tier = self.m.secondary_tiers[0]
@@ -215,9 +215,34 @@ def tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def test_full_disk_is_misses_not_errors(tiered, tmp_path):
+@pytest.fixture
+def direct_chunks(monkeypatch):
+    """O_DIRECT writes for the tests' 4 KiB chunks too (by default only payloads of 64 KiB or more)."""
+    monkeypatch.setattr(diskfmt, "_DIRECT_MIN", CHUNK)
+
+
+def test_one_jobs_files_spread_over_the_threads_and_direct_io(tiered, tmp_path, direct_chunks):
+    t = tiered(tmp_path, cpu_chunks=16, direct_io=True, threads=4)
+    keys = keys_of("p", 16)
+    t.store(keys)  # one step: one store job of 16 chunks, in 4 parts
+    assert t.storage_events(removed=False) == keys  # one Stored each, in the job's order
+    base = t.tier.base
+    assert base not in diskfmt._no_direct
+    for k in keys:  # each file exactly the reference encoding (the O_DIRECT page padding cut off)
+        path = diskfmt.block_path(base, file_key(k))
+        assert os.path.getsize(path) == diskfmt.HEADER_SIZE + CHUNK + len(diskfmt.read_meta(path))
+    assert_exact(t.load(keys), keys)  # one load job, in 4 parts
+    corrupt_flip(diskfmt.block_path(base, file_key(keys[5])), "sign")
+    t.close()
+    t2 = tiered(tmp_path, cpu_chunks=16, direct_io=True, threads=4)
+    assert_exact(t2.load(keys), keys[:5] + keys[6:], [keys[5]])
+
+
+@pytest.mark.parametrize("direct_io", [False, True], ids=["page-cache", "direct"])
+def test_full_disk_is_misses_not_errors(tiered, tmp_path, direct_chunks, direct_io):
     with tmpfs(tmp_path / "small", "48k") as small:
-        t = tiered(small, cpu_chunks=16, bytes_to_use=1 << 20)  # the bound is far above the space
+        # the bound is far above the space
+        t = tiered(small, cpu_chunks=16, bytes_to_use=1 << 20, direct_io=direct_io)
         keys = keys_of("d", 16)
         t.store(keys, per_step=4)
         assert t.tier.failed_writes > 0

@@ -4,8 +4,11 @@
                          "path": DIR, "bytes_to_use": N}]
 
 Optional keys: "eviction_policy" (lru | lineage | multi_lru, default lineage), "threads" (I/O
-threads, default 2), "fsync" (default false), "enable_kv_events" (default true; effective when
-the engine publishes KV events).
+threads, default 8: creating a file is most of a write's cost and waits in the file system, so
+several go at once; a job's files are spread over them), "direct_io" (default false: O_DIRECT
+writes, which keep no second copy of stored chunks in the page cache, so reading them back comes
+from the device), "fsync" (default false), "enable_kv_events" (default true; effective when the
+engine publishes KV events).
 
 The same block files as KVBMConnector's disk tier (tiers/disk.py: checksummed, written to a
 temporary file and renamed into place, opened without following symlinks or blocking, verified
@@ -54,6 +57,7 @@ from vllm_kvbm_plugin.tiers.policies import make_policy
 
 logger = get_logger("offloading")
 
+_PART = 4  # files: a smaller share of a job is not worth another pool task
 WRITE_PAUSE = 10.0  # s without new stores after a failed write (full disk, read-only directory)
 _FORMAT = "vllm-offload-chunk-v1"  # part of the fingerprint: how a chunk's bytes are laid out
 
@@ -95,8 +99,9 @@ class KVBMDiskTier(SecondaryTierManager):
     medium = Medium.STORAGE
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, path: str,
-                 bytes_to_use: int, eviction_policy: str = "lineage", threads: int = 2,
-                 fsync: bool = False, enable_kv_events: bool = True, locality: str | None = None,
+                 bytes_to_use: int, eviction_policy: str = "lineage", threads: int = 8,
+                 fsync: bool = False, direct_io: bool = False, enable_kv_events: bool = True,
+                 locality: str | None = None,
                  backpressure_detector=None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
@@ -109,11 +114,12 @@ class KVBMDiskTier(SecondaryTierManager):
         self.base = diskfmt.block_dir(self.root, self.fingerprint, 0)
         file_bytes = diskfmt.HEADER_SIZE + self.chunk_bytes + 128  # + metadata (~100 bytes)
         self.index = TierIndex(max(0, int(bytes_to_use) // file_bytes), make_policy(eviction_policy))
-        self.fsync = bool(fsync)
+        self.fsync, self.direct_io = bool(fsync), bool(direct_io)
         events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
         self._events: list[OffloadingEvent] | None = [] if events_on else None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, int(threads)), "kvbm-disk-tier")
-        self._jobs: dict[int, tuple[concurrent.futures.Future, bool, list]] = {}
+        self.threads = max(1, int(threads))
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "kvbm-disk-tier")
+        self._jobs: dict[int, tuple[list[concurrent.futures.Future], bool, list]] = {}
         self._parent_pins: dict[bytes, bytes] = {}
         self._writes_paused_until = 0.0
         self.failed_writes = self.failed_loads = 0
@@ -157,7 +163,7 @@ class KVBMDiskTier(SecondaryTierManager):
                     self._parent_pins[key] = parent
                 pos = job.req_context.get_offload_key_position(key) or 0
                 work.append((key, int(chunk), _encode_meta(_ChunkMeta(key, parent, pos))))
-        self._jobs[job.job_id] = (self._pool.submit(self._write, work), False, work)
+        self._jobs[job.job_id] = (self._spread(self._write, work), False, work)
 
     def submit_load(self, job: TransferJob) -> None:
         work = []
@@ -165,15 +171,15 @@ class KVBMDiskTier(SecondaryTierManager):
             if self.index.ready(key) is not None:
                 self.index.pin(key)
                 work.append((key, int(chunk)))
-        future = self._pool.submit(self._read, work)
-        self._jobs[job.job_id] = (future, True, (list(job.keys), [k for k, _ in work]))
+        self._jobs[job.job_id] = (self._spread(self._read, work), True, (list(job.keys), [k for k, _ in work]))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
-        for job_id in [j for j, (f, _, _) in self._jobs.items() if f.done()]:
-            future, is_load, keys = self._jobs.pop(job_id)
+        for job_id in [j for j, (fs, _, _) in self._jobs.items() if all(f.done() for f in fs)]:
+            futures, is_load, keys = self._jobs.pop(job_id)
             try:
-                ok_keys, seconds = future.result()
+                parts = [f.result() for f in futures]
+                ok_keys, seconds = set().union(*(ok for ok, _ in parts)), max(t for _, t in parts)
             except Exception:  # a bug, never a file's content: the keys fail, the step goes on
                 logger.exception("KVBMDiskTier: I/O job %d failed", job_id)
                 ok_keys, seconds = set(), None
@@ -185,7 +191,7 @@ class KVBMDiskTier(SecondaryTierManager):
         return bool(self._jobs)
 
     def drain_jobs(self) -> None:
-        concurrent.futures.wait([f for f, _, _ in self._jobs.values()])
+        concurrent.futures.wait([f for fs, _, _ in self._jobs.values() for f in fs])
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._events:
@@ -257,6 +263,12 @@ class KVBMDiskTier(SecondaryTierManager):
         except OSError:
             pass
 
+    def _spread(self, fn, work: list) -> list[concurrent.futures.Future]:
+        """fn over `work` on the pool, in up to `threads` parts of at least _PART files (a part
+        per thread lets a job's file creations and reads wait in the file system side by side)."""
+        n = max(1, min(self.threads, len(work) // _PART))
+        return [self._pool.submit(fn, work[i::n]) for i in range(n)]
+
     # ---- file I/O (pool threads) -----------------------------------------------------------
     def _write(self, work: list) -> tuple[set, float]:
         t0, ok = time.perf_counter(), set()
@@ -264,7 +276,7 @@ class KVBMDiskTier(SecondaryTierManager):
             fkey = file_key(key)
             try:
                 diskfmt.write_block(diskfmt.block_path(self.base, fkey), fkey, self.fingerprint,
-                                    self._rows[chunk], meta, fsync=self.fsync)
+                                    self._rows[chunk], meta, fsync=self.fsync, direct=self.direct_io)
                 ok.add(key)
             except OSError as e:
                 logger.debug("KVBMDiskTier: write failed: %s", e)

@@ -12,6 +12,11 @@ vectorized checksum (tiers.checksum). A read goes through a small per-thread buf
 cache: the kernel copies a chunk into it, the checksum reads it from cache, streaming stores move
 it to its destination without reading the destination first. A write hands the payload's checksum
 to a helper thread (tiers.copy.helpers) while the payload is written; the header goes in last.
+Optionally (`direct`) a write goes with O_DIRECT through an aligned per-thread buffer, checksummed
+while copied there, padded to a page multiple and cut back to its exact size before the rename (same
+bytes, same file). Measured on ext4 (one thread, 256 KiB blocks): it costs more CPU per file than a
+page-cache write (~450 vs ~280 us, file creation included) and a re-read then comes from the
+device; what it saves is the page cache's second copy of every stored block.
 Measured and not kept: reading straight into the destination (the checksum then reads it back
 from memory: 0.75x of a plain read instead of 0.82x); reading half of a block on a helper (fast
 with an idle second core, much slower with a busy one); mapping the file and copying it out with
@@ -61,6 +66,10 @@ _HEADER = struct.Struct("<4sHH16s16sQIQI")
 HEADER_SIZE = _HEADER.size  # 64: the payload starts cache-line aligned
 SUFFIX = ".kvb"
 _CHUNK = 256 << 10  # read buffer: small enough to stay in cache
+_DIRECT_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses: a multiple of the page size
+_DIRECT_CHUNK = 1 << 20  # direct-write buffer (per thread)
+_DIRECT_MIN = 64 << 10  # a smaller payload is written through the page cache
+_DIRECT_O = getattr(os, "O_DIRECT", 0)  # Linux
 _HELP_MIN = 256 << 10  # a smaller payload is not worth a helper hand-off
 MAX_META = 8 << 20  # a header claiming more metadata is not ours (real blobs are a few KiB)
 # O_NONBLOCK: opening a FIFO never waits for a writer (it has no effect on reads of regular files)
@@ -324,16 +333,89 @@ def write_atomic(path: str, parts: list, fsync: bool = False) -> None:
     _write_via_temp(path, lambda fd: _write_exact(fd, parts, 0), fsync)
 
 
+_no_direct: set[str] = set()  # block directories' parents whose file system refused O_DIRECT
+
+
+def _direct_buffer() -> np.ndarray:
+    """This thread's direct-write buffer: _DIRECT_CHUNK bytes, page aligned."""
+    buf = getattr(_local, "dbuf", None)
+    if buf is None:
+        raw = np.empty(_DIRECT_CHUNK + _DIRECT_ALIGN, dtype=np.uint8)
+        skip = -raw.ctypes.data % _DIRECT_ALIGN
+        buf = _local.dbuf = raw[skip: skip + _DIRECT_CHUNK]
+    return buf
+
+
+def _write_direct(fd: int, key, fingerprint: bytes, payload: np.ndarray, meta: bytes) -> None:
+    """The whole block file through this thread's aligned buffer with O_DIRECT (no page-cache copy,
+    no writeback later): each piece of the payload is checksummed while it is copied into the
+    buffer, the file is padded to a page multiple and cut back to its exact size before the rename.
+    Pieces go last to first, so the header (which needs the payload's checksum) goes in last."""
+    plen, mlen = payload.nbytes, len(meta)
+    total = HEADER_SIZE + plen + mlen
+    padded = -(-total // _DIRECT_ALIGN) * _DIRECT_ALIGN
+    buf, acc = _direct_buffer(), np.zeros(2, dtype=np.uint64)
+    meta_arr = np.frombuffer(meta, dtype=np.uint8)
+    for off in reversed(range(0, padded, _DIRECT_CHUNK)):
+        piece = buf[: min(_DIRECT_CHUNK, padded - off)]
+        end = off + piece.nbytes
+        a, b = max(off, HEADER_SIZE), min(end, HEADER_SIZE + plen)  # file offsets of payload bytes here
+        if b > a:
+            checksum_update(acc, payload[a - HEADER_SIZE: b - HEADER_SIZE], a - HEADER_SIZE, piece[a - off: b - off])
+        a, b = max(off, HEADER_SIZE + plen), min(end, total)  # metadata bytes
+        if b > a:
+            piece[a - off: b - off] = meta_arr[a - HEADER_SIZE - plen: b - HEADER_SIZE - plen]
+        if end > total:
+            piece[max(total - off, 0):] = 0
+        if off == 0:
+            piece[:HEADER_SIZE] = np.frombuffer(
+                _header(key, fingerprint, plen, meta, checksum_final(acc, plen)), dtype=np.uint8)
+        _write_exact(fd, [piece], off)
+    if padded != total:
+        os.ftruncate(fd, total)
+
+
+def _try_direct(fd: int, where: str) -> bool:
+    """Switch `fd` to O_DIRECT; False (and remembered for `where`) when the file system refuses."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        return True
+    except OSError as e:
+        _refuse_direct(where, e)
+        return False
+
+
+def _refuse_direct(where: str, e: OSError) -> None:
+    if where not in _no_direct:
+        _no_direct.add(where)
+        logger.info("KVBM disk tier: O_DIRECT refused under %s (%s): writes go through the page cache", where, e)
+
+
 def write_block(path: str, key: tuple[int, int], fingerprint: bytes, payload: np.ndarray, meta: bytes = b"",
-                fsync: bool = False) -> None:
-    """write_atomic(path, encode(...)) with the same bytes, faster: a helper checksums the payload
-    while it is written, the header follows at offset 0."""
+                fsync: bool = False, direct: bool = False) -> None:
+    """write_atomic(path, encode(...)) with the same bytes, faster: through the page cache while a
+    helper checksums the payload, the header following at offset 0. With `direct`, a payload of at
+    least _DIRECT_MIN bytes goes with O_DIRECT instead (_write_direct: no second copy of the block
+    in the page cache, but a later read of it comes from the device); where the file system refuses
+    O_DIRECT (EINVAL) the block goes through the page cache, and so do later ones under that root."""
     payload = np.asarray(payload, dtype=np.uint8).reshape(-1)
     if len(meta) > MAX_META:
         raise BlockRefused(errno.EFBIG, f"block metadata of {len(meta)} bytes (at most {MAX_META})")
     pool, _ = helpers()
+    where = os.path.dirname(os.path.dirname(path))
+    direct = direct and _DIRECT_O and payload.nbytes >= _DIRECT_MIN and where not in _no_direct
 
     def fill(fd: int) -> None:
+        if direct and _try_direct(fd, where):
+            try:
+                _write_direct(fd, key, fingerprint, payload, meta)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                _refuse_direct(where, e)  # e.g. an alignment this file system does not take
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                os.ftruncate(fd, 0)
         fut = pool.submit(checksum64, payload) if pool is not None and payload.nbytes >= _HELP_MIN else None
         try:
             _write_exact(fd, [payload, meta], HEADER_SIZE)
