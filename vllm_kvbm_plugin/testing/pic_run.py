@@ -1,0 +1,85 @@
+"""Run a real vLLM engine through a position-independent-load scenario (tests/engine/test_pic_engine.py).
+
+    python -m vllm_kvbm_plugin.testing.pic_run SPEC.json OUT_DIR
+
+SPEC: {"model": "llama", "llm": {LLM kwargs}, "steps": [{"prompt": [ids], "salt": str | null,
+"max_tokens": 8, "capture": name | null} | {"reset": true}, ...]}. One request per step. OUT_DIR gets
+result.json ({"steps": [{"tokens", "num_cached_tokens"}], "pic": the planner's stats or null}) and,
+per captured step, <name>.pt: the request's layer-0 KV cache blocks [blocks, heads, block, 2*head],
+read right after it finished (the worker's own tensor, before any other request runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def _layer0_blocks(worker, block_ids):
+    """The first attention layer's KV of `block_ids` (runs in the worker, in-process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from vllm_kvbm_plugin.connector.layout import KV
+
+    side = get_kv_transfer_group()._worker
+    g = side.layout.groups[KV][0]
+    names = side.layout.layer_names[g]
+    (i,) = [i for i, n in enumerate(names) if ".layers.0." in n]
+    return side.layers[KV][0][i].tensor[list(block_ids)].clone()
+
+
+def run(spec: dict, out_dir: str) -> dict:
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_kvbm_plugin.testing.engine_run import start_engine
+
+    llm, _ = start_engine({**spec, "events": False})
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    connector = sched.connector
+    finished: list = []
+    if connector is not None:  # the block ids of each finished request, as vLLM hands them over
+        original = connector.request_finished_all_groups
+
+        def request_finished_all_groups(request, block_ids):
+            finished.append(block_ids)
+            return original(request, block_ids)
+
+        connector.request_finished_all_groups = request_finished_all_groups
+    steps = []
+    for step in spec["steps"]:
+        if step.get("reset"):
+            steps.append({"reset": llm.reset_prefix_cache()})
+            continue
+        prompt = TokensPrompt(prompt_token_ids=step["prompt"])
+        if step.get("salt"):
+            prompt["cache_salt"] = step["salt"]
+        sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True)
+        (o,) = llm.generate([prompt], sp, use_tqdm=False)
+        steps.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens})
+        if step.get("capture"):
+            (kv,) = llm.collective_rpc(_layer0_blocks, args=(finished[-1][0],))
+            torch.save(kv, os.path.join(out_dir, f"{step['capture']}.pt"))
+    side = getattr(connector, "_sched", None)
+    pic = getattr(side, "pic", None)
+    result = {"steps": steps, "pic": dict(pic.stats) if pic is not None else None,
+              "accounting": side.accounting() if side is not None else None}
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def main() -> None:
+    spec, out_dir = json.load(open(sys.argv[1])), sys.argv[2]
+    result = run(spec, out_dir)
+    with open(os.path.join(out_dir, "result.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # skip slow interpreter teardown of the engine
+
+
+if __name__ == "__main__":
+    main()
