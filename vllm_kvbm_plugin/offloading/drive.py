@@ -77,9 +77,11 @@ def lookup_until_settled(manager, req: Request, keys: list[bytes], timeout: floa
 
 
 def offloading_config(extra_config: dict, chunk_bytes: int = 4096, tokens_per_block: int = 16,
-                      engine_id: str = "kvbm-test", events: bool = True, model: str = "tiny-test"):
-    """vLLM's OffloadingConfig for one full-attention group on one worker, a chunk of one block of
-    `chunk_bytes` (the same constructor on 0.32 and 0.33: 0.33's new fields have defaults)."""
+                      engine_id: str = "kvbm-test", events: bool = True, model: str = "tiny-test",
+                      blocks_per_chunk: int = 1):
+    """vLLM's OffloadingConfig for one full-attention group on one worker, chunks of
+    `blocks_per_chunk` blocks of `chunk_bytes` (the same constructor on 0.32 and 0.33: 0.33's new
+    fields have defaults)."""
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig, OffloadingModelConfig,
         OffloadingParallelConfig)
@@ -91,7 +93,7 @@ def offloading_config(extra_config: dict, chunk_bytes: int = 4096, tokens_per_bl
         extra_config=extra_config,
         engine_id=engine_id,
         model=OffloadingModelConfig(name=model, dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=1),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_block, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=False),

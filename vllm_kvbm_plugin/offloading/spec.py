@@ -13,8 +13,9 @@ tier there (`disk_bytes_to_use`, default 10 GiB; `disk_eviction_policy`, default
 Worker: on CUDA/ROCm/XPU vLLM's own (CUDA streams, pinned shared memory, tested by vLLM). On the
 CPU platform, where vLLM refuses, KVBMCPUWorker: our numba page copies (tiers/copy.py) between
 vLLM's CPU KV tensors and the same shared-memory primary tier vLLM's worker would use, done
-synchronously at submit (a CPU forward uses every core anyway). It supports chunks of one KV block
-(`block_size` unset or equal to the KV cache block size) and the direct (non-canonical) layout.
+synchronously at submit (a CPU forward uses every core anyway). Chunks of one or several KV blocks
+(`block_size` a multiple of the KV cache block size; a request's first chunk of a group may be
+entered part way, as vLLM's worker does), the direct (non-canonical) layout.
 """
 
 from __future__ import annotations
@@ -66,11 +67,6 @@ class KVBMOffloadingSpec(TieringOffloadingSpec):
         if vllm_has_a_worker():
             return super().get_worker(kv_caches)
         if self._worker is None:
-            if self.blocks_per_chunk != 1:
-                raise ValueError(
-                    "KVBMOffloadingSpec on the CPU platform: an offloaded chunk must be one KV block; "
-                    f"leave block_size unset or set it to the KV cache block size (now {self.blocks_per_chunk} "
-                    "blocks per chunk)")
             if self.config.canonical_layout:
                 raise ValueError("KVBMOffloadingSpec on the CPU platform: canonical_layout is not supported")
             rank = 0 if self.replicated_layout else self.config.parallel.rank
@@ -78,7 +74,7 @@ class KVBMOffloadingSpec(TieringOffloadingSpec):
                                          kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                                          cpu_page_size=self.cpu_page_size_per_worker)
             try:
-                self._worker = KVBMCPUWorker(kv_caches, region)
+                self._worker = KVBMCPUWorker(kv_caches, region, self.blocks_per_chunk)
             except Exception:
                 region.cleanup()
                 raise
@@ -99,16 +95,17 @@ def _words(t: torch.Tensor, what: str) -> np.ndarray:
 class KVBMCPUWorker(OffloadingWorker):
     """Copies between vLLM's CPU KV tensors (one page per block) and the primary tier's shared
     memory (a chunk row holds every worker's pages; this worker's part of tensor t at the offset
-    SharedOffloadRegion gives it)."""
+    SharedOffloadRegion gives it, the chunk's `blocks_per_chunk` pages of t one after another)."""
 
-    def __init__(self, kv_caches, region: SharedOffloadRegion):
+    def __init__(self, kv_caches, region: SharedOffloadRegion, blocks_per_chunk: int = 1):
         self.region = region
+        self.per_chunk = int(blocks_per_chunk)
         self.pool_words = _words(region.base_tensor, "the shared offload region")
         self.pages, self.page_words, self.offsets = [], [], []
         row_stride = None
         for i, t in enumerate(kv_caches.tensors):
             page = t.page_size_bytes
-            view = region.create_next_worker_view(page)  # where vLLM's own worker would put it
+            view = region.create_next_worker_view(page * self.per_chunk)  # where vLLM's own worker puts it
             row_stride = view.stride(0)
             if page % 8 or view.storage_offset() % 8 or row_stride % 8:
                 raise ValueError(f"KVBMCPUWorker: KV tensor {i}: pages of {page} bytes are not 8-byte words")
@@ -119,22 +116,46 @@ class KVBMCPUWorker(OffloadingWorker):
         self.refs = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
         self.finished: list[TransferResult] = []
 
+    def _pages_of(self, gpu_spec, chunks: np.ndarray):
+        """Per group: (KV block ids, their chunks, their page index within the chunk), or None when
+        the spec's counts do not add up. A group's blocks fill its chunks in order, the first
+        chunk from page block_index % blocks_per_chunk on (vLLM's rule)."""
+        k, out, start, used = self.per_chunk, [], 0, 0
+        gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
+        sizes, firsts = list(gpu_spec.group_sizes), gpu_spec.block_indices
+        firsts = [0] * len(sizes) if firsts is None else list(firsts)
+        if len(sizes) != len(self.refs) or sum(sizes) != len(gpu_ids):
+            return None
+        for size, first in zip(sizes, firsts):
+            skip = int(first) % k
+            n = -(-(size + skip) // k) if size else 0
+            if used + n > len(chunks):
+                return None
+            page = (chunks[used: used + n, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)[skip: skip + size]
+            out.append((gpu_ids[start: start + size], page // k, page % k))
+            start, used = start + size, used + n
+        return out if used == len(chunks) else None
+
     def _copy(self, job_id: int, gpu_spec, cpu_spec, to_pool: bool) -> bool:
         t0 = time.perf_counter()
-        gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
-        slots = np.asarray(cpu_spec.block_ids, dtype=np.int64)
-        if len(gpu_ids) != len(slots) or len(gpu_spec.group_sizes) != len(self.refs):
-            logger.error("KVBMCPUWorker: job %d names %d KV blocks for %d chunks in %d groups (one block "
-                         "per chunk expected)", job_id, len(gpu_ids), len(slots), len(gpu_spec.group_sizes))
+        chunks = np.asarray(cpu_spec.block_ids, dtype=np.int64)
+        groups = self._pages_of(gpu_spec, chunks)
+        if groups is None:
+            logger.error("KVBMCPUWorker: job %d names %d KV blocks in groups %s for %d chunks of %d blocks: "
+                         "the counts do not add up", job_id, len(gpu_spec.block_ids), list(gpu_spec.group_sizes),
+                         len(chunks), self.per_chunk)
             self.finished.append(TransferResult(job_id, False))
             return True
-        jobs, start, nbytes = [], 0, 0
-        for size, tensors in zip(gpu_spec.group_sizes, self.refs):
-            ids, sl = gpu_ids[start: start + size], slots[start: start + size]
-            start += size
-            for t in dict.fromkeys(tensors):
-                jobs.append((self.pages[t], self.page_words[t], self.offsets[t], ids, sl))
-                nbytes += 8 * self.page_words[t] * size
+        jobs, nbytes = [], 0
+        for (ids, slots, page), tensors in zip(groups, self.refs):
+            for j in (range(self.per_chunk) if self.per_chunk > 1 else (None,)):
+                sel = (ids, slots) if j is None else (ids[page == j], slots[page == j])
+                if not len(sel[0]):
+                    continue
+                for t in dict.fromkeys(tensors):  # page j of tensor t: j pages past t's offset in the row
+                    w = self.page_words[t]
+                    jobs.append((self.pages[t], w, self.offsets[t] + (j or 0) * w, *sel))
+                    nbytes += 8 * w * len(sel[0])
         try:
             copy_pages(jobs, self.pool_words, self.row_words, to_pool)
             ok = True
