@@ -86,7 +86,7 @@ class RotaryWorker(SimulatedWorker):
                         raise AssertionError(f"{rid}: {what} of token {int(bad[0])} is not what the forward writes")
 
 
-def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE) -> SchedulerHarness:
+def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, **connector) -> SchedulerHarness:
     model = tmp_path / "llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
@@ -96,7 +96,7 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE) -> SchedulerH
         "rope_scaling": rope, "rope_theta": rope["rope_theta"], "torch_dtype": "float32"}))
     h = SchedulerHarness(HarnessConfig(model_dir=str(model), hybrid=False, block_size=B, hash_block_size=None,
                                        num_blocks=num_blocks, max_model_len=1024,
-                                       connector={"cpu_bytes_to_use": cpu_bytes}))
+                                       connector={"cpu_bytes_to_use": cpu_bytes, **connector}))
     for w in h.workers:
         w.__class__ = RotaryWorker
         w.setup(h.vllm_config)
@@ -206,6 +206,22 @@ def test_evicted_blocks_leave_the_index(tmp_path):
     h.reset_prefix_cache()
     # the evicted blocks (the preamble and documents 0-1) are gone: no exact hit, no run to continue
     assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
+
+
+def test_blocks_prefetched_from_disk_are_indexed(tmp_path):
+    disk = str(tmp_path / "disk")
+    h = harness(tmp_path, disk_path=disk)
+    serve(h, prompt([0, 1, 2, 3]))
+    # a new engine on the same disk: the blocks are on disk only, the CPU tier and index are empty
+    h = harness(tmp_path, disk_path=disk)
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
+    h.reset_prefix_cache()
+    # the first prompt again: a disk hit, prefetched into CPU slots, and indexed on the way
+    assert serve(h, prompt([0, 1, 2, 3])) == 18 * B
+    assert len(h.connector.pic.indexes[None]) == 18
+    h.reset_prefix_cache()
+    assert serve(h, prompt([2, 0, 3, 1]), cache_salt="kvbm-pic:other") == 18 * B
+    assert pinned(h) == 0
 
 
 def test_hybrid_models_have_no_planner():

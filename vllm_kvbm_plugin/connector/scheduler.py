@@ -275,6 +275,8 @@ class SchedulerSide:
             entry = self.cpu.prepare_store(n.key, parent, announce)
             if entry is None:
                 return needs[i:]
+            if self.pic is not None and n.kind == KV:
+                self.pic.stored(st.request, n.index, n.key, parent)
             if from_disk:
                 self.disk.prefetch(n.key)
                 self.meta.prefetches.append(Prefetch(n.key, entry.slot))
