@@ -60,13 +60,23 @@ def _count_tiers(batch, tiers: dict[str, dict[str, int]]) -> None:
 
 
 def _validate(args) -> int:
+    import heapq
+
     from vllm_kvbm_plugin.events import recording
     from vllm_kvbm_plugin.events.validator import Validator
 
     v = Validator(prompts=_prompts(args.prompts))
-    with open(args.file) as fp:
-        for seq, batch in recording.read(fp):
-            v.apply(batch, seq)
+    files = [open(f) for f in args.file]
+    try:  # several recordings: one stream each (a publisher), merged by batch time
+        def stream(i, fp):
+            for seq, b in recording.read(fp):
+                yield b.ts, i, seq, b
+        streams = [stream(i, fp) for i, fp in enumerate(files)]
+        for _, i, seq, batch in heapq.merge(*streams, key=lambda r: (r[0], r[1])):
+            v.apply(batch, seq, stream=i if len(files) > 1 else None)
+    finally:
+        for fp in files:
+            fp.close()
     print(json.dumps(v.report(), indent=2))
     for p in v.problems[:20]:  # the report's first_problems, one line each on stderr
         print(f"#{p.seq} {p.rule} [{p.tier}]: {p.detail}", file=sys.stderr)
@@ -81,6 +91,27 @@ def _prompts(path):
 
     with open(path) as fp:
         return read_prompts(fp)
+
+
+def _announce(args) -> int:
+    import logging
+    import threading
+
+    from vllm_kvbm_plugin.events.announcer import RemoteAnnouncer, ServerRefused, publish_to, zmq_publisher
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    publisher = zmq_publisher(args.endpoint, args.replay_endpoint, args.topic)
+    try:
+        RemoteAnnouncer(args.remote_url, publish_to(publisher), args.rescan_interval).run(stop)
+    except ServerRefused as e:
+        print(f"vllm-kvbm announce: {e}", file=sys.stderr)
+        return 2
+    finally:
+        publisher.shutdown()
+    return 0
 
 
 def _tiny_model(args) -> int:
@@ -139,11 +170,22 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     s.set_defaults(func=_subscribe)
 
-    v = sub.add_parser("validate", help="check a recorded stream (JSON lines from `subscribe`)")
-    v.add_argument("file")
+    v = sub.add_parser("validate", help="check recorded streams (JSON lines from `subscribe`); several "
+                       "files: the streams of a fleet's instances and the announcer, merged by batch time")
+    v.add_argument("file", nargs="+")
     v.add_argument("--prompts", help='JSON lines, one per request: {"token_ids": [...], "images": '
                    '[{"offset": N, "length": N, "identifier": optional}]}; checks each prompt block\'s extra_keys')
     v.set_defaults(func=_validate)
+
+    a = sub.add_parser("announce", help="publish the remote tier's KV events once per tier (vLLM's wire "
+                       "format, with replay), from the server's keyspace notifications")
+    a.add_argument("--remote-url", required=True, help="the fleet's remote_url (redis://, rediss://, unix://)")
+    a.add_argument("--endpoint", default="tcp://*:5560", help="PUB endpoint to bind")
+    a.add_argument("--replay-endpoint", default=None, help="ROUTER endpoint to bind for replay requests")
+    a.add_argument("--topic", default="", help="topic of the published batches")
+    a.add_argument("--rescan-interval", type=float, default=60.0,
+                   help="seconds between full rescans of the server's keys (also after every reconnect)")
+    a.set_defaults(func=_announce)
 
     t = sub.add_parser("tiny-model", help="build a tiny random-weight model locally (no hub)")
     t.add_argument("kind", choices=KINDS)

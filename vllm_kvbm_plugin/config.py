@@ -15,6 +15,7 @@ import os
 
 CONNECTOR_NAME = "KVBMConnector"
 DERIVED = ("pic_model",)  # KVBMConfig fields filled from the model, never from the user
+REMOTE_EVENTS = ("announcer", "instance")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,9 @@ class KVBMConfig:
     # derived from the model by connector_config, not a setting: connector.pic.PicModel when
     # position-independent loads can re-rotate its K, else why not (a string)
     pic_model: object = dataclasses.field(default=None, compare=False, repr=False)
+    # who announces the remote tier's entries: "announcer" (`vllm-kvbm announce`, once per tier,
+    # server evictions included) or "instance" (each instance its own writes; a lone instance)
+    remote_events: str = "announcer"
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "KVBMConfig":
@@ -67,6 +71,9 @@ class KVBMConfig:
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b <= 1000:
             raise ValueError(f"{CONNECTOR_NAME}: remote_lookup_budget_ms must be a number of ms in [0, 1000], "
                              f"got {b!r}")
+        if cfg.remote_events not in REMOTE_EVENTS:
+            raise ValueError(f"{CONNECTOR_NAME}: remote_events must be one of {', '.join(REMOTE_EVENTS)}, "
+                             f"got {cfg.remote_events!r}")
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
             raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
         if os.environ.get("KVBM_KEY_SECRET"):  # a malformed one fails here, before the engine starts

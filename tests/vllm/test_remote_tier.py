@@ -57,7 +57,8 @@ def idle(h: SchedulerHarness) -> bool:
 
 @pytest.mark.parametrize("hybrid, hit", [(False, 192), (True, 192)])
 def test_instance_b_hits_what_instance_a_stored(server, hybrid, hit):
-    a, b = instance(server.url, hybrid), instance(server.url, hybrid)
+    # remote_events "instance": each instance announces its own writes (no announcer here)
+    a, b = instance(server.url, hybrid, remote_events="instance"), instance(server.url, hybrid, remote_events="instance")
     p = prompt()
     assert serve(a, p) == 0
     assert server.client().dbsize() > 0

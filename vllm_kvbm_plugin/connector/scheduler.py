@@ -103,7 +103,8 @@ class SchedulerSide:
         self.cpu = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
         self.disk = DiskTier(layout, cfg.eviction_policy) if layout.disk_path else None
         remote_on = cfg.remote_url and not layout.remote_off  # off: the secret could not be read from it
-        self.remote = RemoteTier(layout, cfg.remote_url, cfg.remote_lookup_budget_ms) if remote_on else None
+        self.remote = RemoteTier(layout, cfg.remote_url, cfg.remote_lookup_budget_ms,
+                                 announce=cfg.remote_events == "instance") if remote_on else None
         self.quorum = Quorum(layout.world)
         self.events = EventBuilder(layout)
         self.requests: dict[str, RequestKeys] = {}

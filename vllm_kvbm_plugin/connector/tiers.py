@@ -341,15 +341,18 @@ class RemoteTier:
     `budget` seconds in all, a request at most LOOKUP_PATIENCE (it waits steps meanwhile), and
     a lookup that takes longer, or a server that failed (Breaker), is a miss.
 
-    Events: this instance announces the entries it wrote (STORAGE, REMOTE, ownership = the tier's
-    id), and the removal of those it later finds missing or corrupt; evictions by the server are
-    not seen here."""
+    Events: every value's metadata carries the entry's events (STORAGE, REMOTE, ownership = the
+    tier's id), which `vllm-kvbm announce` publishes once per tier (events/announcer.py). With
+    `announce` (remote_events "instance") this instance also announces the entries it wrote, and
+    the removal of those it later finds missing or corrupt; evictions by the server are not seen
+    here then."""
 
     PRESENT_TTL = 10.0  # s: a key seen present is trusted that long without asking again
     LOOKUP_PATIENCE = 0.2  # s: a request waits (steps) that long for its lookup, then it is a miss
     MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for removals)
 
-    def __init__(self, layout: Layout, url: str, budget_ms: float):
+    def __init__(self, layout: Layout, url: str, budget_ms: float, announce: bool = True):
+        self.announce = announce
         root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
         self.name = storage_tier(f"kvbm-remote:{root_hex}", LOCALITY_REMOTE)
         self.url = url
@@ -498,7 +501,8 @@ class RemoteTier:
             return
         self.present[key] = time.monotonic()
         # announced only with its parent, as the other tiers are (a router needs the chain)
-        if a is not None and a.events and key not in self.announced and (parent is None or parent in self.announced):
+        if (self.announce and a is not None and a.events and key not in self.announced
+                and (parent is None or parent in self.announced)):
             self.events += a.events
             a.announced = True
             self.announced[key] = a

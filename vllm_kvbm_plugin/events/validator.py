@@ -26,6 +26,13 @@ block's last unit, so with coarse and per-unit events both on the same hash is h
 a removal takes the largest size first, the order in which the plugin emits them.
 AllBlocksCleared clears the GPU medium (and events without a medium) only: vLLM emits it from the
 GPU prefix cache reset. Problems name the tier key (`Tier.label`, e.g. "STORAGE:LOCAL:<ownership>").
+
+Merged streams (several publishers: instances of a fleet and the remote tier's announcer, see
+events/announcer.py): `apply(..., stream=...)` names the publisher. Local tiers (GPU, CPU,
+STORAGE LOCAL) are indexed per stream; a REMOTE tier is one index shared by every stream and data
+parallel rank (it is one store), so a remote entry announced by two publishers is a
+duplicate_store. An AllBlocksCleared from a stream that announced remote tiers only (the
+announcer's) clears those tiers: the whole store was flushed.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from collections.abc import Iterable
 from typing import IO
 
 from vllm_kvbm_plugin.events.types import (
+    LOCALITY_REMOTE,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -111,7 +119,8 @@ def read_prompts(fp: IO[str]) -> list[Prompt]:
 
 class Validator:
     def __init__(self, max_problems_kept: int = 1000, prompts: Iterable[Prompt] | None = None):
-        # index key (dp, medium, locality, ownership, group) -> its index
+        # index key (dp, medium, locality, ownership, group, stream) -> its index; dp and stream are
+        # None for REMOTE tiers (shared by every publisher)
         self._held: dict[tuple, _Index] = {}
         self.counts: Counter[str] = Counter()
         self.problems: list[Problem] = []
@@ -125,6 +134,7 @@ class Validator:
         # blocks placed on a prompt; kept after removal, since a hash names the same tokens forever
         self._placed: dict[tuple, tuple[int, dict[int, tuple]]] = {}
         self.prompt_blocks: Counter[str] = Counter()  # "checked", "with_images"
+        self._stream_tiers: dict = {}  # stream -> tiers it announced (for AllBlocksCleared)
 
     @property
     def errors(self) -> int:
@@ -135,7 +145,7 @@ class Validator:
         """Hashes currently held (for assertions and inspection); locality and ownership None
         match any."""
         out: set = set()
-        for (d, m, loc, own, g), index in self._held.items():
+        for (d, m, loc, own, g, _), index in self._held.items():
             if (m == medium and (group is None or g == group) and (dp is None or d == dp)
                     and (locality is None or loc == locality) and (ownership is None or own == ownership)):
                 for bs, hashes in index.sizes.items():
@@ -143,21 +153,34 @@ class Validator:
                         out |= hashes
         return out
 
-    def apply(self, batch: KVEventBatch, seq: int | None = None) -> None:
+    def apply(self, batch: KVEventBatch, seq: int | None = None, stream=None) -> None:
+        """Apply one batch of the publisher `stream` (any hashable name; None for one stream)."""
         self.batches += 1
         dp = batch.data_parallel_rank
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self._stored(dp, ev, seq)
+                self._stored(self._key(dp, ev, stream), ev, seq)
             elif isinstance(ev, BlockRemoved):
-                self._removed(dp, ev, seq)
+                self._removed(self._key(dp, ev, stream), ev, seq)
             elif isinstance(ev, AllBlocksCleared):
+                tiers = self._stream_tiers.get(stream, ())
+                if tiers and all(t[1] == LOCALITY_REMOTE for t in tiers):  # the announcer's: a flush
+                    for key, index in self._held.items():
+                        if key[1:4] in tiers:
+                            index.sizes = {}
+                    continue
                 for key, index in self._held.items():
-                    if key[0] == dp and key[1] in (MEDIUM_GPU, None):
+                    if key[0] == dp and key[5] == stream and key[1] in (MEDIUM_GPU, None):
                         index.sizes = {}
 
-    def _stored(self, dp, ev: BlockStored, seq) -> None:
-        gkey = (dp, ev.medium, ev.locality, ev.ownership, ev.group_idx)
+    def _key(self, dp, ev, stream) -> tuple:
+        tier = (ev.medium, ev.locality, ev.ownership)
+        self._stream_tiers.setdefault(stream, set()).add(tier)
+        if ev.locality == LOCALITY_REMOTE:
+            return (None, *tier, ev.group_idx, None)
+        return (dp, *tier, ev.group_idx, stream)
+
+    def _stored(self, gkey: tuple, ev: BlockStored, seq) -> None:
         sparse = ev.kv_cache_spec_kind in SPARSE_KINDS
         index = self._held.get(gkey) or self._new_index(gkey)
         held = index.sizes.setdefault(ev.block_size, set())
@@ -217,12 +240,11 @@ class Validator:
                 want = [(im.identifier or "?", off) for _, im, off in _images_in(prompts[p], start, bs)]
                 self._problem("extra_keys", seq, f"{_short(h)} = tokens [{start}, {start + bs}) of prompt "
                               f"{prompts[p].name or p}: extra_keys {got or None}, expected {want or None}",
-                              (None, ev.medium, ev.locality, ev.ownership, ev.group_idx))
+                              (None, ev.medium, ev.locality, ev.ownership, ev.group_idx, None))
                 placed = {p: (b, True) for p, (b, _) in placed.items()}  # reported once, not per child
             self._placed[(bs, h)] = (start, placed)
 
-    def _removed(self, dp, ev: BlockRemoved, seq) -> None:
-        gkey = (dp, ev.medium, ev.locality, ev.ownership, ev.group_idx)
+    def _removed(self, gkey: tuple, ev: BlockRemoved, seq) -> None:
         index = self._held.get(gkey) or self._new_index(gkey)
         sizes = index.sizes
         rest = ev.block_hashes
@@ -306,8 +328,9 @@ def _tier(gkey: tuple) -> Tier:
 
 def _where(gkey: tuple) -> str:
     """The index an event applies to, as problems name it (built only for problems: it is slow)."""
-    dp, group = gkey[0], gkey[4]
-    return f"tier {_tier(gkey).label} group {group}" + (f" dp {dp}" if dp is not None else "")
+    dp, group, stream = gkey[0], gkey[4], gkey[5]
+    return (f"tier {_tier(gkey).label} group {group}" + (f" dp {dp}" if dp is not None else "")
+            + (f" stream {stream}" if stream is not None else ""))
 
 
 def _short(h) -> str:

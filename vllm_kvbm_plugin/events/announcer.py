@@ -1,0 +1,393 @@
+"""`vllm-kvbm announce`: the remote tier's KV events, published once per tier instead of once per
+instance, from the server's own view of its keys.
+
+Every instance of a fleet writes entries into one Redis / Valkey server, and the server evicts
+any of them when it likes; no instance sees all writes or any eviction. This process does: it
+subscribes to the server's keyspace notifications for our keys (`kvbm:<format>:<layout root>:
+r<rank>:<key>`, see tiers/remote.py) and publishes, in vLLM's wire format (its own
+ZmqEventPublisher: PUB socket, sequence numbers, ROUTER replay socket), BlockStored when an
+entry's values are in place and BlockRemoved when one is deleted, expired or evicted. The events
+are the ones the writing instance would have announced: each value's metadata carries them
+(tiers/disk.py encode_meta), read with two small GETRANGEs (header, then metadata), never the
+payload. An entry is announced after its parent, as the instances announce their tiers.
+
+Notifications are fire-and-forget (nothing is replayed to a subscriber that was away, and a
+flush sends none), so after every (re)connect, whenever our marker key vanished (FLUSHALL,
+FLUSHDB, a restart) and every `rescan_interval`, a SCAN of our prefix is diffed with what was
+announced: entries gone are removed (AllBlocksCleared when none of them is left), new ones
+announced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+import uuid
+
+import msgspec
+
+from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
+from vllm_kvbm_plugin.events.validator import SPARSE_KINDS
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+
+logger = get_logger("announcer")
+
+NOTIFY_FLAGS = "Kg$xe"  # keyspace channel; generic (del, rename), string (set), expired, evicted
+_ENTRY_NAME = re.compile(rb"kvbm:(\d+):([0-9a-f]{32}):r(\d+):([0-9a-f]{32})")
+_WRITTEN = frozenset({b"set", b"setrange", b"append", b"restore", b"rename_to", b"copy_to", b"move_to"})
+_GONE = frozenset({b"del", b"expired", b"evicted", b"rename_from", b"move_from", b"unlink"})
+_SCAN_COUNT = 1000
+_READ_BATCH = 256  # metadata reads per pipelined round trip
+
+
+class ServerRefused(RuntimeError):
+    """The server cannot send what the announcer needs (keyspace notifications off and CONFIG SET
+    not allowed): retrying will not help."""
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One entry of the tier: its values (one per tensor-parallel rank) and its events."""
+    ranks: set
+    events: list | None = None  # BlockStored per group, read from rank 0's metadata
+    end: int = 0
+    announced: bool = False
+
+
+def entry_of(name: bytes) -> tuple[tuple[bytes, bytes], int] | None:
+    """((layout root hex, key hex), rank) of one of our value names in the current format."""
+    m = _ENTRY_NAME.fullmatch(name)
+    if m is None or int(m.group(1)) != diskfmt.VERSION:
+        return None
+    return (m.group(2), m.group(4)), int(m.group(3))
+
+
+def value_name(eid: tuple[bytes, bytes], rank: int) -> bytes:
+    return b"kvbm:%d:%s:r%d:%s" % (diskfmt.VERSION, eid[0], rank, eid[1])
+
+
+class RemoteAnnouncer:
+    """The remote tier's event source. `publish(events)` gets each batch of vLLM events (vLLM's
+    BlockStored / BlockRemoved / AllBlocksCleared); `run(stop)` serves until `stop` is set,
+    reconnecting (and rescanning) whenever the server fails."""
+
+    PROBE_TIMEOUT = 5.0  # s: our marker's notification must arrive within this
+
+    def __init__(self, url: str, publish, rescan_interval: float = 60.0, check_interval: float = 1.0):
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        self.url, self.publish = url, publish
+        self.rescan_interval, self.check_interval = rescan_interval, check_interval
+        self._stored, self._removed, self._cleared = BlockStored, BlockRemoved, AllBlocksCleared
+        self._decode = msgspec.msgpack.Decoder(BlockStored).decode
+        self.entries: dict = {}  # (root hex, key hex) -> _Entry
+        self.world: dict = {}  # root hex -> ranks seen (max rank + 1)
+        self.held: dict = {}  # (ownership, group, vLLM hash) -> entry id announced with it
+        self.marker = f"kvbm:announcer:{uuid.uuid4().hex}"
+        self.counters = {"stored": 0, "removed": 0, "cleared": 0, "rescans": 0, "connects": 0}
+        self.connected = threading.Event()  # set while subscribed and rescanned
+        self._out: list = []
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        backoff, failing = 0.5, False
+        while not stop.is_set():
+            connects = self.counters["connects"]
+            try:
+                self._serve(stop)
+                return
+            except ServerRefused:
+                raise
+            except Exception as e:  # any client error: reconnect (then rescan), one log line per outage
+                if self.counters["connects"] > connects:
+                    failing, backoff = False, 0.5
+                if not failing:
+                    logger.warning("announcer: server %s failed (%s: %s); reconnecting", self.url,
+                                   type(e).__name__, e)
+                    failing = True
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _serve(self, stop: threading.Event) -> None:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no silent retries: a reconnect must go through a rescan (notifications in between are lost)
+        client = redis.Redis.from_url(self.url, socket_timeout=10, socket_connect_timeout=2,
+                                      retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        try:
+            client.ping()
+            config = self._enable_notifications(client)
+            db = client.connection_pool.connection_kwargs.get("db", 0)
+            prefix = f"__keyspace@{db}__:".encode()
+            pubsub.psubscribe(prefix + b"kvbm:*")  # before the scan: no change falls between them
+            marked = self._mark(client)
+            early = self._probe(pubsub, len(prefix), config) if marked else {}
+            self._rescan(client)
+            if early:
+                self._apply(client, early)
+            self.counters["connects"] += 1
+            self.connected.set()
+            logger.info("announcer: subscribed to %s, %d entries announced", self.url, len(self.held))
+            next_check = next_rescan = time.monotonic()
+            next_check += self.check_interval
+            next_rescan += self.rescan_interval
+            while not stop.is_set():
+                changes = self._drain(pubsub, len(prefix))
+                if changes:
+                    self._apply(client, changes)
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = now + self.check_interval
+                    if marked and client.get(self.marker) is None:  # flushed: no notification says so
+                        marked = self._mark(client)
+                        self._rescan(client)
+                if now >= next_rescan:
+                    next_rescan = now + self.rescan_interval
+                    self._rescan(client)
+        finally:
+            self.connected.clear()
+            pubsub.close()
+            client.close()
+
+    def _mark(self, client) -> bool:
+        """Write our marker key (a flush or restart removes it); False if the server refuses
+        (out of memory with nothing to evict): then only the periodic rescans see a flush."""
+        import redis
+
+        try:
+            client.set(self.marker, b"1")
+            return True
+        except redis.ResponseError as e:
+            logger.warning("announcer: cannot write the marker key %s (%s); a flush is seen at the next "
+                           "rescan only", self.marker, e)
+            return False
+
+    def _enable_notifications(self, client) -> str:
+        """Add our flags to notify-keyspace-events if they are missing; what happened, for errors."""
+        import redis
+
+        try:
+            have = client.config_get("notify-keyspace-events").get("notify-keyspace-events", "")
+        except redis.ResponseError as e:  # CONFIG not allowed: the probe tells whether they are on
+            return f"CONFIG GET refused: {e}"
+        have = have.decode() if isinstance(have, bytes) else have
+        flags = set(have.replace("A", "g$lshzxetd"))
+        if {"K", "g", "$", "x", "e"} <= flags:
+            return f"notify-keyspace-events is {have!r}"
+        want = "".join(sorted(flags | set(NOTIFY_FLAGS)))
+        try:
+            client.config_set("notify-keyspace-events", want)
+        except redis.ResponseError as e:
+            raise ServerRefused(
+                f"{self.url} sends no keyspace notifications for our keys (notify-keyspace-events is "
+                f"{have!r}) and refused CONFIG SET ({e}): set `notify-keyspace-events {NOTIFY_FLAGS}` "
+                f"(or add those flags) in the server's configuration") from e
+        logger.info("announcer: notify-keyspace-events %r -> %r", have, want)
+        return f"notify-keyspace-events set to {want!r}"
+
+    def _probe(self, pubsub, skip: int, config: str) -> dict:
+        """Wait for the notification of our marker's SET: proof that notifications reach us. The
+        changes seen meanwhile are returned, to apply after the rescan."""
+        seen: dict = {}
+        deadline = time.monotonic() + self.PROBE_TIMEOUT
+        while self.marker.encode() not in seen:
+            if time.monotonic() > deadline:
+                raise ServerRefused(
+                    f"{self.url} sends no keyspace notifications for our keys ({config}): set "
+                    f"`notify-keyspace-events {NOTIFY_FLAGS}` (or add those flags) in the server's "
+                    f"configuration, or allow this client CONFIG GET and CONFIG SET")
+            seen.update(self._drain(pubsub, skip))
+        return seen
+
+    def _drain(self, pubsub, skip: int) -> dict:
+        """Notifications of the next moment: value name -> written (True) or gone (False)."""
+        changes: dict = {}
+        msg = pubsub.get_message(timeout=0.05)
+        while msg is not None and len(changes) < 10000:
+            if msg.get("type") == "pmessage":
+                event = msg["data"]
+                if event in _WRITTEN:
+                    changes[msg["channel"][skip:]] = True
+                elif event in _GONE:
+                    changes[msg["channel"][skip:]] = False
+            msg = pubsub.get_message(timeout=0)
+        return changes
+
+    # ---- changes ---------------------------------------------------------------------------
+    def _apply(self, client, changes: dict) -> None:
+        touched, to_read = set(), []
+        for name, written in changes.items():
+            parsed = entry_of(name)
+            if parsed is None:
+                continue
+            eid, rank = parsed
+            e = self.entries.get(eid)
+            if written:
+                if e is None:
+                    e = self.entries[eid] = _Entry(set())
+                e.ranks.add(rank)
+                self.world[eid[0]] = max(self.world.get(eid[0], 1), rank + 1)
+                if rank == 0 and not e.announced:
+                    to_read.append(eid)  # (re)written: its metadata may be new
+            elif e is not None:
+                e.ranks.discard(rank)
+            touched.add(eid)
+        self._read_meta(client, to_read)
+        for eid in touched:
+            e = self.entries.get(eid)
+            if e is not None and e.announced and not self._complete(eid, e):
+                self._unannounce(eid, e)
+            if e is not None and not e.ranks:
+                del self.entries[eid]
+        self._announce_ready()
+        self._flush()
+
+    def _rescan(self, client) -> None:
+        """Diff the server's keys with what we know: removals (AllBlocksCleared when every
+        announced entry is gone), then new entries."""
+        self.counters["rescans"] += 1
+        found: dict = {}
+        for name in client.scan_iter(match=b"kvbm:*", count=_SCAN_COUNT):
+            parsed = entry_of(name)
+            if parsed is not None:
+                found.setdefault(parsed[0], set()).add(parsed[1])
+        announced = [eid for eid, e in self.entries.items() if e.announced]
+        if announced and not any(eid in found for eid in announced):
+            self._out.append(self._cleared())
+            self.counters["cleared"] += 1
+            self.entries, self.held = {}, {}
+        for eid in [eid for eid in self.entries if eid not in found]:
+            e = self.entries.pop(eid)
+            if e.announced:
+                self._unannounce(eid, e)
+        to_read = []
+        for eid, ranks in found.items():
+            self.world[eid[0]] = max(self.world.get(eid[0], 1), max(ranks) + 1)
+            e = self.entries.get(eid)
+            if e is None:
+                e = self.entries[eid] = _Entry(set(ranks))
+            else:
+                e.ranks = set(ranks)
+            if e.announced and not self._complete(eid, e):
+                self._unannounce(eid, e)
+            if e.events is None and 0 in ranks:
+                to_read.append(eid)
+        self._read_meta(client, to_read)
+        self._announce_ready()
+        self._flush()
+
+    def _read_meta(self, client, eids: list) -> None:
+        """Each entry's events from rank 0's metadata: the header (64 bytes) gives the lengths,
+        a second GETRANGE reads the metadata only."""
+        for i in range(0, len(eids), _READ_BATCH):
+            batch = eids[i:i + _READ_BATCH]
+            pipe = client.pipeline(transaction=False)
+            for eid in batch:
+                pipe.getrange(value_name(eid, 0), 0, diskfmt.HEADER_SIZE - 1)
+            ranges = []
+            for eid, head in zip(batch, pipe.execute()):
+                r = self._meta_range(eid, head)
+                if r is not None:
+                    ranges.append((eid, r))
+            pipe = client.pipeline(transaction=False)
+            for eid, (start, n) in ranges:
+                pipe.getrange(value_name(eid, 0), start, start + n - 1)
+            for (eid, (_, n)), blob in zip(ranges, pipe.execute()):
+                e = self.entries.get(eid)
+                if e is not None and len(blob) == n:
+                    self._describe(eid, e, blob)
+
+    def _meta_range(self, eid, head: bytes) -> tuple[int, int] | None:
+        if len(head) != diskfmt.HEADER_SIZE:
+            return None
+        magic, version, flags, key, _fp, plen, mlen, _sum, reserved = diskfmt._HEADER.unpack(head)
+        if (magic != diskfmt.MAGIC or version != diskfmt.VERSION or flags or reserved
+                or key.hex().encode() != eid[1] or not 0 < mlen <= diskfmt.MAX_META):
+            return None
+        return diskfmt.HEADER_SIZE + plen, mlen
+
+    def _describe(self, eid, e: _Entry, blob: bytes) -> None:
+        info = diskfmt.decode_meta(blob)
+        if info is None:
+            return
+        name = storage_tier(f"kvbm-remote:{eid[0].decode()}", LOCALITY_REMOTE)
+        try:
+            events = [msgspec.structs.replace(self._decode(ev), medium=name.medium, locality=name.locality,
+                                              ownership=name.ownership) for ev in info[1]]
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if events and all(len(ev.block_hashes) == 1 for ev in events):
+            e.events, e.end = events, info[0]
+
+    # ---- announcing --------------------------------------------------------------------------
+    def _complete(self, eid, e: _Entry) -> bool:
+        return all(r in e.ranks for r in range(self.world.get(eid[0], 1)))
+
+    def _parents_held(self, e: _Entry) -> bool:
+        return all(ev.parent_block_hash is None or ev.kv_cache_spec_kind in SPARSE_KINDS
+                   or (ev.ownership, ev.group_idx, ev.parent_block_hash) in self.held for ev in e.events)
+
+    def _announce_ready(self) -> None:
+        """Announce every complete, described entry whose parents are announced, parents first."""
+        waiting = sorted(((e.end, eid) for eid, e in self.entries.items()
+                          if not e.announced and e.events and self._complete(eid, e)), key=lambda w: w[0])
+        progress = True
+        while waiting and progress:
+            progress, rest = False, []
+            for end, eid in waiting:
+                e = self.entries[eid]
+                slots = [(ev.ownership, ev.group_idx, ev.block_hashes[0]) for ev in e.events]
+                if any(s in self.held for s in slots):
+                    continue  # another key announced the same block (never expected): skip it
+                if not self._parents_held(e):
+                    rest.append((end, eid))
+                    continue
+                for s in slots:
+                    self.held[s] = eid
+                self._out += e.events
+                e.announced = True
+                self.counters["stored"] += 1
+                progress = True
+            waiting = rest
+
+    def _unannounce(self, eid, e: _Entry) -> None:
+        e.announced = False
+        for ev in e.events:
+            slot = (ev.ownership, ev.group_idx, ev.block_hashes[0])
+            if self.held.get(slot) == eid:
+                del self.held[slot]
+                self._out.append(self._removed(block_hashes=[ev.block_hashes[0]], medium=ev.medium,
+                                               group_idx=ev.group_idx, locality=ev.locality,
+                                               ownership=ev.ownership))
+        self.counters["removed"] += 1
+
+    def _flush(self) -> None:
+        if self._out:
+            events, self._out = self._out, []
+            self.publish(events)
+
+
+def zmq_publisher(endpoint: str, replay_endpoint: str | None = None, topic: str = ""):
+    """vLLM's own ZmqEventPublisher (PUB + ROUTER replay, sequence numbers, replay buffer), always
+    binding its endpoints: subscribers and routers connect to the announcer."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    class _Bound(ZmqEventPublisher):
+        @staticmethod
+        def _is_bind_endpoint(endpoint: str) -> bool:
+            return True
+
+    return _Bound(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay_endpoint, topic=topic)
+
+
+def publish_to(publisher):
+    """`publish` for RemoteAnnouncer: one KVEventBatch per call, through `publisher`."""
+    from vllm.distributed.kv_events import KVEventBatch
+
+    return lambda events: publisher.publish(KVEventBatch(ts=time.time(), events=events))
