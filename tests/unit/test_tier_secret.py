@@ -58,6 +58,12 @@ def test_disk_secret_is_written_once_private_and_read_back(tmp_path):
     assert sorted(os.listdir(root)) == [secret.FILE_NAME]  # no temporary file left
 
 
+def test_an_unusable_disk_path_falls_back_to_a_process_secret(tmp_path, caplog):
+    (tmp_path / "file").write_text("x")
+    s = secret.load(None, str(tmp_path / "file" / "kv"), env={})  # the engine keeps serving, disk tier off
+    assert s.source == "process" and len(s.key) == 16 and "cannot keep the block-key secret" in caplog.text
+
+
 @pytest.mark.parametrize("damage", ["short", "long", "not-hex", "symlink", "directory", "fifo"])
 def test_a_malformed_disk_secret_is_a_startup_error_and_stays(tmp_path, damage):
     path = tmp_path / secret.FILE_NAME

@@ -12,7 +12,8 @@ comes from, first match wins:
 3. with a disk tier (`disk_path`): the file `kvbm-key-secret` at the root of disk_path, written
    once (0600, published by a hard link so nobody reads half a file) and read with the disk tier's
    checks (no symlink followed, a regular file of exactly the right size). A malformed file is a
-   startup error, never replaced;
+   startup error, never replaced; a disk_path that cannot be written (the disk tier then fails
+   too) falls through to 4;
 4. else a random secret for this process: the CPU tier lives no longer than the process.
 
 The connector's processes (scheduler and workers) each load it the same way and agree; each
@@ -172,7 +173,11 @@ def load(remote_url: str | None, disk_path: str | None, env: dict | None = None)
                            "instances'); set %s to share a secret without asking the server", remote_url,
                            type(e).__name__, e, ENV)
     if disk_path:
-        return TierSecret(from_disk(disk_path), "disk", remote_off)
+        try:
+            return TierSecret(from_disk(disk_path), "disk", remote_off)
+        except OSError as e:  # an unusable disk_path: the disk tier is off too (the workers find out)
+            logger.warning("KVBMConnector: cannot keep the block-key secret in %s (%s); this process uses "
+                           "a secret of its own", disk_path, e)
     return TierSecret(secrets.token_bytes(SECRET_BYTES), "process", remote_off)
 
 
