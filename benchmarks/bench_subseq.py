@@ -54,7 +54,7 @@ def main() -> None:
     root = KEYER.root("bench", "bfloat16", "LBHNC", unit)
 
     fresh = rng.integers(0, 150000, args.tokens).astype(np.int64)  # a request nothing holds
-    print(f"{args.tokens} tokens, unit {unit}, {len(index)} units stored, table {len(index.tab_slot)} buckets")
+    print(f"{args.tokens} tokens, unit {unit}, {len(index)} units stored, table {len(index.tab)} buckets")
     for name, req in (("RAG request (stored documents, reordered)", request), ("request with no reuse", fresh)):
         tokens = req.tolist()
         m = index.find(tokens)  # compile / load the cached kernels

@@ -18,6 +18,7 @@ from vllm_kvbm_plugin.events.types import (
     KVEventBatch,
 )
 from vllm_kvbm_plugin.reuse.subseq import (
+    _MIX,
     DEFAULT_BASE,
     Run,
     SubseqIndex,
@@ -26,6 +27,7 @@ from vllm_kvbm_plugin.reuse.subseq import (
     feed_batch,
     reference_find,
     reference_window_hashes,
+    _mixed_hashes,
     window_hashes,
 )
 
@@ -53,6 +55,21 @@ def test_window_hashes_match_reference():
         assert [int(h) for h in window_hashes(np.array(t, np.int64), unit, np.uint64(DEFAULT_BASE))] \
             == reference_window_hashes(t, unit)
     assert len(window_hashes(np.array([1, 2], np.int64), 3, np.uint64(DEFAULT_BASE))) == 0
+
+
+def test_probe_hashes_from_prefix_sums_match_reference():
+    """find hashes windows as (R[s+unit] - R[s]) * base**(unit-1+s) with R the prefix sums of
+    t[j] * base**-j (no serial multiply chain); it must equal the rolling hash (times the mixing
+    constant), also for extreme token ids and after the power tables grow."""
+    for unit, base in ((1, DEFAULT_BASE), (3, 31), (16, DEFAULT_BASE)):
+        index = SubseqIndex(unit, base=base)
+        for n in (0, unit - 1, unit, 100, 1000):  # the tables grow on the longer requests
+            t = (toks(n) + [0, -5, 2**62, -(2**63)])[:n]
+            index.find(t)
+            got = _mixed_hashes(np.array(t, np.int64), unit, index.inv_pow, index.mix_pow)
+            assert [int(h) for h in got] == [h * int(_MIX) % 2**64 for h in reference_window_hashes(t, unit, base)]
+    with pytest.raises(ValueError, match="odd"):
+        SubseqIndex(4, base=32)
 
 
 def test_unaligned_and_reordered_documents():
@@ -177,6 +194,40 @@ def test_forged_collision_is_rejected():
     m = index.find(toks(5) + forged + toks(5))
     assert m.runs == [] and m.rejected == 1 and index.stats["rejected"] == 1
     assert index.find(toks(5) + stored).runs == [Run(5, 0, unit, ("doc",))]
+
+
+def test_next_unit_shortcut_sees_duplicates_and_forgeries():
+    """A window one unit after a hit is checked against the hit's only child first, without the
+    table. That must still find every other unit with the same tokens (duplicates, also after
+    one is removed) and reject a child whose hash matches but whose tokens do not."""
+    unit = 8
+    u0, u1 = toks(unit), toks(unit)
+    index = SubseqIndex(unit)
+    index.add("a0", u0)
+    index.add("a1", u1, "a0")
+    request = toks(3) + u0 + u1
+    assert index.find(request).runs == [Run(3, 0, 16, ("a0", "a1"))]
+    index.add("b", u1)  # the same tokens as a1 under another key: found too
+    index.add("c", u1, "x")  # and again, under a parent that is not stored
+    m = index.find(request)
+    assert m.runs == reference_find(index.units(), request, unit)
+    assert sorted(r.keys for r in m.runs) == [("a0", "a1"), ("b",), ("c",)]
+    index.remove("b")
+    index.remove("c")
+    assert index.find(request).runs == [Run(3, 0, 16, ("a0", "a1"))]
+    # a0's only child is now a forgery of u1: same hash, other tokens
+    forged = list(u1)
+    forged[0] += 1
+    d = (forged[1] - DEFAULT_BASE) & ((1 << 64) - 1)
+    forged[1] = d - (1 << 64) if d >= 1 << 63 else d
+    index.remove("a1")
+    index.add("f", forged, "a0")
+    m = index.find(request)
+    assert m.runs == [Run(3, 0, 8, ("a0",))] and m.rejected == 1
+    # with the true child stored again a0 has two children: the table decides, the same way
+    index.add("a1", u1, "a0")
+    m = index.find(request)
+    assert m.runs == [Run(3, 0, 16, ("a0", "a1"))] and m.rejected == 1
 
 
 def test_forged_collision_with_in_vocabulary_tokens_is_rejected():

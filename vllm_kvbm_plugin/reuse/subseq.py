@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import time
 from collections.abc import Hashable, Iterable, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numba
@@ -34,9 +35,8 @@ from vllm_kvbm_plugin.log import get_logger
 logger = get_logger("reuse.subseq")
 
 DEFAULT_BASE = 0x9E3779B97F4A7C15 | 1  # odd, so every power of it is invertible mod 2**64
-_MIX = np.uint64(0xBF58476D1CE4E5B9)  # spreads the window hash's high bits over table buckets
-_MIX2 = np.uint64(0x94D049BB133111EB)  # picks the filter bits
-_EMPTY = -1
+_MIX = np.uint64(0xBF58476D1CE4E5B9)  # spreads the window hash's bits over buckets and filter bits
+_M64 = (1 << 64) - 1
 # event groups whose blocks are not plain per-token KV (state checkpoints) or not all kept
 _SKIP_KINDS = frozenset({"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"})
 
@@ -64,6 +64,12 @@ class Match(NamedTuple):
 
 
 # ---- kernels -------------------------------------------------------------------------------------
+#
+# The table and the filter hold each unit's *mixed* hash x = window hash * _MIX (odd, so a
+# bijection): its top bits pick the table bucket and the filter word, bits 20-31 the filter bits.
+# A request's windows are hashed without a serial multiply chain: with R the prefix sums of
+# t[j] * base**-j, window s's hash is (R[s+unit] - R[s]) * base**(unit-1+s), so every multiply
+# but one add per token is independent (SIMD), and the mixed hash costs no extra multiply.
 
 @numba.njit(cache=True, nogil=True)
 def window_hashes(tokens, unit, base):
@@ -86,63 +92,120 @@ def window_hashes(tokens, unit, base):
     return out
 
 
+@numba.njit(cache=True, nogil=True)
+def _unit_hash(tokens, unit, base):
+    """The mixed hash of one unit's tokens (what the table and the filter hold)."""
+    return window_hashes(tokens, unit, base)[0] * _MIX
+
+
+@numba.njit(cache=True, nogil=True)
+def _power_tables(n, unit, base, inverse):
+    """inv_pow[j] = base**-j and mix_pow[s] = base**(unit-1+s) * _MIX, for j, s < n."""
+    inv_pow = np.empty(n, np.uint64)
+    mix_pow = np.empty(n, np.uint64)
+    b = np.uint64(base)
+    c = np.uint64(inverse)
+    p = np.uint64(1)
+    for j in range(n):
+        inv_pow[j] = p
+        p = p * c
+    p = _MIX
+    for _ in range(unit - 1):
+        p = p * b
+    for s in range(n):
+        mix_pow[s] = p
+        p = p * b
+    return inv_pow, mix_pow
+
+
+@numba.njit(cache=True, nogil=True)
+def _mixed_hashes(tokens, unit, inv_pow, mix_pow):
+    """window_hashes(tokens) * _MIX, from prefix sums (see above); len(tokens) <= len(inv_pow)."""
+    n = len(tokens)
+    nw = n - unit + 1
+    if nw <= 0:
+        return np.empty(0, np.uint64)
+    prefix = np.empty(n + 1, np.uint64)
+    r = np.uint64(0)
+    prefix[0] = r
+    for j in range(n):
+        r += np.uint64(tokens[j]) * inv_pow[j]
+        prefix[j + 1] = r
+    out = np.empty(nw, np.uint64)
+    for s in range(nw):
+        out[s] = (prefix[s + unit] - prefix[s]) * mix_pow[s]
+    return out
+
+
 @numba.njit(cache=True, nogil=True, inline="always")
-def _bucket(h, shift):
-    return np.int64((h * _MIX) >> np.uint64(shift))
+def _bucket(x, shift):
+    return np.int64(x >> np.uint64(shift))
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(tab_hash, tab_slot, shift, h, slot):
-    mask = len(tab_slot) - 1
-    i = _bucket(h, shift)
-    while tab_slot[i] != -1:
+def _insert(tab, shift, x, slot, dup):
+    """tab: uint64[size, 2] of (mixed hash, slot + 1), 0 = empty: one cache line per probe.
+    dup[slot]: another unit has the same mixed hash (all of them lie between its home bucket and
+    the next empty one)."""
+    mask = len(tab) - 1
+    i = _bucket(x, shift)
+    while tab[i, 1] != 0:
+        if tab[i, 0] == x:
+            dup[slot] = True
+            dup[np.int64(tab[i, 1]) - 1] = True
         i = (i + 1) & mask
-    tab_hash[i] = h
-    tab_slot[i] = slot
+    tab[i, 0] = x
+    tab[i, 1] = np.uint64(slot + 1)
 
 
 @numba.njit(cache=True, nogil=True)
-def _delete(tab_hash, tab_slot, shift, h, slot):
-    """Remove (h, slot) by backward shift: no tombstones, so probes stay as short as at insert."""
-    mask = len(tab_slot) - 1
-    i = _bucket(h, shift)
-    while tab_slot[i] != slot:
-        if tab_slot[i] == -1:
+def _delete(tab, shift, x, slot, dup):
+    """Remove (x, slot) by backward shift: no tombstones, so probes stay as short as at insert."""
+    mask = len(tab) - 1
+    dup[slot] = False
+    i = _bucket(x, shift)
+    want = np.uint64(slot + 1)
+    while tab[i, 1] != want:
+        if tab[i, 1] == 0:
             return False
         i = (i + 1) & mask
     j = i
     while True:
         j = (j + 1) & mask
-        if tab_slot[j] == -1:
+        if tab[j, 1] == 0:
             break
-        home = _bucket(tab_hash[j], shift)
+        home = _bucket(tab[j, 0], shift)
         # move j into the hole at i unless its home lies cyclically in (i, j]
         if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
-            tab_hash[i] = tab_hash[j]
-            tab_slot[i] = tab_slot[j]
+            tab[i, 0] = tab[j, 0]
+            tab[i, 1] = tab[j, 1]
             i = j
-    tab_slot[i] = -1
+    tab[i, 1] = 0
+    same = 0  # units left with this hash: one left is no longer a duplicate
+    last = -1
+    i = _bucket(x, shift)
+    while tab[i, 1] != 0:
+        if tab[i, 0] == x:
+            same += 1
+            last = np.int64(tab[i, 1]) - 1
+        i = (i + 1) & mask
+    if same == 1:
+        dup[last] = False
     return True
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _filter_word(h, fshift):
-    """Blocked Bloom filter of the hashes: the word of h (all uint64: mixed int types are slow)."""
-    return (h * _MIX) >> fshift
-
-
-@numba.njit(cache=True, nogil=True, inline="always")
-def _filter_mask(h):
-    """The two bits of h in its word."""
-    m = (h ^ (h >> np.uint64(29))) * _MIX2
-    return (np.uint64(1) << (m >> np.uint64(58))) | (np.uint64(1) << ((m >> np.uint64(52)) & np.uint64(63)))
+def _filter_mask(x):
+    """Blocked Bloom filter of the mixed hashes: word x >> fshift, these two bits of it."""
+    return (np.uint64(1) << ((x >> np.uint64(20)) & np.uint64(63))) | \
+        (np.uint64(1) << ((x >> np.uint64(26)) & np.uint64(63)))
 
 
 @numba.njit(cache=True, nogil=True)
-def _filter_add(bits, counts, fshift, h, delta):
+def _filter_add(bits, counts, fshift, x, delta):
     """Keep the filter exact under removals: a bit is set while its count is positive."""
-    w = _filter_word(h, np.uint64(fshift))
-    mask = _filter_mask(h)
+    w = x >> np.uint64(fshift)
+    mask = _filter_mask(x)
     for b in range(64):
         bit = np.uint64(1) << np.uint64(b)
         if mask & bit:
@@ -154,54 +217,82 @@ def _filter_add(bits, counts, fshift, h, delta):
 
 
 @numba.njit(cache=True, nogil=True)
-def _filtered_windows(tokens, unit, base, bits, fshift):
-    """Offsets and hashes of the windows the filter lets through (`window_hashes` on the fly).
-    A tight loop of its own: table lookups in the same loop make it several times slower."""
-    n = max(0, len(tokens) - unit + 1)
-    offs = np.empty(n, np.int64)
-    hashes = np.empty(n, np.uint64)
-    m = 0
-    b = np.uint64(base)
+def _candidates(xs, bits, fshift):
+    """Offsets (and mixed hashes) of the windows the filter lets through. Tight loops, each
+    simple enough to run at full speed (together 1.6x faster than one loop): read each window's
+    filter word, test its bits into a byte per window (SIMD), read the bytes eight at a time
+    (almost all zero)."""
+    n = len(xs)
     fs = np.uint64(fshift)
-    top = np.uint64(1)
-    for _ in range(unit - 1):
-        top = top * b
-    h = np.uint64(0)
-    for i in range(min(unit - 1, len(tokens))):
-        h = h * b + np.uint64(tokens[i])
+    words = np.empty(n, np.uint64)
     for s in range(n):
-        if s:
-            h = h - np.uint64(tokens[s - 1]) * top
-        h = h * b + np.uint64(tokens[s + unit - 1])
-        want = _filter_mask(h)
-        if bits[_filter_word(h, fs)] & want == want:
-            offs[m] = s
-            hashes[m] = h
-            m += 1
-    return offs[:m], hashes[:m]
+        words[s] = bits[xs[s] >> fs]
+    flags = np.zeros((n + 7) // 8 * 8, np.uint8)
+    for s in range(n):
+        want = _filter_mask(xs[s])
+        flags[s] = (words[s] & want) == want
+    words = flags.view(np.uint64)
+    offs = np.empty(n + 8, np.int64)
+    m = 0
+    for k in range(len(words)):
+        if words[k]:
+            for s in range(8 * k, 8 * k + 8):
+                offs[m] = s
+                m += flags[s]
+    offs = offs[:m]
+    cand_x = np.empty(m, np.uint64)
+    for c in range(m):
+        cand_x[c] = xs[offs[c]]
+    return offs, cand_x
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _same(a, b):
+    """a == b for two int64 arrays of one length; no early exit, and on slices (not a 2-d index
+    plus offset per token), so that it vectorises: 3x faster."""
+    diff = np.int64(0)
+    for k in range(len(a)):
+        diff |= a[k] ^ b[k]
+    return diff == 0
 
 
 @numba.njit(cache=True, nogil=True)
-def _verify(tokens, unit, cand, cand_hash, tab_hash, tab_slot, shift, unit_tokens, offs, slots):
+def _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup, child, parent,
+            parent_gen, gen, offs, slots):
     """Table lookups and token checks of the candidate windows, hits written to offs/slots;
     returns (hits, rejected), hits = -1 when offs is too small. Arrays are never reassigned in
-    the loop: that alone makes it four times slower."""
-    mask = len(tab_slot) - 1
+    the loop: that alone makes it four times slower.
+    Shortcut: a window one unit after a hit on unit p is first checked against p's only child
+    (usually the next slot, in cache): when the child has the window's hash and no other unit has
+    that hash, the child alone can hold the window, and the table is not read."""
+    mask = len(tab) - 1
+    lo = 0  # first hit at offset >= s - unit (hits are written in offset order)
     n = 0
     rejected = 0
     for c in range(len(cand)):
         s = cand[c]
-        h = cand_hash[c]
-        i = _bucket(h, shift)
-        while tab_slot[i] != -1:
-            if tab_hash[i] == h:
-                slot = tab_slot[i]
-                same = True
-                for k in range(unit):
-                    if unit_tokens[slot, k] != tokens[s + k]:
-                        same = False
-                        break
-                if not same:
+        x = cand_x[c]
+        while lo < n and offs[lo] < s - unit:
+            lo += 1
+        if lo < n and offs[lo] == s - unit:
+            p = slots[lo]
+            y = child[p]
+            if y >= 0 and hashes[y] == x and not dup[y] and parent[y] == p \
+                    and parent_gen[y] == gen[p]:
+                if not _same(unit_tokens[y], tokens[s:s + unit]):
+                    rejected += 1
+                elif n == len(offs):
+                    return -1, rejected
+                else:
+                    offs[n] = s
+                    slots[n] = y
+                    n += 1
+                continue
+        i = _bucket(x, shift)
+        while tab[i, 1] != 0:
+            if tab[i, 0] == x:
+                slot = np.int64(tab[i, 1]) - 1
+                if not _same(unit_tokens[slot], tokens[s:s + unit]):
                     rejected += 1
                 elif n == len(offs):
                     return -1, rejected
@@ -214,17 +305,18 @@ def _verify(tokens, unit, cand, cand_hash, tab_hash, tab_slot, shift, unit_token
 
 
 @numba.njit(cache=True, nogil=True)
-def _probe(tokens, unit, base, tab_hash, tab_slot, shift, unit_tokens, bits, fshift):
+def _probe(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup,
+           child, parent, parent_gen, gen):
     """Verified hits (offset, slot) in offset order, and the count of hash-only (rejected) hits.
     A filter of 2 bits in 16-32 per unit (cache-resident) turns away almost every window that no
     unit holds before it touches the table."""
-    cand, cand_hash = _filtered_windows(tokens, unit, base, bits, fshift)
+    cand, cand_x = _candidates(_mixed_hashes(tokens, unit, inv_pow, mix_pow), bits, fshift)
     cap = len(cand) + 16
     while True:  # more hits than candidates only when several units hold the same tokens
         offs = np.empty(cap, np.int64)
         slots = np.empty(cap, np.int64)
-        n, rejected = _verify(tokens, unit, cand, cand_hash, tab_hash, tab_slot, shift,
-                              unit_tokens, offs, slots)
+        n, rejected = _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup,
+                              child, parent, parent_gen, gen, offs, slots)
         if n >= 0:
             return offs[:n], slots[:n], rejected
         cap *= 4
@@ -255,11 +347,21 @@ def _chain_runs(offs, slots, unit, parent, parent_gen, gen):
     return prev, has_next
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _before(runs, a, b):
+    """Sign of run a - run b by (new start, old start, length)."""
+    for c in range(3):
+        if runs[a, c] != runs[b, c]:
+            return 1 if runs[a, c] > runs[b, c] else -1
+    return 0
+
+
 @numba.njit(cache=True, nogil=True)
-def _runs(offs, slots, prev, has_next, unit, pos, n_tokens):
-    """Maximal runs from the hit links: per run (new start, old start, length in units, first
-    index into `order`), `order` = the runs' slots one after another; and the request's
-    (prefix tokens, reusable non-prefix tokens), see `Match`."""
+def _runs(offs, slots, prev, has_next, unit, pos):
+    """Maximal runs from the hit links, sorted by (new start, old start, length): per run
+    (new start, old start, length in tokens, first and end index into `order`), `order` = the
+    runs' slots one after another; whether two runs tie on all three (then only their keys order
+    them); and the request's (prefix tokens, reusable non-prefix tokens), see `Match`."""
     n = len(offs)
     depth = np.zeros(n, np.int64)
     total = 0
@@ -269,7 +371,7 @@ def _runs(offs, slots, prev, has_next, unit, pos, n_tokens):
         if not has_next[i]:
             n_runs += 1
             total += depth[i]
-    starts = np.empty((n_runs, 4), np.int64)
+    found = np.empty((n_runs, 5), np.int64)
     order = np.empty(total, np.int64)
     r = 0
     at = 0
@@ -279,41 +381,67 @@ def _runs(offs, slots, prev, has_next, unit, pos, n_tokens):
             continue
         d = depth[i]
         j = i
+        head = i
         for k in range(d - 1, -1, -1):
             order[at + k] = slots[j]
             head = j
             j = prev[j]
         new_start = offs[head]
-        starts[r, 0] = new_start
-        starts[r, 1] = pos[slots[head]]
-        starts[r, 2] = d
-        starts[r, 3] = at
-        if new_start == 0 and starts[r, 1] == 0 and d * unit > prefix:
+        found[r, 0] = new_start
+        found[r, 1] = pos[slots[head]]
+        found[r, 2] = d * unit
+        found[r, 3] = at
+        found[r, 4] = at + d
+        if new_start == 0 and found[r, 1] == 0 and d * unit > prefix:
             prefix = d * unit
         r += 1
         at += d
+    starts = found  # runs end in offset order: usually start in it too
+    for r in range(1, n_runs):
+        if _before(found, r, r - 1) >= 0:
+            continue
+        # stable sorts, least significant first: (new start, old start, length)
+        idx = np.argsort(found[:, 2], kind="mergesort")
+        idx = idx[np.argsort(found[idx, 1], kind="mergesort")]
+        idx = idx[np.argsort(found[idx, 0], kind="mergesort")]
+        starts = np.empty_like(found)
+        for q in range(n_runs):
+            starts[q] = found[idx[q]]
+        break
+    ties = False
+    for r in range(1, n_runs):
+        if _before(starts, r, r - 1) == 0:
+            ties = True
     reusable = 0
     end = prefix  # union of the runs past the prefix, in start order
-    for r in np.argsort(starts[:, 0]):
-        lo, hi = max(starts[r, 0], end), starts[r, 0] + starts[r, 2] * unit
+    for r in range(n_runs):
+        lo, hi = max(starts[r, 0], end), starts[r, 0] + starts[r, 2]
         if hi > lo:
             reusable += hi - lo
             end = hi
-    return starts, order, prefix, reusable
+    return starts, order, ties, prefix, reusable
 
 
 @numba.njit(cache=True, nogil=True)
-def _find(tokens, unit, base, tab_hash, tab_slot, shift, unit_tokens, bits, fshift, parent,
-          parent_gen, gen, pos):
+def _find(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup,
+          child, parent, parent_gen, gen, pos):
     """`SubseqIndex.find` in one call (each numba call costs ~10 us of argument unboxing)."""
-    offs, slots, rejected = _probe(tokens, unit, base, tab_hash, tab_slot, shift, unit_tokens,
-                                   bits, fshift)
+    offs, slots, rejected = _probe(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift,
+                                   unit_tokens, hashes, dup, child, parent, parent_gen, gen)
     prev, has_next = _chain_runs(offs, slots, unit, parent, parent_gen, gen)
-    starts, order, prefix, reusable = _runs(offs, slots, prev, has_next, unit, pos, len(tokens))
-    return starts, order, prefix, reusable, rejected
+    starts, order, ties, prefix, reusable = _runs(offs, slots, prev, has_next, unit, pos)
+    return starts, order, ties, prefix, reusable, rejected
 
 
 # ---- the index -----------------------------------------------------------------------------------
+
+def _inverse(b: int) -> int:
+    """b**-1 mod 2**64 for odd b (Newton's iteration doubles the correct low bits each step)."""
+    x = b
+    for _ in range(6):
+        x = x * (2 - b * x) & _M64
+    return x
+
 
 def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
@@ -328,15 +456,21 @@ class SubseqIndex:
         if unit < 1:
             raise ValueError(f"unit must be >= 1, got {unit}")
         self.unit = unit
-        self.base = np.uint64(base & 0xFFFFFFFFFFFFFFFF)
+        if not base & 1:
+            raise ValueError(f"base must be odd (invertible mod 2**64), got {base}")
+        self.base = np.uint64(base & _M64)
+        self.inverse = np.uint64(_inverse(base & _M64))
+        self.inv_pow, self.mix_pow = _power_tables(0, unit, self.base, self.inverse)
         cap = 1 << max(4, (capacity - 1).bit_length())
         self.unit_tokens = np.zeros((cap, unit), np.int64)
         self.parent = np.full(cap, -1, np.int64)  # parent's slot, valid while gen matches
         self.parent_gen = np.zeros(cap, np.int64)
         self.gen = np.zeros(cap, np.int64)  # bumped whenever a slot is freed
         self.pos = np.full(cap, -1, np.int64)
-        self.hash = np.zeros(cap, np.uint64)
-        self.keys: list[Any] = [None] * cap
+        self.hash = np.zeros(cap, np.uint64)  # mixed window hash (see kernels)
+        self.dup = np.zeros(cap, np.bool_)  # another unit has the same hash
+        self.child = np.full(cap, -1, np.int64)  # the only slot naming this one's key as parent
+        self.keys = np.full(cap, None, object)  # an array: a run's keys are one fancy index
         self.parent_keys: list[Any] = [None] * cap
         self.holders: list[dict | None] = [None] * cap
         self.slot_of: dict[Hashable, int] = {}
@@ -383,8 +517,7 @@ class SubseqIndex:
             self._grow()
         slot = self.free.pop()
         self.unit_tokens[slot] = toks
-        h = window_hashes(toks, self.unit, self.base)[0]
-        self.hash[slot] = h
+        self.hash[slot] = _unit_hash(toks, self.unit, self.base)
         self.keys[slot] = key
         self.parent_keys[slot] = parent
         held = self.pending.pop(key, {})
@@ -393,6 +526,8 @@ class SubseqIndex:
         self.slot_of[key] = slot
         if parent is not None:
             self.children.setdefault(parent, set()).add(slot)
+            self._set_child(parent)
+        self._set_child(key)
         self._link(slot, parent)
         if position is not None:
             self.pos[slot] = position
@@ -400,8 +535,8 @@ class SubseqIndex:
             self.pos[slot] = 0
         for child in self.children.get(key, ()):  # units stored before their parent
             self._link(child, key)
-        if 2 * (len(self.slot_of) + 1) > len(self.tab_slot):
-            self._new_table(2 * len(self.tab_slot))
+        if 2 * (len(self.slot_of) + 1) > len(self.tab):
+            self._new_table(2 * len(self.tab))
         else:
             self._index(slot)
 
@@ -450,7 +585,7 @@ class SubseqIndex:
 
     def _drop(self, slot: int) -> None:
         key, parent = self.keys[slot], self.parent_keys[slot]
-        _delete(self.tab_hash, self.tab_slot, self.shift, self.hash[slot], slot)
+        _delete(self.tab, self.shift, self.hash[slot], slot, self.dup)
         _filter_add(self.bits, self.bit_counts, self.fshift, self.hash[slot], -1)
         del self.slot_of[key]
         if parent is not None:
@@ -459,11 +594,20 @@ class SubseqIndex:
                 kids.discard(slot)
                 if not kids:
                     del self.children[parent]
+                self._set_child(parent)
         self.gen[slot] += 1  # children's links to this slot die with it
         self.parent[slot] = -1
+        self.child[slot] = -1
         self.pos[slot] = -1
         self.keys[slot] = self.parent_keys[slot] = self.holders[slot] = None
         self.free.append(slot)
+
+    def _set_child(self, key: Hashable) -> None:
+        """child[slot of key] = the only slot naming key as parent, else -1 (see `_verify`)."""
+        ps = self.slot_of.get(key)
+        if ps is not None:
+            kids = self.children.get(key)
+            self.child[ps] = next(iter(kids)) if kids is not None and len(kids) == 1 else -1
 
     def _link(self, slot: int, parent: Hashable | None) -> None:
         ps = self.slot_of.get(parent) if parent is not None else None
@@ -492,15 +636,18 @@ class SubseqIndex:
         self.gen = np.concatenate([self.gen, np.zeros(old, np.int64)])
         self.pos = np.concatenate([self.pos, np.full(old, -1, np.int64)])
         self.hash = np.concatenate([self.hash, np.zeros(old, np.uint64)])
-        for lst in (self.keys, self.parent_keys, self.holders):
+        self.dup = np.concatenate([self.dup, np.zeros(old, np.bool_)])
+        self.child = np.concatenate([self.child, np.full(old, -1, np.int64)])
+        self.keys = np.concatenate([self.keys, np.full(old, None, object)])
+        for lst in (self.parent_keys, self.holders):
             lst.extend([None] * old)
         self.free.extend(range(new - 1, old - 1, -1))
 
     def _new_table(self, size: int) -> None:
         """Open-addressing table of `size` (a power of two) buckets and a filter of 8 * size
         bits, filled from the live slots."""
-        self.tab_hash = np.zeros(size, np.uint64)
-        self.tab_slot = np.full(size, _EMPTY, np.int64)
+        self.tab = np.zeros((size, 2), np.uint64)
+        self.dup[:] = False
         self.shift = 64 - (size.bit_length() - 1)
         self.bits = np.zeros(max(1, size // 8), np.uint64)
         self.bit_counts = np.zeros(64 * len(self.bits), np.int32)
@@ -509,25 +656,30 @@ class SubseqIndex:
             self._index(slot)
 
     def _index(self, slot: int) -> None:
-        h = self.hash[slot]
-        _insert(self.tab_hash, self.tab_slot, self.shift, h, slot)
-        _filter_add(self.bits, self.bit_counts, self.fshift, h, 1)
+        x = self.hash[slot]
+        _insert(self.tab, self.shift, x, slot, self.dup)
+        _filter_add(self.bits, self.bit_counts, self.fshift, x, 1)
 
     # ---- queries ----
     def find(self, tokens: Sequence[int] | np.ndarray) -> Match:
         """Every maximal run of consecutive stored units whose tokens occur in `tokens`."""
         t0 = time.perf_counter()
         toks = as_tokens(tokens)
-        starts, order, prefix, reusable, rejected = _find(
-            toks, self.unit, self.base, self.tab_hash, self.tab_slot, self.shift, self.unit_tokens,
-            self.bits, self.fshift, self.parent, self.parent_gen, self.gen, self.pos)
-        unit, all_keys = self.unit, self.keys
-        keys = list(map(all_keys.__getitem__, order.tolist()))
-        new_run = tuple.__new__  # Run(...) is a Python-level constructor: 3x slower
-        runs = [new_run(Run, (new, old, d * unit, tuple(keys[at:at + d])))
-                for new, old, d, at in starts.tolist()]
-        runs.sort()
-        m = Match(runs, int(prefix), int(reusable), int(rejected), time.perf_counter() - t0)
+        if len(toks) > len(self.inv_pow):
+            self.inv_pow, self.mix_pow = _power_tables(max(len(toks), 2 * len(self.inv_pow)),
+                                                       self.unit, self.base, self.inverse)
+        starts, order, ties, prefix, reusable, rejected = _find(
+            toks, self.unit, self.inv_pow, self.mix_pow, self.bits, self.fshift, self.tab,
+            self.shift, self.unit_tokens, self.hash, self.dup, self.child, self.parent,
+            self.parent_gen, self.gen, self.pos)
+        # Python objects only here, built by C loops (map, zip): ~40 ns per run, ~5 ns per key
+        keys = self.keys[order].tolist()
+        new, old, length, at, end = starts.T.tolist() if len(starts) else ((),) * 5
+        runs = list(map(tuple.__new__, repeat(Run),  # Run(...) is a Python-level constructor
+                        zip(new, old, length, map(tuple, map(keys.__getitem__, map(slice, at, end))))))
+        if ties:  # runs equal but for their keys: order them by the keys too
+            runs.sort()
+        m = Match(runs, prefix, reusable, rejected, time.perf_counter() - t0)
         st = self.stats
         st["requests"] += 1
         st["rejected"] += m.rejected
@@ -538,8 +690,9 @@ class SubseqIndex:
 
     def warm_up(self) -> None:
         """Load (or compile) the probe kernels now, so that no request's probe time includes it."""
-        _find(np.zeros(0, np.int64), self.unit, self.base, self.tab_hash, self.tab_slot, self.shift,
-              self.unit_tokens, self.bits, self.fshift, self.parent, self.parent_gen, self.gen, self.pos)
+        _find(np.zeros(0, np.int64), self.unit, self.inv_pow, self.mix_pow, self.bits, self.fshift,
+              self.tab, self.shift, self.unit_tokens, self.hash, self.dup, self.child, self.parent,
+            self.parent_gen, self.gen, self.pos)
 
     def units(self) -> dict:
         """Plain view {key: (tokens tuple, parent key, position)}, for `reference_find`."""
