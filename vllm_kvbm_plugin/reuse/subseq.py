@@ -8,14 +8,18 @@ the same documents at other positions and in other orders; their KV is stored un
   before it in its stored sequence) and its position there, with a store count per holder
   (worker, tier, group) so removals are exact: a unit leaves when its last holder removes it.
 - A request is probed with a polynomial rolling hash over every window of `unit` tokens (every
-  offset, not only unit boundaries). Each window hash is looked up in a compact open-addressing
-  table (numpy arrays: hash, slot), and **every candidate is verified against the stored tokens**:
-  a 64-bit polynomial hash can be collided on purpose, so the hash only proposes.
+  offset, not only unit boundaries). A blocked Bloom filter turns away almost every window no
+  unit holds; the rest are looked up in a compact open-addressing table (rows of hash, slot),
+  and **every candidate is verified against the stored tokens**: a 64-bit polynomial hash can
+  be collided on purpose, so the hash only proposes. A window one unit after a hit is first
+  tried against the hit unit's only child (see `_verify`): inside a reused document the table
+  is hardly read.
 - Verified hits at offsets s and s + unit whose units are parent and child form a run; every
   maximal run is returned as `Run(new_start, old_start, length, keys)`.
 
-Kernels are numba (`window_hashes`, `_probe`, `_chain_runs`); `reference_find` and
-`reference_window_hashes` are the plain-Python definitions the tests hold them to.
+Kernels are numba (`window_hashes`, `_mixed_hashes`, `_candidates`, `_verify`, `_runs`, one
+call per request: `_find`); `reference_find` and `reference_window_hashes` are the plain-Python
+definitions the tests hold them to.
 `feed_batch` builds the index from our KV event stream (BlockStored carries token ids).
 """
 
@@ -258,15 +262,17 @@ def _same(a, b):
 
 @numba.njit(cache=True, nogil=True)
 def _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup, child, parent,
-            parent_gen, gen, offs, slots):
-    """Table lookups and token checks of the candidate windows, hits written to offs/slots;
-    returns (hits, rejected), hits = -1 when offs is too small. Arrays are never reassigned in
-    the loop: that alone makes it four times slower.
+            parent_gen, gen, offs, slots, prev, depth, has_next):
+    """Table lookups and token checks of the candidate windows. Hits go to offs/slots in offset
+    order, each linked to the hit one unit earlier holding its parent (prev, -1: a run starts
+    here; depth: units in its run so far; has_next: a later hit continues it). Returns (hits,
+    rejected), hits = -1 when offs is too small. Arrays are never reassigned in the loop: that
+    alone makes it four times slower.
     Shortcut: a window one unit after a hit on unit p is first checked against p's only child
     (usually the next slot, in cache): when the child has the window's hash and no other unit has
     that hash, the child alone can hold the window, and the table is not read."""
     mask = len(tab) - 1
-    lo = 0  # first hit at offset >= s - unit (hits are written in offset order)
+    lo = 0  # first hit at offset >= s - unit
     n = 0
     rejected = 0
     for c in range(len(cand)):
@@ -274,7 +280,8 @@ def _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup, ch
         x = cand_x[c]
         while lo < n and offs[lo] < s - unit:
             lo += 1
-        if lo < n and offs[lo] == s - unit:
+        before = lo < n and offs[lo] == s - unit  # hits one unit earlier: lo, lo + 1, ...
+        if before:
             p = slots[lo]
             y = child[p]
             if y >= 0 and hashes[y] == x and not dup[y] and parent[y] == p \
@@ -286,6 +293,9 @@ def _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup, ch
                 else:
                     offs[n] = s
                     slots[n] = y
+                    prev[n] = lo
+                    depth[n] = depth[lo] + 1
+                    has_next[lo] = True
                     n += 1
                 continue
         i = _bucket(x, shift)
@@ -299,6 +309,18 @@ def _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup, ch
                 else:
                     offs[n] = s
                     slots[n] = slot
+                    prev[n] = -1
+                    depth[n] = 1
+                    p = parent[slot]
+                    if before and p >= 0 and gen[p] == parent_gen[slot]:
+                        j = lo
+                        while j < n and offs[j] == s - unit:
+                            if slots[j] == p:
+                                prev[n] = j
+                                depth[n] = depth[j] + 1
+                                has_next[j] = True
+                                break
+                            j += 1
                     n += 1
             i = (i + 1) & mask
     return n, rejected
@@ -307,44 +329,22 @@ def _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup, ch
 @numba.njit(cache=True, nogil=True)
 def _probe(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup,
            child, parent, parent_gen, gen):
-    """Verified hits (offset, slot) in offset order, and the count of hash-only (rejected) hits.
-    A filter of 2 bits in 16-32 per unit (cache-resident) turns away almost every window that no
-    unit holds before it touches the table."""
+    """Verified hits (offset, slot, prev, depth, has_next: see `_verify`) in offset order, and
+    the count of hash-only (rejected) hits. A filter of 2 bits in 16-32 per unit (cache-resident)
+    turns away almost every window that no unit holds before it touches the table."""
     cand, cand_x = _candidates(_mixed_hashes(tokens, unit, inv_pow, mix_pow), bits, fshift)
     cap = len(cand) + 16
     while True:  # more hits than candidates only when several units hold the same tokens
         offs = np.empty(cap, np.int64)
         slots = np.empty(cap, np.int64)
+        prev = np.empty(cap, np.int64)
+        depth = np.empty(cap, np.int64)
+        has_next = np.zeros(cap, np.bool_)
         n, rejected = _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup,
-                              child, parent, parent_gen, gen, offs, slots)
+                              child, parent, parent_gen, gen, offs, slots, prev, depth, has_next)
         if n >= 0:
-            return offs[:n], slots[:n], rejected
+            return offs[:n], slots[:n], prev[:n], depth[:n], has_next[:n], rejected
         cap *= 4
-
-
-@numba.njit(cache=True, nogil=True)
-def _chain_runs(offs, slots, unit, parent, parent_gen, gen):
-    """Link each hit to the hit one unit earlier holding its parent; return per hit its previous
-    hit (-1: a run starts here) and whether a later hit continues it (False: a run ends here)."""
-    n = len(offs)
-    prev = np.full(n, -1, np.int64)
-    has_next = np.zeros(n, np.bool_)
-    lo = 0  # first hit at offset offs[i] - unit
-    for i in range(n):
-        want = offs[i] - unit
-        while lo < n and offs[lo] < want:
-            lo += 1
-        p = parent[slots[i]]
-        if p < 0 or gen[p] != parent_gen[slots[i]]:
-            continue
-        j = lo
-        while j < n and offs[j] == want:
-            if slots[j] == p:
-                prev[i] = j
-                has_next[j] = True
-                break
-            j += 1
-    return prev, has_next
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -357,17 +357,17 @@ def _before(runs, a, b):
 
 
 @numba.njit(cache=True, nogil=True)
-def _runs(offs, slots, prev, has_next, unit, pos):
+def _runs(offs, slots, prev, depth, has_next, unit, pos):
     """Maximal runs from the hit links, sorted by (new start, old start, length): per run
     (new start, old start, length in tokens, first and end index into `order`), `order` = the
-    runs' slots one after another; whether two runs tie on all three (then only their keys order
-    them); and the request's (prefix tokens, reusable non-prefix tokens), see `Match`."""
+    runs' slots one after another; when every run's slots are consecutive (units stored in
+    sequence take consecutive slots), the last two columns are slot ranges instead and
+    `scattered` is False; whether two runs tie on all three (then only their keys order them);
+    and the request's (prefix tokens, reusable non-prefix tokens), see `Match`."""
     n = len(offs)
-    depth = np.zeros(n, np.int64)
     total = 0
     n_runs = 0
-    for i in range(n):  # prev[i] < i: hits are in offset order
-        depth[i] = 1 if prev[i] < 0 else depth[prev[i]] + 1
+    for i in range(n):
         if not has_next[i]:
             n_runs += 1
             total += depth[i]
@@ -412,6 +412,16 @@ def _runs(offs, slots, prev, has_next, unit, pos):
     for r in range(1, n_runs):
         if _before(starts, r, r - 1) == 0:
             ties = True
+    scattered = False
+    for r in range(n_runs):
+        for i in range(starts[r, 3] + 1, starts[r, 4]):
+            if order[i] != order[i - 1] + 1:
+                scattered = True
+    if not scattered:
+        for r in range(n_runs):
+            first = order[starts[r, 3]]
+            starts[r, 4] = first + starts[r, 4] - starts[r, 3]
+            starts[r, 3] = first
     reusable = 0
     end = prefix  # union of the runs past the prefix, in start order
     for r in range(n_runs):
@@ -419,18 +429,19 @@ def _runs(offs, slots, prev, has_next, unit, pos):
         if hi > lo:
             reusable += hi - lo
             end = hi
-    return starts, order, ties, prefix, reusable
+    return starts, order, scattered, ties, prefix, reusable
 
 
 @numba.njit(cache=True, nogil=True)
 def _find(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup,
           child, parent, parent_gen, gen, pos):
     """`SubseqIndex.find` in one call (each numba call costs ~10 us of argument unboxing)."""
-    offs, slots, rejected = _probe(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift,
-                                   unit_tokens, hashes, dup, child, parent, parent_gen, gen)
-    prev, has_next = _chain_runs(offs, slots, unit, parent, parent_gen, gen)
-    starts, order, ties, prefix, reusable = _runs(offs, slots, prev, has_next, unit, pos)
-    return starts, order, ties, prefix, reusable, rejected
+    offs, slots, prev, depth, has_next, rejected = _probe(
+        tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup, child,
+        parent, parent_gen, gen)
+    starts, order, scattered, ties, prefix, reusable = _runs(offs, slots, prev, depth, has_next,
+                                                             unit, pos)
+    return starts, order, scattered, ties, prefix, reusable, rejected
 
 
 # ---- the index -----------------------------------------------------------------------------------
@@ -470,7 +481,7 @@ class SubseqIndex:
         self.hash = np.zeros(cap, np.uint64)  # mixed window hash (see kernels)
         self.dup = np.zeros(cap, np.bool_)  # another unit has the same hash
         self.child = np.full(cap, -1, np.int64)  # the only slot naming this one's key as parent
-        self.keys = np.full(cap, None, object)  # an array: a run's keys are one fancy index
+        self.keys: list[Any] = [None] * cap
         self.parent_keys: list[Any] = [None] * cap
         self.holders: list[dict | None] = [None] * cap
         self.slot_of: dict[Hashable, int] = {}
@@ -638,8 +649,7 @@ class SubseqIndex:
         self.hash = np.concatenate([self.hash, np.zeros(old, np.uint64)])
         self.dup = np.concatenate([self.dup, np.zeros(old, np.bool_)])
         self.child = np.concatenate([self.child, np.full(old, -1, np.int64)])
-        self.keys = np.concatenate([self.keys, np.full(old, None, object)])
-        for lst in (self.parent_keys, self.holders):
+        for lst in (self.keys, self.parent_keys, self.holders):
             lst.extend([None] * old)
         self.free.extend(range(new - 1, old - 1, -1))
 
@@ -668,12 +678,13 @@ class SubseqIndex:
         if len(toks) > len(self.inv_pow):
             self.inv_pow, self.mix_pow = _power_tables(max(len(toks), 2 * len(self.inv_pow)),
                                                        self.unit, self.base, self.inverse)
-        starts, order, ties, prefix, reusable, rejected = _find(
+        starts, order, scattered, ties, prefix, reusable, rejected = _find(
             toks, self.unit, self.inv_pow, self.mix_pow, self.bits, self.fshift, self.tab,
             self.shift, self.unit_tokens, self.hash, self.dup, self.child, self.parent,
             self.parent_gen, self.gen, self.pos)
-        # Python objects only here, built by C loops (map, zip): ~40 ns per run, ~5 ns per key
-        keys = self.keys[order].tolist()
+        # Python objects only here, built by C loops (map, zip); a run's keys are one list slice
+        # when its slots are consecutive (the usual case)
+        keys = list(map(self.keys.__getitem__, order.tolist())) if scattered else self.keys
         new, old, length, at, end = starts.T.tolist() if len(starts) else ((),) * 5
         runs = list(map(tuple.__new__, repeat(Run),  # Run(...) is a Python-level constructor
                         zip(new, old, length, map(tuple, map(keys.__getitem__, map(slice, at, end))))))
