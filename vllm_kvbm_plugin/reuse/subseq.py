@@ -200,9 +200,10 @@ def _delete(tab, shift, x, slot, dup):
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _filter_mask(x):
-    """Blocked Bloom filter of the mixed hashes: word x >> fshift, these two bits of it."""
+    """Blocked Bloom filter of the mixed hashes: word x >> fshift, these three bits of it."""
     return (np.uint64(1) << ((x >> np.uint64(20)) & np.uint64(63))) | \
-        (np.uint64(1) << ((x >> np.uint64(26)) & np.uint64(63)))
+        (np.uint64(1) << ((x >> np.uint64(26)) & np.uint64(63))) | \
+        (np.uint64(1) << ((x >> np.uint64(32)) & np.uint64(63)))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -330,7 +331,7 @@ def _verify(tokens, unit, cand, cand_x, tab, shift, unit_tokens, hashes, dup, ch
 def _probe(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup,
            child, parent, parent_gen, gen):
     """Verified hits (offset, slot, prev, depth, has_next: see `_verify`) in offset order, and
-    the count of hash-only (rejected) hits. A filter of 2 bits in 16-32 per unit (cache-resident)
+    the count of hash-only (rejected) hits. A filter of 3 bits in 16-32 per unit (cache-resident)
     turns away almost every window that no unit holds before it touches the table."""
     cand, cand_x = _candidates(_mixed_hashes(tokens, unit, inv_pow, mix_pow), bits, fshift)
     cap = len(cand) + 16
