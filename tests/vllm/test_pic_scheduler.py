@@ -86,7 +86,7 @@ class RotaryWorker(SimulatedWorker):
                         raise AssertionError(f"{rid}: {what} of token {int(bad[0])} is not what the forward writes")
 
 
-def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, **connector) -> SchedulerHarness:
+def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, **connector) -> SchedulerHarness:
     model = tmp_path / "llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
@@ -95,7 +95,7 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, **connector) 
         "num_key_value_heads": 1, "head_dim": HEAD, "vocab_size": 2048, "max_position_embeddings": 1024,
         "rope_scaling": rope, "rope_theta": rope["rope_theta"], "torch_dtype": "float32"}))
     h = SchedulerHarness(HarnessConfig(model_dir=str(model), hybrid=False, block_size=B, hash_block_size=None,
-                                       num_blocks=num_blocks, max_model_len=1024,
+                                       num_blocks=num_blocks, max_model_len=1024, workers=workers,
                                        connector={"cpu_bytes_to_use": cpu_bytes, **connector}))
     for w in h.workers:
         w.__class__ = RotaryWorker
@@ -114,8 +114,9 @@ def pinned(h) -> int:
     return h.connector.cpu.busy()
 
 
-def test_reordered_documents_load_with_k_rerotated(tmp_path):
-    h = harness(tmp_path)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_reordered_documents_load_with_k_rerotated(tmp_path, workers):
+    h = harness(tmp_path, workers=workers)
     planner = h.connector.pic
     assert planner is not None and h.connector.cpu is planner.cpu
     assert serve(h, prompt([0, 1, 2, 3])) == 0

@@ -1,0 +1,82 @@
+"""Time to first token of a RAG request whose documents come in another order: full recompute vs
+prefix caching alone vs position-independent loads (connector/pic.py).
+
+Model: the random-weight Llama (8 layers, hidden 1024), bf16, block 32, one engine process with a
+CPU tier. Per rep: a preamble (32 tokens), four documents (--doc tokens each, a multiple of the
+block so that they line up; see docs/reuse.md) and a question (32 tokens) are generated once
+(they are stored in the CPU tier); after a reset of vLLM's prefix cache, the prompt with the
+documents reordered, three ways, in this order, each after a reset:
+- full recompute: salted with a fresh salt of its own (nothing can hit);
+- position-independent loads: salted `kvbm-pic:<rep>` (nothing of it was stored before);
+- prefix caching alone: unsalted (the preamble hits, the documents do not line up).
+Medians of --reps reps (the first one warms up and is dropped); ratios against the baselines
+measured in the same run. Targets of issue 12: pic/full <= 0.5, pic/prefix <= 0.6.
+
+    python benchmarks/bench_pic.py [--doc 384] [--reps 5]
+"""
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+
+def ttft(llm, prompt, salt=None) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    p = TokensPrompt(prompt_token_ids=prompt)
+    if salt:
+        p["cache_salt"] = salt
+    t0 = time.perf_counter()
+    out = llm.generate([p], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    return time.perf_counter() - t0, out.num_cached_tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--doc", type=int, default=384)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    from vllm import LLM
+
+    from vllm_kvbm_plugin.testing import tiny_models
+
+    llm = LLM(model=str(tiny_models.build("llama-big")), dtype="bfloat16", max_model_len=4096,
+              enforce_eager=True, block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1,
+              kv_transfer_config={"kv_connector": "KVBMConnector",
+                                  "kv_connector_module_path": "vllm_kvbm_plugin.connector",
+                                  "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}})
+    rng = random.Random(12)
+    times: dict[str, list] = {"full": [], "pic": [], "prefix": []}
+    cached = {}
+    for rep in range(args.reps + 1):
+        pre = [rng.randrange(10, 2000) for _ in range(32)]
+        docs = [[rng.randrange(10, 2000) for _ in range(args.doc)] for _ in range(4)]
+        question = [rng.randrange(10, 2000) for _ in range(32)]
+        ttft(llm, pre + docs[0] + docs[1] + docs[2] + docs[3] + question)
+        reordered = pre + docs[2] + docs[0] + docs[3] + docs[1] + question
+        for name, salt in (("full", f"cold-{rep}"), ("pic", f"kvbm-pic:{rep}"), ("prefix", None)):
+            llm.reset_prefix_cache()
+            t, cached[name] = ttft(llm, reordered, salt)
+            if rep:
+                times[name].append(t)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    n = len(reordered)
+    print(f"reordered RAG request of {n} tokens (4 x {args.doc}-token documents), llama-big (random weights), "
+          f"medians of {args.reps}:")
+    print(f"  full recompute          {med['full'] * 1e3:8.1f} ms  ({cached['full']} tokens cached)")
+    print(f"  prefix caching alone    {med['prefix'] * 1e3:8.1f} ms  ({cached['prefix']} tokens cached)")
+    print(f"  position-independent    {med['pic'] * 1e3:8.1f} ms  ({cached['pic']} tokens loaded)")
+    print(f"  pic / full   {med['pic'] / med['full']:.2f}  (target <= 0.5)")
+    print(f"  pic / prefix {med['pic'] / med['prefix']:.2f}  (target <= 0.6)")
+    llm.llm_engine.engine_core.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
