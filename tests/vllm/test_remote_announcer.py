@@ -90,7 +90,7 @@ def validate(*streams) -> Validator:
     merged = sorted(((b.ts, i, b) for i, batches in enumerate(streams) for b in batches), key=lambda r: r[:2])
     for _, i, b in merged:
         v.apply(b, stream=i)
-    assert v.errors == 0, v.report()
+    assert v.errors == 0, (v.report()["by_rule"], v.report()["first_problems"])
     return v
 
 

@@ -28,7 +28,7 @@ import uuid
 
 import msgspec
 
-from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
+from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, storage_tier
 from vllm_kvbm_plugin.events.validator import SPARSE_KINDS
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -52,9 +52,13 @@ class ServerRefused(RuntimeError):
 class _Entry:
     """One entry of the tier: its values (one per tensor-parallel rank) and its events."""
     ranks: set
-    events: list | None = None  # BlockStored per group, read from rank 0's metadata
+    events: list | None = None  # BlockStored per group, read from rank 0's metadata (until announced)
     end: int = 0
-    announced: bool = False
+    slots: list | None = None  # once announced: (ownership, group, vLLM hash) per group, for removals
+
+    @property
+    def announced(self) -> bool:
+        return self.slots is not None
 
 
 def entry_of(name: bytes) -> tuple[tuple[bytes, bytes], int] | None:
@@ -86,6 +90,7 @@ class RemoteAnnouncer:
         self.entries: dict = {}  # (root hex, key hex) -> _Entry
         self.world: dict = {}  # root hex -> ranks seen (max rank + 1)
         self.held: dict = {}  # (ownership, group, vLLM hash) -> entry id announced with it
+        self.waiting: dict = {}  # parent's (ownership, group, hash) -> entries announced after it
         self.marker = f"kvbm:announcer:{uuid.uuid4().hex}"
         self.counters = {"stored": 0, "removed": 0, "cleared": 0, "rescans": 0, "connects": 0}
         self.connected = threading.Event()  # set while subscribed and rescanned
@@ -233,7 +238,7 @@ class RemoteAnnouncer:
                     e = self.entries[eid] = _Entry(set())
                 e.ranks.add(rank)
                 self.world[eid[0]] = max(self.world.get(eid[0], 1), rank + 1)
-                if rank == 0 and not e.announced:
+                if not e.announced and 0 in e.ranks and (rank == 0 or e.events is None):
                     to_read.append(eid)  # (re)written: its metadata may be new
             elif e is not None:
                 e.ranks.discard(rank)
@@ -245,7 +250,7 @@ class RemoteAnnouncer:
                 self._unannounce(eid, e)
             if e is not None and not e.ranks:
                 del self.entries[eid]
-        self._announce_ready()
+        self._announce_ready(touched)
         self._flush()
 
     def _rescan(self, client) -> None:
@@ -262,6 +267,7 @@ class RemoteAnnouncer:
             self._out.append(self._cleared())
             self.counters["cleared"] += 1
             self.entries, self.held = {}, {}
+        self.waiting = {}  # rebuilt below (it may name entries gone since)
         for eid in [eid for eid in self.entries if eid not in found]:
             e = self.entries.pop(eid)
             if e.announced:
@@ -276,10 +282,10 @@ class RemoteAnnouncer:
                 e.ranks = set(ranks)
             if e.announced and not self._complete(eid, e):
                 self._unannounce(eid, e)
-            if e.events is None and 0 in ranks:
+            if not e.announced and e.events is None and 0 in ranks:
                 to_read.append(eid)
         self._read_meta(client, to_read)
-        self._announce_ready()
+        self._announce_ready(list(self.entries))
         self._flush()
 
     def _read_meta(self, client, eids: list) -> None:
@@ -329,42 +335,46 @@ class RemoteAnnouncer:
     def _complete(self, eid, e: _Entry) -> bool:
         return all(r in e.ranks for r in range(self.world.get(eid[0], 1)))
 
-    def _parents_held(self, e: _Entry) -> bool:
-        return all(ev.parent_block_hash is None or ev.kv_cache_spec_kind in SPARSE_KINDS
-                   or (ev.ownership, ev.group_idx, ev.parent_block_hash) in self.held for ev in e.events)
+    def _missing_parent(self, e: _Entry):
+        """The first parent (ownership, group, hash) of `e` not announced, or None."""
+        for ev in e.events:
+            if ev.parent_block_hash is not None and ev.kv_cache_spec_kind not in SPARSE_KINDS:
+                slot = (ev.ownership, ev.group_idx, ev.parent_block_hash)
+                if slot not in self.held:
+                    return slot
+        return None
 
-    def _announce_ready(self) -> None:
-        """Announce every complete, described entry whose parents are announced, parents first."""
-        waiting = sorted(((e.end, eid) for eid, e in self.entries.items()
-                          if not e.announced and e.events and self._complete(eid, e)), key=lambda w: w[0])
-        progress = True
-        while waiting and progress:
-            progress, rest = False, []
-            for end, eid in waiting:
-                e = self.entries[eid]
-                slots = [(ev.ownership, ev.group_idx, ev.block_hashes[0]) for ev in e.events]
-                if any(s in self.held for s in slots):
-                    continue  # another key announced the same block (never expected): skip it
-                if not self._parents_held(e):
-                    rest.append((end, eid))
-                    continue
-                for s in slots:
-                    self.held[s] = eid
-                self._out += e.events
-                e.announced = True
-                self.counters["stored"] += 1
-                progress = True
-            waiting = rest
+    def _announce_ready(self, candidates) -> None:
+        """Announce the complete, described `candidates` whose parents are announced (parents
+        first); the others wait under their missing parent, announced when it is."""
+        todo = sorted((self.entries[eid].end, eid) for eid in candidates if eid in self.entries)
+        todo.reverse()  # a stack: smallest end (parents) first
+        while todo:
+            _, eid = todo.pop()
+            e = self.entries.get(eid)
+            if e is None or e.announced or not e.events or not self._complete(eid, e):
+                continue
+            slots = [(ev.ownership, ev.group_idx, ev.block_hashes[0]) for ev in e.events]
+            if any(s in self.held for s in slots):
+                continue  # another key announced the same block (never expected): skip it
+            parent = self._missing_parent(e)
+            if parent is not None:
+                self.waiting.setdefault(parent, set()).add(eid)
+                continue
+            for slot in slots:
+                self.held[slot] = eid
+                todo += [(0, child) for child in self.waiting.pop(slot, ())]
+            self._out += e.events
+            e.events, e.slots = None, slots  # kept small: a removal needs the slots only
+            self.counters["stored"] += 1
 
     def _unannounce(self, eid, e: _Entry) -> None:
-        e.announced = False
-        for ev in e.events:
-            slot = (ev.ownership, ev.group_idx, ev.block_hashes[0])
-            if self.held.get(slot) == eid:
-                del self.held[slot]
-                self._out.append(self._removed(block_hashes=[ev.block_hashes[0]], medium=ev.medium,
-                                               group_idx=ev.group_idx, locality=ev.locality,
-                                               ownership=ev.ownership))
+        for ownership, group, h in e.slots:
+            if self.held.get((ownership, group, h)) == eid:
+                del self.held[(ownership, group, h)]
+                self._out.append(self._removed(block_hashes=[h], medium=MEDIUM_STORAGE, group_idx=group,
+                                               locality=LOCALITY_REMOTE, ownership=ownership))
+        e.slots = None  # its events are read again if it comes back
         self.counters["removed"] += 1
 
     def _flush(self) -> None:
