@@ -38,9 +38,9 @@ def toks(n, hi=32000):
     return [rng.randrange(hi) for _ in range(n)]
 
 
-def store_sequence(index, name, tokens, unit):
-    """Store tokens as a chain of units keyed (name, i); returns the keys."""
-    parent, keys = None, []
+def store_sequence(index, name, tokens, unit, parent=None):
+    """Store tokens as a chain of units keyed (name, i) after `parent`; returns the keys."""
+    keys = []
     for i in range(len(tokens) // unit):
         key = (name, i)
         index.add(key, tokens[i * unit:(i + 1) * unit], parent)
@@ -114,16 +114,18 @@ def test_prefix_and_reusable_metrics():
     assert index.stats["prefix_tokens"] == 32 and index.stats["requests"] == 1
 
 
-def test_random_streams_match_reference_with_removals():
-    """Many shared fragments, removals and re-adds: kernels, table deletions and links agree with
-    the brute-force reference after every step."""
-    unit = 4
-    vocab = 6  # small vocabulary: many repeated windows, many candidates per offset
+@pytest.mark.parametrize("unit,vocab", [(4, 6), (3, 2)])
+def test_random_streams_match_reference_with_removals(unit, vocab):
+    """Many shared fragments (equal hashes), sequences branching off stored units (several
+    children), removals and re-adds: kernels, table deletions, links and the next-unit shortcut
+    agree with the brute-force reference after every step. Small vocabularies: many repeated
+    windows, many candidates per offset, many units with the same tokens."""
     index = SubseqIndex(unit, capacity=4)  # grows several times
     live = []
     for step in range(60):
         seq = [rng.randrange(vocab) for _ in range(rng.randrange(4, 40))]
-        live.extend(store_sequence(index, step, seq, unit))
+        branch_from = rng.choice(live) if live and step % 3 == 0 else None
+        live.extend(store_sequence(index, step, seq, unit, branch_from))
         for key in rng.sample(live, len(live) // 4):
             index.remove(key)
             live.remove(key)

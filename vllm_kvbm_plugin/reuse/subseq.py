@@ -704,7 +704,7 @@ class SubseqIndex:
         """Load (or compile) the probe kernels now, so that no request's probe time includes it."""
         _find(np.zeros(0, np.int64), self.unit, self.inv_pow, self.mix_pow, self.bits, self.fshift,
               self.tab, self.shift, self.unit_tokens, self.hash, self.dup, self.child, self.parent,
-            self.parent_gen, self.gen, self.pos)
+              self.parent_gen, self.gen, self.pos)
 
     def units(self) -> dict:
         """Plain view {key: (tokens tuple, parent key, position)}, for `reference_find`."""
