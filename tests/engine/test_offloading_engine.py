@@ -92,3 +92,17 @@ def test_vllm_fs_tier_serves_flipped_bytes(run_engine, baseline, tmp_path):
     assert o["num_cached_tokens"] == HIT and o["tokens"] != baseline
     print("fs after flipped bytes:", o["tokens"], "baseline:", baseline)
     assert os.path.exists(files[0])
+
+
+def test_chunks_of_two_blocks_hit_from_cpu_and_disk(run_engine, baseline, tmp_path):
+    """blocks_per_chunk 2: each offloaded chunk (and each disk file) holds two KV blocks."""
+    r = run_engine(spec(REPEAT, disk_path=str(tmp_path), blocks_per_chunk=2))
+    first, again = outputs(r)
+    assert first["num_cached_tokens"] == 0 and again["num_cached_tokens"] == HIT
+    assert first["tokens"] == again["tokens"] == baseline
+    assert validate(r).errors == 0
+    files = list(tmp_path.rglob("*.kvb"))
+    assert len(files) == HIT // 64
+    r2 = run_engine(spec(ONCE, disk_path=str(tmp_path), blocks_per_chunk=2))
+    (o,) = outputs(r2)
+    assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline
