@@ -1,0 +1,82 @@
+"""Keyed block keys in the connector (issue 11, item 4), on vLLM's real Scheduler with real workers
+and a real disk tier: the tier directory is named by the keyed root, the secret is kept at the root
+of disk_path, the directory key spec 1 wrote for the same layout is removed at startup, and another
+secret shares nothing (misses, never wrong hits)."""
+
+import os
+import random
+import stat
+import time
+
+import pytest
+
+from vllm_kvbm_plugin.connector import layout as layout_mod
+from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
+from vllm_kvbm_plugin.tiers import secret
+
+rng = random.Random(3)
+
+
+def prompt(n: int = 200) -> list[int]:
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def instance(disk_path: str) -> SchedulerHarness:
+    return SchedulerHarness(HarnessConfig(hybrid=False, num_blocks=64, block_size=32, hash_block_size=None,
+                                          connector={"cpu_bytes_to_use": 1 << 24, "disk_path": disk_path}))
+
+
+def serve(h: SchedulerHarness, tokens: list[int]) -> int:
+    """One request to completion (every step checks the KV it finds); the tokens it started with."""
+    rid = h.add(tokens, max_tokens=2)
+    deadline = time.monotonic() + 30
+    while h.scheduler.has_unfinished_requests():
+        h.step()
+        assert time.monotonic() < deadline, "request did not finish"
+    h.settle()
+    return h.cached_tokens[rid]
+
+
+def test_tier_directory_is_keyed_and_spec_1_leftovers_are_removed(tmp_path):
+    disk = tmp_path / "kv"
+    a = instance(str(disk))
+    p = prompt()
+    assert serve(a, p) == 0
+    lay = a.connector.layout
+    assert lay.tier_dir == str(disk / f"{lay.root[0]:016x}{lay.root[1]:016x}") and os.path.isdir(lay.rank_dir(0))
+    key_file = disk / secret.FILE_NAME
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert lay.root == lay.keyer.root(*layout_mod._root_fields(a.vllm_config, a.scheduler.kv_cache_config,
+                                                               lay.hash_unit))
+    # what spec 1 left for this layout: its directory, named by the unkeyed root, with a block file
+    v1 = layout_mod.v1_key_root(a.vllm_config, a.scheduler.kv_cache_config, lay.hash_unit)
+    v1_dir = disk / f"{v1[0]:016x}{v1[1]:016x}"
+    assert str(v1_dir) != lay.tier_dir
+    (v1_dir / "r0" / "ab").mkdir(parents=True)
+    (v1_dir / "r0" / "ab" / ("ab" * 16 + ".kvb")).write_bytes(b"KVBM" + bytes(100))
+
+    b = instance(str(disk))  # a restart on the same disk_path
+    assert not v1_dir.exists()  # removed at startup
+    assert b.connector.layout.tier_dir == lay.tier_dir  # same secret (kept in disk_path), same directory
+    assert serve(b, p) == 192  # from the disk tier: its CPU tier starts empty
+
+
+def test_another_secret_shares_nothing(tmp_path, monkeypatch):
+    disk = str(tmp_path / "kv")
+    p = prompt()
+    monkeypatch.setenv(secret.ENV, "11" * 16)
+    a = instance(disk)
+    assert serve(a, p) == 0
+    monkeypatch.setenv(secret.ENV, "22" * 16)
+    b = instance(disk)
+    assert b.connector.layout.tier_dir != a.connector.layout.tier_dir
+    assert serve(b, p) == 0  # a miss, although a's entries are on the same disk
+    monkeypatch.setenv(secret.ENV, "11" * 16)
+    assert serve(instance(disk), p) == 192  # the same secret finds them
+    assert not os.path.exists(os.path.join(disk, secret.FILE_NAME))  # the environment's secret is not stored
+
+
+def test_a_malformed_environment_secret_stops_startup(tmp_path, monkeypatch):
+    monkeypatch.setenv(secret.ENV, "not-a-secret")
+    with pytest.raises(ValueError, match="KVBM_KEY_SECRET.*32 hex characters"):
+        instance(str(tmp_path / "kv"))
