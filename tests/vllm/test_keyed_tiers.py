@@ -80,3 +80,21 @@ def test_a_malformed_environment_secret_stops_startup(tmp_path, monkeypatch):
     monkeypatch.setenv(secret.ENV, "not-a-secret")
     with pytest.raises(ValueError, match="KVBM_KEY_SECRET.*32 hex characters"):
         instance(str(tmp_path / "kv"))
+
+
+def test_a_server_unreachable_at_startup_leaves_the_remote_tier_off(tmp_path, caplog):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"
+    h = SchedulerHarness(HarnessConfig(hybrid=False, num_blocks=64, block_size=32, hash_block_size=None, workers=2,
+                                       connector={"cpu_bytes_to_use": 1 << 24, "remote_url": url,
+                                                  "disk_path": str(tmp_path / "kv")}))
+    assert h.connector.layout.remote_off and h.connector.remote is None
+    assert all(w.side.remote is None for w in h.workers)  # the workers agree: no remote I/O at all
+    assert "remote tier is off for this process" in caplog.text
+    p = prompt()
+    assert serve(h, p) == 0
+    h.reset_prefix_cache()
+    assert serve(h, p) == 192  # the local tiers serve as usual (secret from disk_path)
