@@ -276,3 +276,36 @@ def test_announcer_says_what_the_server_needs_when_config_is_refused(server):
     c.config_set("notify-keyspace-events", "Kg$xe")  # what the message asks for: then it runs
     ann = Announcer(url)
     ann.close()
+
+
+def described(server) -> set:
+    """(group, hash) of every event in the metadata of the values on the server."""
+    import msgspec
+
+    from vllm_kvbm_plugin.tiers import disk as diskfmt
+
+    out, c = set(), server.client()
+    for name in c.scan_iter(match="kvbm:2:*:r0:*"):
+        value = c.get(name)
+        plen = diskfmt._HEADER.unpack_from(value, 0)[5]
+        for ev in (diskfmt.decode_meta(value[diskfmt.HEADER_SIZE + plen:]) or (0, []))[1]:
+            ev = msgspec.msgpack.decode(ev)
+            out.add((ev["group_idx"], ev["block_hashes"][0]))
+    return out
+
+
+def test_hybrid_kv_and_state_entries_are_announced_once_each(server):
+    ann = Announcer(server.url)
+    a, b = instance(server.url, hybrid=True), instance(server.url, hybrid=True)
+    p = prompt()
+    assert serve(a, p) == 0
+    serve(b, p)
+    assert idle(a) and idle(b)
+    want = described(server)  # internal entries (no events in their metadata) are never announced
+    ann.wait(lambda evs: set(stored(evs)) == want)
+    quiet(ann, 0.5)
+    kinds = collections.Counter(ev.kv_cache_spec_kind for ev in ann.events() if isinstance(ev, BlockStored))
+    assert kinds["mamba"] > 0 and kinds["full_attention"] > 0  # the recurrent state's entries too
+    assert set(stored(ann.events()).values()) == {1}
+    validate(a.batches, b.batches, [bt for _, bt in ann.records])
+    ann.close()
