@@ -286,17 +286,6 @@ def _cos_sin(rope: RopeSpec, max_positions: int) -> torch.Tensor:
 
 
 def load(side, ops: list[PicLoad]) -> None:
-    """`_load` on one thread: its tensors are small, and a thread team per torch op costs more than
-    it saves (on the shared 2-core test machine, 45 ms against 2-5 s for 1,568 tokens x 8 layers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _load(side, ops)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _load(side, ops: list[PicLoad]) -> None:
     """Run position-independent loads on a WorkerSide: per attention layer, K of the slot tokens
     re-rotated from their old to their new positions in float32, V copied (`kv_views`); a layer
     of another shape fails the loads (reported as load errors, so vLLM recomputes those blocks)."""
