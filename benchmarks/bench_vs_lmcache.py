@@ -13,6 +13,7 @@ its C++ Redis client) in multi-process mode. Target: our remote hit at most half
 """
 
 import argparse
+import glob
 import json
 import os
 import socket
@@ -26,6 +27,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 BLOCK = 32
 LOGS = tempfile.gettempdir()
+SHM = "/dev/shm/lmcache_kv_*"  # LMCache's lmcache_driven mode moves vLLM's KV cache there; nobody unlinks it
 
 
 def free_port() -> int:
@@ -151,9 +153,14 @@ def remote_main(args) -> None:
 
     def child(name, mode, port, out, env):
         log = open(os.path.join(LOGS, os.path.basename(out) + ".log"), "w")
-        subprocess.run([sys.executable, __file__, "--child", name, str(port), out, "--tokens", str(args.tokens),
-                        "--reps", str(args.reps), "--redis", redis.url, "--mode", mode],
-                       check=True, stdout=log, stderr=subprocess.STDOUT, timeout=900, env=env)
+        before = set(glob.glob(SHM))
+        try:
+            subprocess.run([sys.executable, __file__, "--child", name, str(port), out, "--tokens", str(args.tokens),
+                            "--reps", str(args.reps), "--redis", redis.url, "--mode", mode],
+                           check=True, stdout=log, stderr=subprocess.STDOUT, timeout=900, env=env)
+        finally:
+            for f in set(glob.glob(SHM)) - before:  # the engine's KV cache segment outlives it
+                os.unlink(f)
         return json.load(open(out))
 
     try:
@@ -232,6 +239,7 @@ def main() -> None:
                         env={**os.environ, "LMCACHE_DISABLE_BANNER": "1"})
                     time.sleep(8)
                 out = os.path.join(d, f"{name}{r}.json")
+                before = set(glob.glob(SHM))
                 try:
                     env = {**os.environ, **({"KVBM_DISABLE": "1"} if name == "lmcache" else {})}
                     subprocess.run([sys.executable, __file__, "--child", name, str(port), out,
@@ -242,6 +250,8 @@ def main() -> None:
                     if server is not None:
                         os.killpg(server.pid, 15)
                         server.wait(timeout=30)
+                    for f in set(glob.glob(SHM)) - before:  # the engine's KV cache segment outlives it
+                        os.unlink(f)
                 results[name].append(json.load(open(out)))
     print(f"{args.tokens}-token prompts, llama 8x1024, block/chunk {BLOCK}, {args.rounds} alternating "
           f"rounds x {args.reps} prompts:")
