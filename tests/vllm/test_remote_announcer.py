@@ -275,7 +275,9 @@ def test_announcer_says_what_the_server_needs_when_config_is_refused(server):
     assert "CONFIG GET refused" in msg
     c.config_set("notify-keyspace-events", "Kg$xe")  # what the message asks for: then it runs
     ann = Announcer(url)
+    assert len(list(c.scan_iter(match="kvbm:announcer:*"))) == 1  # its marker (a flush removes it)
     ann.close()
+    assert not list(c.scan_iter(match="kvbm:announcer:*"))  # removed when it stops
 
 
 def described(server) -> set:

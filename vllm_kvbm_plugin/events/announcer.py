@@ -79,6 +79,7 @@ class RemoteAnnouncer:
     reconnecting (and rescanning) whenever the server fails."""
 
     PROBE_TIMEOUT = 5.0  # s: our marker's notification must arrive within this
+    MARKER_TTL = 3600  # s: refreshed every check_interval
 
     def __init__(self, url: str, publish, rescan_interval: float = 60.0, check_interval: float = 1.0):
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -132,7 +133,11 @@ class RemoteAnnouncer:
             prefix = f"__keyspace@{db}__:".encode()
             pubsub.psubscribe(prefix + b"kvbm:*")  # before the scan: no change falls between them
             marked = self._mark(client)
-            early = self._probe(pubsub, len(prefix), config) if marked else {}
+            try:
+                early = self._probe(pubsub, len(prefix), config) if marked else {}
+            except ServerRefused:
+                client.delete(self.marker)
+                raise
             self._rescan(client)
             if early:
                 self._apply(client, early)
@@ -149,12 +154,16 @@ class RemoteAnnouncer:
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + self.check_interval
-                    if marked and client.get(self.marker) is None:  # flushed: no notification says so
+                    # flushed or restarted (no notification says so)? GETEX also keeps it an hour
+                    # longer: it outlives us by that much at most
+                    if marked and client.getex(self.marker, ex=self.MARKER_TTL) is None:
                         marked = self._mark(client)
                         self._rescan(client)
                 if now >= next_rescan:
                     next_rescan = now + self.rescan_interval
                     self._rescan(client)
+            if marked:
+                client.delete(self.marker)
         finally:
             self.connected.clear()
             pubsub.close()
@@ -166,7 +175,7 @@ class RemoteAnnouncer:
         import redis
 
         try:
-            client.set(self.marker, b"1")
+            client.set(self.marker, b"1", ex=self.MARKER_TTL)
             return True
         except redis.ResponseError as e:
             logger.warning("announcer: cannot write the marker key %s (%s); a flush is seen at the next "
