@@ -59,6 +59,7 @@ class TierManager:
         self.name = name
         self.index = TierIndex(capacity, make_policy(policy))
         self.parent_pins: dict = {}  # key -> its parent, pinned until the key is stored or dropped
+        self.waiting: dict = {}  # key -> children stored before it was announced (announced after it)
         self.events: list = []
 
     def __len__(self) -> int:
@@ -117,9 +118,10 @@ class TierManager:
         if ok:
             e = self.index.complete(key)
             if e is not None:
-                self._announce(e)
+                self._announce_after(key, e, parent)
         else:
             self.index.remove(key)
+            self.waiting.pop(key, None)
 
     def remove(self, key) -> None:
         """`key` is gone (found corrupt or missing): drop it and announce the removal."""
@@ -138,10 +140,28 @@ class TierManager:
             self.events += a.events
             a.announced = True
 
+    def _announce_after(self, key, entry: Entry, parent) -> None:
+        """Announce `key` once its parent is announced here (a router drops a block whose parent
+        it does not hold): now, after the parent, or never when the parent left unannounced
+        (e.g. its bytes never came); the entry serves loads all the same."""
+        if parent is not None:
+            p = self.index.entries.get(parent)
+            if p is None:
+                return
+            if p.meta is not None and p.meta.events and not p.meta.announced:
+                self.waiting.setdefault(parent, []).append(key)
+                return
+        self._announce(entry)
+        for child in self.waiting.pop(key, ()):
+            c = self.index.ready(child)
+            if c is not None:
+                self._announce_after(child, c, None)
+
     def _evicted(self, evicted: list) -> None:
         """Entries that left the tier: announce their removals, one event per group."""
         by_group: dict[int, list] = {}
-        for _, e in evicted:
+        for key, e in evicted:
+            self.waiting.pop(key, None)
             if e is not None and e.meta is not None and e.meta.announced:
                 for ev in e.meta.events:
                     by_group.setdefault(ev.group_idx, []).append(e.meta.vhash)
