@@ -25,14 +25,6 @@ def harness(hybrid: bool, workers: int = 1, **connector) -> SchedulerHarness:
                                           connector={"cpu_bytes_to_use": 1 << 24, **connector}, **geometry))
 
 
-def serve(h: SchedulerHarness, prompt: list[int]) -> int:
-    """Run one request to completion; the tokens it started with (prefix cache + tiers)."""
-    rid = h.add(prompt, max_tokens=2)
-    h.run()
-    h.settle()
-    return h.cached_tokens[rid]
-
-
 def idle(h: SchedulerHarness) -> bool:
     acc = h.connector.accounting()
     return all(acc[k] == v for k, v in IDLE.items()) and all(
@@ -54,9 +46,9 @@ def validate(*harnesses: SchedulerHarness) -> Validator:
 @pytest.mark.parametrize("hybrid, hit", [(False, 192), (True, 192)])
 def test_cpu_tier_hit_loads_exactly_what_recompute_writes(hybrid, hit):
     h = harness(hybrid)
-    assert serve(h, PROMPT) == 0
+    assert h.serve(PROMPT) == 0
     h.reset_prefix_cache()
-    assert serve(h, PROMPT) == hit  # a hybrid hit lands on the last unit boundary before the last token
+    assert h.serve(PROMPT) == hit  # a hybrid hit lands on the last unit boundary before the last token
     assert idle(h)
     cpu = [ev for ev in events(h) if ev.medium == MEDIUM_CPU]
     assert cpu and all(ev.locality is None and ev.ownership is None for ev in cpu)
@@ -66,20 +58,20 @@ def test_cpu_tier_hit_loads_exactly_what_recompute_writes(hybrid, hit):
 def test_kv_check_catches_a_wrong_load():
     """The harness's oracle: a CPU slot with other bytes than the block it came from fails the step."""
     h = harness(False)
-    serve(h, PROMPT)
+    h.serve(PROMPT)
     h.reset_prefix_cache()
     h.workers[0].side.pool.zero_()
     with pytest.raises(AssertionError, match="KV of token 0"):
-        serve(h, PROMPT)
+        h.serve(PROMPT)
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_disk_tier_after_restart_uses_vllms_storage_vocabulary(tmp_path, hybrid):
     first = harness(hybrid, disk_path=str(tmp_path))
-    serve(first, PROMPT)
+    first.serve(PROMPT)
     second = harness(hybrid, disk_path=str(tmp_path), cpu_bytes_to_use=1)  # a new engine, no CPU tier
     assert second.connector.cpu.index.capacity == 0
-    assert serve(second, PROMPT) == 192  # direct loads from the files of the first run
+    assert second.serve(PROMPT) == 192  # direct loads from the files of the first run
     assert idle(second)
     stored = [ev for h in (first, second) for ev in events(h) if ev.medium not in ("GPU", MEDIUM_CPU)]
     assert stored and all(ev.medium == MEDIUM_STORAGE and ev.locality == "LOCAL" for ev in stored)
@@ -98,10 +90,10 @@ def test_recording_of_hybrid_unit_events_and_tier_events_validates(tmp_path):
     h = harness(True, disk_path=str(tmp_path / "disk"), cpu_bytes_to_use=3 * 160 * 512 + 1)
     prompts = [PROMPT, PROMPT[:100] + [5] * 150, PROMPT + [9] * 300]
     for p in prompts:
-        serve(h, p)
+        h.serve(p)
     h.reset_prefix_cache()
     for p in prompts:
-        serve(h, p)
+        h.serve(p)
     path = tmp_path / "events.jsonl"
     with open(path, "w") as f:
         recording.write(f, enumerate(h.batches))
@@ -120,7 +112,7 @@ def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_pat
     that one worker completes and the other fails is a miss, and no report of it is left pending
     to complete the next prefetch of the same key early."""
     first = harness(False, workers=2, disk_path=str(tmp_path))
-    serve(first, PROMPT)
+    first.serve(PROMPT)
     layout = first.connector.layout
     files = sorted(p for p in _block_files(layout.rank_dir(1)))
     assert len(files) == 6 and len(_block_files(layout.rank_dir(0))) == 6
@@ -129,14 +121,14 @@ def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_pat
         data[disk.HEADER_SIZE + 3] ^= 0x40
         open(p, "wb").write(data)
     second = harness(False, workers=2, disk_path=str(tmp_path))
-    assert serve(second, PROMPT) == 0  # rank 0 verified its block 0, rank 1 did not: a miss
+    assert second.serve(PROMPT) == 0  # rank 0 verified its block 0, rank 1 did not: a miss
     assert second.connector.accounting()["reports_pending"] == 0
     assert idle(second) and len(second.connector.disk) == 6  # the new run stored its blocks again
     second.reset_prefix_cache()
     second.connector.cpu.index.capacity = 0  # make the next hit read the files again
     for key in list(second.connector.cpu.index.entries):
         second.connector.cpu.index.remove(key)
-    assert serve(second, PROMPT) == 192  # rewritten on both ranks: a hit, every byte checked
+    assert second.serve(PROMPT) == 192  # rewritten on both ranks: a hit, every byte checked
     assert idle(second)
 
 

@@ -6,7 +6,6 @@ secret shares nothing (misses, never wrong hits)."""
 import os
 import random
 import stat
-import time
 
 import pytest
 
@@ -26,22 +25,11 @@ def instance(disk_path: str) -> SchedulerHarness:
                                           connector={"cpu_bytes_to_use": 1 << 24, "disk_path": disk_path}))
 
 
-def serve(h: SchedulerHarness, tokens: list[int]) -> int:
-    """One request to completion (every step checks the KV it finds); the tokens it started with."""
-    rid = h.add(tokens, max_tokens=2)
-    deadline = time.monotonic() + 30
-    while h.scheduler.has_unfinished_requests():
-        h.step()
-        assert time.monotonic() < deadline, "request did not finish"
-    h.settle()
-    return h.cached_tokens[rid]
-
-
 def test_tier_directory_is_keyed_and_spec_1_leftovers_are_removed(tmp_path):
     disk = tmp_path / "kv"
     a = instance(str(disk))
     p = prompt()
-    assert serve(a, p) == 0
+    assert a.serve(p) == 0
     lay = a.connector.layout
     assert lay.tier_dir == str(disk / f"{lay.root[0]:016x}{lay.root[1]:016x}") and os.path.isdir(lay.rank_dir(0))
     key_file = disk / secret.FILE_NAME
@@ -58,7 +46,7 @@ def test_tier_directory_is_keyed_and_spec_1_leftovers_are_removed(tmp_path):
     b = instance(str(disk))  # a restart on the same disk_path
     assert not v1_dir.exists()  # removed at startup
     assert b.connector.layout.tier_dir == lay.tier_dir  # same secret (kept in disk_path), same directory
-    assert serve(b, p) == 192  # from the disk tier: its CPU tier starts empty
+    assert b.serve(p) == 192  # from the disk tier: its CPU tier starts empty
 
 
 def test_another_secret_shares_nothing(tmp_path, monkeypatch):
@@ -66,13 +54,13 @@ def test_another_secret_shares_nothing(tmp_path, monkeypatch):
     p = prompt()
     monkeypatch.setenv(secret.ENV, "11" * 16)
     a = instance(disk)
-    assert serve(a, p) == 0
+    assert a.serve(p) == 0
     monkeypatch.setenv(secret.ENV, "22" * 16)
     b = instance(disk)
     assert b.connector.layout.tier_dir != a.connector.layout.tier_dir
-    assert serve(b, p) == 0  # a miss, although a's entries are on the same disk
+    assert b.serve(p) == 0  # a miss, although a's entries are on the same disk
     monkeypatch.setenv(secret.ENV, "11" * 16)
-    assert serve(instance(disk), p) == 192  # the same secret finds them
+    assert instance(disk).serve(p) == 192  # the same secret finds them
     assert not os.path.exists(os.path.join(disk, secret.FILE_NAME))  # the environment's secret is not stored
 
 
@@ -95,6 +83,6 @@ def test_a_server_unreachable_at_startup_leaves_the_remote_tier_off(tmp_path, ca
     assert all(w.side.remote is None for w in h.workers)  # the workers agree: no remote I/O at all
     assert "remote tier is off for this process" in caplog.text
     p = prompt()
-    assert serve(h, p) == 0
+    assert h.serve(p) == 0
     h.reset_prefix_cache()
-    assert serve(h, p) == 192  # the local tiers serve as usual (secret from disk_path)
+    assert h.serve(p) == 192  # the local tiers serve as usual (secret from disk_path)

@@ -103,13 +103,6 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, **
     return h
 
 
-def serve(h, tokens, **kwargs) -> int:
-    rid = h.add(tokens, max_tokens=2, **kwargs)
-    h.run()
-    h.settle()
-    return h.cached_tokens[rid]
-
-
 def pinned(h) -> int:
     return h.connector.cpu.busy()
 
@@ -119,32 +112,32 @@ def test_reordered_documents_load_with_k_rerotated(tmp_path, workers):
     h = harness(tmp_path, workers=workers)
     planner = h.connector.pic
     assert planner is not None and h.connector.cpu is planner.cpu
-    assert serve(h, prompt([0, 1, 2, 3])) == 0
+    assert h.serve(prompt([0, 1, 2, 3])) == 0
     h.reset_prefix_cache()
     # the same documents reordered, salted: no exact hit (the salt is in its keys), so the
     # preamble comes position-independently too (at its own positions), then each document
     # continues it without a gap, from where it was stored (other positions)
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 2 * B + 16 * B
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 2 * B + 16 * B
     assert planner.stats["tokens"] == 18 * B and planner.stats["served"] == 1
     assert pinned(h) == 0 and not planner.claims
 
 
 def test_unsalted_and_other_salts_are_served_as_today(tmp_path):
     h = harness(tmp_path)
-    serve(h, prompt([0, 1, 2, 3]))
+    h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
     # the salted request stores its blocks (PIC-loaded ones included) under its salted keys only
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
     tokens = h.connector.pic.stats["tokens"]
     h.reset_prefix_cache()
     # so the same prompt without the salt finds just the public preamble, as without the salted one
-    assert serve(h, prompt([2, 0, 3, 1])) == 2 * B
+    assert h.serve(prompt([2, 0, 3, 1])) == 2 * B
     h.reset_prefix_cache()
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt="tenant-b") == 0  # another salt: its own keys
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt="tenant-b") == 0  # another salt: its own keys
     assert h.connector.pic.stats["tokens"] == tokens  # neither was served position-independently
     h.reset_prefix_cache()
     # the same salt hits its own stored blocks exactly (a prefix hit, nothing re-rotated)
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
     assert h.connector.pic.stats["tokens"] == tokens
     assert pinned(h) == 0
 
@@ -152,76 +145,76 @@ def test_unsalted_and_other_salts_are_served_as_today(tmp_path):
 def test_a_salt_reuses_its_own_blocks_at_other_positions_and_no_other_salt_does(tmp_path):
     h = harness(tmp_path)
     own = PRE + DOCS[1] + DOCS[3] + [4]
-    assert serve(h, own, cache_salt=SALT) == 0
+    assert h.serve(own, cache_salt=SALT) == 0
     h.reset_prefix_cache()
     # the salted blocks sit in the salt's own index: another salt never finds them
-    assert serve(h, PRE + DOCS[3] + [4, 4], cache_salt="kvbm-pic:tenant-b") == 0
+    assert h.serve(PRE + DOCS[3] + [4, 4], cache_salt="kvbm-pic:tenant-b") == 0
     h.reset_prefix_cache()
     # the same salt: the preamble is an exact hit (its salted keys), then document 3 from position 96
-    assert serve(h, PRE + DOCS[3] + [4, 4], cache_salt=SALT) == 2 * B + 4 * B
+    assert h.serve(PRE + DOCS[3] + [4, 4], cache_salt=SALT) == 2 * B + 4 * B
 
 
 def test_unaligned_runs_load_up_to_the_first_gap(tmp_path):
     h = harness(tmp_path)
-    serve(h, prompt([0, 1, 2, 3]))
+    h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
     # 5 tokens of its own after the preamble: nothing stored holds tokens 32-36, so only the
     # preamble is served (position-independently, at its own positions)
-    assert serve(h, PRE + [1, 2, 3, 4, 5] + DOCS[2] + [9], cache_salt=SALT) == 2 * B
+    assert h.serve(PRE + [1, 2, 3, 4, 5] + DOCS[2] + [9], cache_salt=SALT) == 2 * B
 
 
 def test_a_run_continues_mid_block_from_inside(tmp_path):
     h = harness(tmp_path)
-    assert serve(h, PRE + [4], cache_salt=SALT) == 0  # the salt's own preamble blocks
+    assert h.serve(PRE + [4], cache_salt=SALT) == 0  # the salt's own preamble blocks
     # a public sequence holding the preamble from token 8 on, then document 3: its blocks are
     # offset by 8 tokens against the request below (and end before document 3 does)
     public = PRE[8:] + DOCS[3] + [9]
-    assert serve(h, public) == 0
+    assert h.serve(public) == 0
     h.reset_prefix_cache()
     # exact hit: the salted preamble; the public run starts at 8 and holds the hit's end, so the
     # load starts 8 tokens into a stored block and ends where the public blocks end (two
     # destination blocks per stored one, K re-rotated by +8)
     end = 8 + len(public) // B * B
-    assert serve(h, PRE + DOCS[3] + [9, 9], cache_salt=SALT) == end
+    assert h.serve(PRE + DOCS[3] + [9, 9], cache_salt=SALT) == end
     assert h.connector.pic.stats["tokens"] == end - len(PRE)
     assert pinned(h) == 0
 
 
 def test_without_rerotation_the_check_fails(tmp_path, monkeypatch):
     h = harness(tmp_path)
-    serve(h, prompt([0, 1, 2, 3]))
+    h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
     monkeypatch.setattr(pic, "rerotate", lambda k, old, new, *a, **kw: k)
     with pytest.raises(AssertionError, match=f"K of token {len(PRE)} "):
-        serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT)
+        h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT)
 
 
 def test_evicted_blocks_leave_the_index(tmp_path):
     slot = B * 2 * HEAD * 4  # one block of the one attention layer, float32
     h = harness(tmp_path, cpu_bytes=12 * slot)
-    serve(h, prompt([0, 1, 2, 3]))  # 18 full blocks into a 12-slot tier: the LRU ones go
+    h.serve(prompt([0, 1, 2, 3]))  # 18 full blocks into a 12-slot tier: the LRU ones go
     planner = h.connector.pic
     index = planner.indexes[None]
     assert len(index) == len(h.connector.cpu) == 12
     assert set(planner.namespace_of) == set(h.connector.cpu.index.entries)
     h.reset_prefix_cache()
     # the evicted blocks (the preamble and documents 0-1) are gone: no exact hit, no run to continue
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
 
 
 def test_blocks_prefetched_from_disk_are_indexed(tmp_path):
     disk = str(tmp_path / "disk")
     h = harness(tmp_path, disk_path=disk)
-    serve(h, prompt([0, 1, 2, 3]))
+    h.serve(prompt([0, 1, 2, 3]))
     # a new engine on the same disk: the blocks are on disk only, the CPU tier and index are empty
     h = harness(tmp_path, disk_path=disk)
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
     h.reset_prefix_cache()
     # the first prompt again: a disk hit, prefetched into CPU slots, and indexed on the way
-    assert serve(h, prompt([0, 1, 2, 3])) == 18 * B
+    assert h.serve(prompt([0, 1, 2, 3])) == 18 * B
     assert len(h.connector.pic.indexes[None]) == 18
     h.reset_prefix_cache()
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt="kvbm-pic:other") == 18 * B
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt="kvbm-pic:other") == 18 * B
     assert pinned(h) == 0
 
 
@@ -236,6 +229,6 @@ def test_a_rope_that_cannot_be_rerotated_exactly_is_a_plain_miss(tmp_path):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "rope_theta": 10000.0}
     h = harness(tmp_path, rope=yarn)
     assert h.connector.pic is None and "yarn" in h.connector.cfg.pic_model
-    serve(h, prompt([0, 1, 2, 3]))
+    h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
-    assert serve(h, prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 0

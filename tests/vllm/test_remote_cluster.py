@@ -36,16 +36,6 @@ def instance(url: str, workers: int = 1) -> SchedulerHarness:
         "cpu_bytes_to_use": 1 << 24, "remote_url": url, "remote_events": "instance"}))
 
 
-def serve(h: SchedulerHarness, tokens: list[int]) -> int:
-    rid = h.add(tokens, max_tokens=2)
-    deadline = time.monotonic() + 30
-    while h.scheduler.has_unfinished_requests():
-        h.step()
-        assert time.monotonic() < deadline, "request did not finish"
-    h.settle()
-    return h.cached_tokens[rid]
-
-
 def test_cluster_urls_are_checked_at_startup():
     assert cluster_seeds("redis+cluster://u:pw@10.0.0.1:7000,[::1]:7001") == (
         [("10.0.0.1", 7000), ("::1", 7001)], "u", "pw")
@@ -59,10 +49,10 @@ def test_cluster_urls_are_checked_at_startup():
 def test_instance_b_hits_what_a_stored_across_the_cluster(cluster, workers):
     a, b = instance(cluster.url, workers), instance(cluster.url, workers)
     p = prompt()
-    assert serve(a, p) == 0
+    assert a.serve(p) == 0
     per_node = [sum(1 for _ in s.client().scan_iter(match="kvbm:*")) for s in cluster.nodes]  # block values
     assert sum(n > 0 for n in per_node) >= 2, per_node  # the client spread the entries
-    assert serve(b, p) == 192  # loaded from the cluster, every block's KV checked
+    assert b.serve(p) == 192  # loaded from the cluster, every block's KV checked
     assert b.connector.remote.counters["fetched"] > 0
 
 
@@ -73,9 +63,9 @@ def test_a_node_down_is_a_miss_and_hits_resume_when_it_is_back(cluster):
     try:
         a, b = instance(cluster.url), instance(cluster.url)
         p = prompt()
-        assert serve(a, p) == 0
+        assert a.serve(p) == 0
         cluster.nodes[0].kill()
-        assert serve(b, p) < 192  # some entries lived on the dead node: computed, KV checked
+        assert b.serve(p) < 192  # some entries lived on the dead node: computed, KV checked
         cluster.nodes[0].start()  # empty, rejoins from its nodes file
         cluster.wait_ok()
         deadline = time.monotonic() + 20
@@ -83,9 +73,9 @@ def test_a_node_down_is_a_miss_and_hits_resume_when_it_is_back(cluster):
         while hit < 192 and time.monotonic() < deadline:  # the breakers' backoffs end, both probe
             time.sleep(a.connector.remote.breaker.MIN_BACKOFF + 0.1)
             q = prompt()
-            assert serve(a, q) == 0
+            assert a.serve(q) == 0
             time.sleep(b.connector.remote.breaker.MIN_BACKOFF + 0.1)
-            hit = serve(b, q)
+            hit = b.serve(q)
         assert hit == 192  # without restarting either instance
         assert not errors
     finally:

@@ -38,17 +38,6 @@ def instance(url: str, hybrid: bool = False, **connector) -> SchedulerHarness:
         "cpu_bytes_to_use": 1 << 24, "remote_url": url, **connector}, **geometry))
 
 
-def serve(h: SchedulerHarness, tokens: list[int], max_tokens: int = 2) -> int:
-    """One request to completion (every step checks the KV it finds); the tokens it started with."""
-    rid = h.add(tokens, max_tokens=max_tokens)
-    deadline = time.monotonic() + 30
-    while h.scheduler.has_unfinished_requests():
-        h.step()
-        assert time.monotonic() < deadline, "request did not finish"
-    h.settle()
-    return h.cached_tokens[rid]
-
-
 def idle(h: SchedulerHarness) -> bool:
     acc = h.connector.accounting()
     return (acc["remote"] == {"fetching": 0, "writing": 0} and acc["reports_pending"] == 0
@@ -60,9 +49,9 @@ def test_instance_b_hits_what_instance_a_stored(server, hybrid, hit):
     # remote_events "instance": each instance announces its own writes (no announcer here)
     a, b = instance(server.url, hybrid, remote_events="instance"), instance(server.url, hybrid, remote_events="instance")
     p = prompt()
-    assert serve(a, p) == 0
+    assert a.serve(p) == 0
     assert server.client().dbsize() > 0
-    assert serve(b, p) == hit  # B never computed it: loaded from the server, KV checked
+    assert b.serve(p) == hit  # B never computed it: loaded from the server, KV checked
     assert b.connector.remote.counters["fetched"] > 0
     assert idle(a) and idle(b)
     remote = [ev for batch in a.batches for ev in batch.events
@@ -93,17 +82,17 @@ def wait_backoff(h: SchedulerHarness) -> None:
 def test_server_killed_between_requests_is_a_miss_and_hits_resume_after_restart(server, thread_errors):
     a, b = instance(server.url), instance(server.url)
     p, q = prompt(), prompt()
-    assert serve(a, p) == 0
+    assert a.serve(p) == 0
     server.kill()
-    assert serve(b, p) == 0  # a miss, computed; every step checked the KV
+    assert b.serve(p) == 0  # a miss, computed; every step checked the KV
     assert b.connector.remote.breaker.opened == 1
-    assert serve(a, prompt()) == 0  # A's writes fail too: never an error
+    assert a.serve(prompt()) == 0  # A's writes fail too: never an error
     server.start()  # empty, same port
     wait_backoff(a)
-    assert serve(a, q) == 0
+    assert a.serve(q) == 0
     assert server.client().dbsize() > 0  # A stores again without a restart
     wait_backoff(b)
-    assert serve(b, q) == 192  # and B hits again
+    assert b.serve(q) == 192  # and B hits again
     assert not b.connector.remote.breaker.is_open()
     assert idle(a) and idle(b)
     assert not thread_errors
@@ -128,18 +117,18 @@ def test_server_killed_during_a_write_burst(server, thread_errors):
     server.start()
     wait_backoff(a)
     b = instance(server.url)
-    assert serve(a, prompts[0]) == 192  # A's own CPU tier
+    assert a.serve(prompts[0]) == 192  # A's own CPU tier
     a.reset_prefix_cache()
     r = prompt()
-    assert serve(a, r) == 0
-    assert serve(b, r) == 192
+    assert a.serve(r) == 0
+    assert b.serve(r) == 192
 
 
 def test_client_pause_never_stalls_a_step(server, thread_errors):
     budget_ms = 5.0
     a, b = instance(server.url), instance(server.url, remote_lookup_budget_ms=budget_ms)
     p = prompt()
-    assert serve(a, p) == 0
+    assert a.serve(p) == 0
     server.client().execute_command("CLIENT", "PAUSE", 3000)
     t_pause = time.monotonic()
     longest = _time_scheduler(b)
@@ -176,7 +165,7 @@ def _time_scheduler(h: SchedulerHarness) -> list:
 def test_bad_values_are_misses_and_deleted(server, damage):
     a, b = instance(server.url), instance(server.url)
     p = prompt()
-    assert serve(a, p) == 0
+    assert a.serve(p) == 0
     # the value of block 2 (keys are per block; find it by B's own key naming)
     name = b.connector.remote.names(_block_key(b, p, 2))[0].encode()
     c = server.client()
@@ -188,7 +177,7 @@ def test_bad_values_are_misses_and_deleted(server, damage):
         c.set(name, value[:-10])
     else:  # the same key written by another model or layout: its header names another fingerprint
         c.set(name, value[:24] + bytes(16) + value[40:])
-    assert serve(b, p) == 2 * 32  # the leading run before the bad value
+    assert b.serve(p) == 2 * 32  # the leading run before the bad value
     assert b.connector.remote.counters["fetch_misses"] == 1
     assert c.get(name) == value  # deleted, then B wrote the block it computed: the good bytes again
 

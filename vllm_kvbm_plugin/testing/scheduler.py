@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 import torch
 from vllm.config import (
@@ -205,9 +206,19 @@ class SchedulerHarness:
         """KVBMConnector's scheduler side (SchedulerSide)."""
         return self.scheduler.connector._sched
 
-    def run(self) -> None:
+    def run(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.scheduler.has_unfinished_requests():
             self.step()
+            assert deadline is None or time.monotonic() < deadline, "requests did not finish"
+
+    def serve(self, tokens: list[int], max_tokens: int = 2, **request_kwargs) -> int:
+        """One request to completion (every step checks the KV it finds) and its background
+        writes settled; the tokens it started with (prefix cache + tiers)."""
+        rid = self.add(tokens, max_tokens=max_tokens, **request_kwargs)
+        self.run(timeout=30)
+        self.settle()
+        return self.cached_tokens[rid]
 
     def reset_prefix_cache(self) -> bool:
         ok = self.scheduler.reset_prefix_cache()
