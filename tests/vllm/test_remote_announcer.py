@@ -21,7 +21,7 @@ from vllm_kvbm_plugin.events.validator import Validator
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
-from .test_remote_tier import idle, instance, prompt, serve
+from .test_remote_tier import idle, instance, prompt
 
 pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
 pytestmark = pytest.mark.skipif(server_binary() is None,
@@ -110,10 +110,10 @@ def test_two_instances_and_the_announcer_each_entry_once_and_server_removals(ser
     ann = Announcer(server.url)
     a, b = instance(server.url), instance(server.url)
     p, q = prompt(), prompt()
-    assert serve(a, p) == 0
-    serve(b, p)  # a hit on what A stored, or (a lookup late on a busy machine) the same values again
-    assert serve(b, q) == 0
-    serve(a, q)
+    assert a.serve(p) == 0
+    b.serve(p)  # a hit on what A stored, or (a lookup late on a busy machine) the same values again
+    assert b.serve(q) == 0
+    a.serve(q)
     assert idle(a) and idle(b)
     n = entries_on(server)
     assert n == 12  # 6 full blocks of each prompt
@@ -143,7 +143,7 @@ def test_two_instances_and_the_announcer_each_entry_once_and_server_removals(ser
     server.start()
     time.sleep(a.connector.remote.breaker.MIN_BACKOFF + 0.1)
     r = prompt()
-    assert serve(a, r) == 0
+    assert a.serve(r) == 0
     assert idle(a)
     assert entries_on(server) == 6
     ann.wait(lambda evs: len(set(stored(evs)) & {(0, h) for h in a.unit_hashes(r)[:6]}) == 6)
@@ -182,7 +182,7 @@ def test_server_evictions_are_announced_and_the_stream_validates(server):
         ann = Announcer(small.url)
         a, b = instance(small.url), instance(small.url)
         for i in range(16):
-            serve(a if i % 2 else b, prompt(400))
+            (a if i % 2 else b).serve(prompt(400))
         assert idle(a) and idle(b)
         assert int(small.client().info("stats")["evicted_keys"]) > 0
         # the stream settles on the server's state: what it says the tier holds is all on the
@@ -204,7 +204,7 @@ def test_tensor_parallel_entry_is_announced_with_every_rank_and_removed_with_any
     h = SchedulerHarness(HarnessConfig(hybrid=False, num_blocks=64, workers=2, block_size=32, hash_block_size=None,
                                        connector={"cpu_bytes_to_use": 1 << 24, "remote_url": server.url}))
     p = prompt()
-    assert serve(h, p) == 0
+    assert h.serve(p) == 0
     assert idle(h)
     names = sorted(server.client().scan_iter(match="kvbm:2:*"))
     r1 = [k for k in names if b":r1:" in k]
@@ -243,12 +243,12 @@ def test_cli_announce_publishes_with_replay_and_stops_on_sigterm(server):
     try:
         wait_for_line(proc, "announcer: subscribed to")
         a = instance(server.url)
-        assert serve(a, prompt()) == 0
+        assert a.serve(prompt()) == 0
         assert idle(a)
         time.sleep(1)  # published before anyone subscribed
         # subscribed late: the batches published before come from the replay socket
         with Subscriber(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}") as sub:
-            assert serve(a, prompt()) == 0  # a new publication: the subscriber sees the gap before it
+            assert a.serve(prompt()) == 0  # a new publication: the subscriber sees the gap before it
             records, deadline = [], time.monotonic() + 120
             while len(stored(ev for _, b in records for ev in b.events)) < 12:
                 assert time.monotonic() < deadline and proc.poll() is None, (records, vars(sub.stats))
@@ -300,8 +300,8 @@ def test_hybrid_kv_and_state_entries_are_announced_once_each(server):
     ann = Announcer(server.url)
     a, b = instance(server.url, hybrid=True), instance(server.url, hybrid=True)
     p = prompt()
-    assert serve(a, p) == 0
-    serve(b, p)
+    assert a.serve(p) == 0
+    b.serve(p)
     assert idle(a) and idle(b)
     want = described(server)  # internal entries (no events in their metadata) are never announced
     ann.wait(lambda evs: set(stored(evs)) == want)

@@ -52,6 +52,8 @@ def test_instance_b_hits_what_a_stored_across_the_cluster(cluster, workers):
     assert a.serve(p) == 0
     per_node = [sum(1 for _ in s.client().scan_iter(match="kvbm:*")) for s in cluster.nodes]  # block values
     assert sum(n > 0 for n in per_node) >= 2, per_node  # the client spread the entries
+    b.serve(prompt())  # B's first lookup builds its cluster client (slot map, a connection per node):
+    # on a busy machine that can outlast a request's lookup patience, a miss by design
     assert b.serve(p) == 192  # loaded from the cluster, every block's KV checked
     assert b.connector.remote.counters["fetched"] > 0
 
