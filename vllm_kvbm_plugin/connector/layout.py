@@ -8,21 +8,21 @@ hash unit, tensor-parallel size), so two models or layouts sharing a `disk_path`
 the workers add their rank to the directory and check the exact tensor layout in each file header.
 Keys and root are keyed by the tier secret (tiers/secret.py), so the tier directory and the remote
 key prefix change with the secret and the key spec version; the directory spec 1 wrote for the same
-layout is removed at startup when it holds nothing but block files (remove_v1_tier_dir).
+layout is removed when the scheduler side starts, if it holds nothing but block files
+(remove_v1_tier_dir).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import fcntl
 import hashlib
 import os
-import re
 
 from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.hashing.spec import v1_root_key
 from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.tiers import disk as diskfmt
 
 logger = get_logger("layout")
 
@@ -85,8 +85,6 @@ class Layout:
 
         secret = tier_secret(cfg.remote_url, cfg.disk_path)
         keyer = Keyer(secret.key)
-        if cfg.disk_path:
-            remove_v1_tier_dir(cfg.disk_path, v1_key_root(vllm_config, kv_cache_config, unit))
         return cls(
             groups=groups,
             spec_kinds=tuple(get_kv_cache_spec_kind(g.kv_cache_spec).value for g in kv_groups),
@@ -128,124 +126,19 @@ def rank_dir(disk_path: str, root: tuple[int, int], rank: int) -> str:
     return os.path.join(tier_dir(disk_path, root), f"r{rank}")
 
 
-# What a tier directory of ours holds: r<rank>/<key hex[:2]>/<key hex>.kvb (and writers' temporary files)
-_RANK_NAME = re.compile(r"r[0-9]+")
-_PREFIX_NAME = re.compile(r"[0-9a-f]{2}")
-_BLOCK_NAME = re.compile(r"([0-9a-f]{32})\.kvb(\.tmp[0-9]+(\.[0-9a-f]+)?)?")
-_DFLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_RFLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
 def remove_v1_tier_dir(disk_path: str, v1_root: tuple[int, int]) -> int:
     """Remove `<disk_path>/<v1 root hex>`, the tier directory spec 1 wrote for this layout (its
-    entries are misses under spec 2), if it holds nothing but ours: rank directories of key-prefix
-    directories of regular block files, none being written (a writer flocks its temporary file).
-    Anything else, a symlink anywhere included, leaves the whole directory as it is (logged). Every
-    open is relative to an open directory and follows no link. Returns the files removed."""
+    entries are misses under spec 2), if it holds nothing but ours (tiers/disk.py remove_tier_dir);
+    else leave it whole (logged). Returns the block files removed."""
     name = f"{v1_root[0]:016x}{v1_root[1]:016x}"
-    try:
-        top = os.open(disk_path, _DFLAGS)
-    except OSError:
-        return 0
-    try:
-        try:
-            tfd = os.open(name, _DFLAGS, dir_fd=top)
-        except OSError:
-            return 0  # missing, or not a real directory: not ours
-        try:
-            foreign = _walk_tier_dir(tfd, remove=False)
-            if foreign:
-                logger.warning("KVBM disk tier: %s (written by key spec 1, all misses now) is left as it is: "
-                               "it holds %s", os.path.join(disk_path, name), foreign)
-                return 0
-            removed = _walk_tier_dir(tfd, remove=True)
-        finally:
-            os.close(tfd)
-        try:
-            os.rmdir(name, dir_fd=top)
-        except OSError:
-            pass
-    finally:
-        os.close(top)
-    logger.info("KVBM disk tier: removed %s, the tier directory key spec 1 wrote for this layout (%d block files, "
-                "all misses under spec 2)", os.path.join(disk_path, name), removed)
+    removed, foreign = diskfmt.remove_tier_dir(disk_path, name)
+    if foreign:
+        logger.warning("KVBM disk tier: %s (written by key spec 1, all misses now) is left as it is: it holds %s",
+                       os.path.join(disk_path, name), foreign)
+    elif removed:
+        logger.info("KVBM disk tier: removed %s, the tier directory key spec 1 wrote for this layout (%d block "
+                    "files, all misses under spec 2)", os.path.join(disk_path, name), removed)
     return removed
-
-
-def _walk_tier_dir(tfd: int, remove: bool):
-    """remove=False: a description of the first thing in the tree that is not ours, or None.
-    remove=True: remove the tree's block files and directories (not the top); the count of files."""
-    removed = 0
-    for rank, rfd in _subdirs(tfd, _RANK_NAME):
-        if isinstance(rfd, str):
-            return rfd
-        try:
-            for prefix, pfd in _subdirs(rfd, _PREFIX_NAME):
-                if isinstance(pfd, str):
-                    return f"{rank}/{pfd}"
-                try:
-                    for e in os.scandir(pfd):
-                        m = _BLOCK_NAME.fullmatch(e.name)
-                        if not (m and m.group(1).startswith(prefix) and e.is_file(follow_symlinks=False)):
-                            if not remove:
-                                return f"{rank}/{prefix}/{e.name}"
-                            continue
-                        if m.group(2) and _being_written(e.name, pfd):
-                            if not remove:
-                                return f"a file being written ({rank}/{prefix}/{e.name})"
-                            continue
-                        if remove:
-                            try:
-                                os.unlink(e.name, dir_fd=pfd)
-                                removed += 1
-                            except OSError:
-                                pass
-                finally:
-                    os.close(pfd)
-                if remove:
-                    try:
-                        os.rmdir(prefix, dir_fd=rfd)
-                    except OSError:
-                        pass
-        finally:
-            os.close(rfd)
-        if remove:
-            try:
-                os.rmdir(rank, dir_fd=tfd)
-            except OSError:
-                pass
-    return removed if remove else None
-
-
-def _subdirs(dfd: int, pattern):
-    """(name, fd) of each entry of the directory `dfd`: an fd when it is a real directory named by
-    `pattern`, else a description of it (the caller stops there). The caller closes the fds."""
-    for e in os.scandir(dfd):
-        if not (pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)):
-            yield e.name, f"{e.name!r}, not one of our directories"
-            return
-        try:
-            yield e.name, os.open(e.name, _DFLAGS, dir_fd=dfd)
-        except OSError:
-            yield e.name, f"{e.name!r}, which cannot be opened as a directory"
-            return
-
-
-def _being_written(name: str, dfd: int) -> bool:
-    """Whether a writer holds the temporary file `name` (it flocks it until it renames it)."""
-    try:
-        fd = os.open(name, _RFLAGS, dir_fd=dfd)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def tensor_fingerprint(root: tuple[int, int], layers: list[tuple[str, tuple, str, int]]) -> bytes:

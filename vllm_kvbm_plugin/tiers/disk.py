@@ -480,27 +480,139 @@ def _scan_entry(e: os.DirEntry, prefix: str, dfd: int, out: list) -> None:
 
 
 def _remove_if_abandoned(name: str, dfd: int) -> None:
-    """Remove a temporary file that no writer holds any more (a crash's leftover). Writers flock
-    it until it is renamed into place, so a live writer in another engine, container or host keeps
-    its file; where flock fails (no locks on that file system) age decides."""
+    """Remove a temporary file that no writer holds any more (a crash's leftover)."""
     try:
         fd = os.open(name, _RFLAGS, dir_fd=dfd)
     except OSError:
         return
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return  # a live writer
-        except OSError:
-            if time.time() - st.st_mtime < _STALE_TEMP:
-                return
-        os.unlink(name, dir_fd=dfd)
+        if stat.S_ISREG(st.st_mode) and not _held_by_writer(fd, st):
+            os.unlink(name, dir_fd=dfd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def _held_by_writer(fd: int, st: os.stat_result) -> bool:
+    """Whether a writer still holds the temporary file open as `fd`. Writers flock it until it is
+    renamed into place, so a live writer in another engine, container or host keeps its file;
+    where flock fails (no locks on that file system) age decides."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return time.time() - st.st_mtime < _STALE_TEMP
+
+
+# ---- a whole tier directory (the leftovers of an earlier key spec) -----------------------------
+_RANK_NAME = re.compile(r"r[0-9]+")
+
+
+def remove_tier_dir(disk_path: str, name: str) -> tuple[int, str | None]:
+    """Remove the tier directory `<disk_path>/<name>` if it holds nothing but ours: rank directories
+    of key-prefix directories of block files, no temporary file held by a writer. Every open is
+    relative to an open directory and follows no link. Returns (block files removed, None), or
+    (0, what is not ours) when anything else, a symlink anywhere included, leaves it whole;
+    (0, None) when there is no such directory."""
+    try:
+        top = os.open(disk_path, _DFLAGS)
+    except OSError:
+        return 0, None
+    try:
+        try:
+            tfd = os.open(name, _DFLAGS, dir_fd=top)
+        except OSError:
+            return 0, None  # missing, or not a real directory: not ours
+        try:
+            foreign = _walk_tier_dir(tfd, remove=False)
+            if foreign:
+                return 0, foreign
+            removed = _walk_tier_dir(tfd, remove=True)
+        finally:
+            os.close(tfd)
+        try:
+            os.rmdir(name, dir_fd=top)
+        except OSError:
+            pass
+        return removed, None
+    finally:
+        os.close(top)
+
+
+def _walk_tier_dir(tfd: int, remove: bool):
+    """remove=False: a description of the first thing in the tree that is not ours, or None.
+    remove=True: remove the tree's block files and directories (not the top); the count of files."""
+    removed = 0
+    for rank, rfd in _own_subdirs(tfd, _RANK_NAME):
+        if isinstance(rfd, str):
+            return rfd
+        try:
+            for prefix, pfd in _own_subdirs(rfd, _PREFIX_NAME):
+                if isinstance(pfd, str):
+                    return f"{rank}/{pfd}"
+                try:
+                    for e in os.scandir(pfd):
+                        temp = _TEMP_NAME.fullmatch(e.name)
+                        if not ((temp or _KEY_NAME.fullmatch(e.name)) and e.name.startswith(prefix)
+                                and e.is_file(follow_symlinks=False)):
+                            if not remove:
+                                return f"{rank}/{prefix}/{e.name}"
+                            continue
+                        if temp and _writer_holds(e.name, pfd):
+                            if not remove:
+                                return f"a file being written ({rank}/{prefix}/{e.name})"
+                            continue
+                        if remove:
+                            try:
+                                os.unlink(e.name, dir_fd=pfd)
+                                removed += 1
+                            except OSError:
+                                pass
+                finally:
+                    os.close(pfd)
+                if remove:
+                    try:
+                        os.rmdir(prefix, dir_fd=rfd)
+                    except OSError:
+                        pass
+        finally:
+            os.close(rfd)
+        if remove:
+            try:
+                os.rmdir(rank, dir_fd=tfd)
+            except OSError:
+                pass
+    return removed if remove else None
+
+
+def _own_subdirs(dfd: int, pattern):
+    """(name, fd) of each entry of the directory `dfd`: an fd when it is a real directory named by
+    `pattern`, else a description of it (the caller stops there). The caller closes the fds."""
+    for e in os.scandir(dfd):
+        if not (pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)):
+            yield e.name, f"{e.name!r}, not one of our directories"
+            return
+        try:
+            yield e.name, os.open(e.name, _DFLAGS, dir_fd=dfd)
+        except OSError:
+            yield e.name, f"{e.name!r}, which cannot be opened as a directory"
+            return
+
+
+def _writer_holds(name: str, dfd: int) -> bool:
+    """Whether a writer holds the temporary file `name` of the directory `dfd`."""
+    try:
+        fd = os.open(name, _RFLAGS, dir_fd=dfd)
+    except OSError:
+        return False
+    try:
+        return _held_by_writer(fd, os.fstat(fd))
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
