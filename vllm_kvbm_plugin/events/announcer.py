@@ -321,11 +321,10 @@ class RemoteAnnouncer:
     def _meta_range(self, eid, head: bytes) -> tuple[int, int] | None:
         if len(head) != diskfmt.HEADER_SIZE:
             return None
-        magic, version, flags, key, _fp, plen, mlen, _sum, reserved = diskfmt._HEADER.unpack(head)
-        if (magic != diskfmt.MAGIC or version != diskfmt.VERSION or flags or reserved
-                or key.hex().encode() != eid[1] or not 0 < mlen <= diskfmt.MAX_META):
+        h = diskfmt.parse_header(head)
+        if h is None or h.key.hex().encode() != eid[1] or not 0 < h.meta_bytes <= diskfmt.MAX_META:
             return None
-        return diskfmt.HEADER_SIZE + plen, mlen
+        return diskfmt.HEADER_SIZE + h.payload_bytes, h.meta_bytes
 
     def _describe(self, eid, e: _Entry, blob: bytes) -> None:
         info = diskfmt.decode_meta(blob)

@@ -49,6 +49,7 @@ import struct
 import threading
 import time
 from concurrent.futures import wait
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -121,6 +122,23 @@ def _combine(payload_sum: int, meta) -> int:
 def _header(key: tuple[int, int], fingerprint: bytes, plen: int, meta: bytes, payload_sum: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, 0, key_bytes(key), fingerprint, plen, len(meta),
                         _combine(payload_sum, meta), 0)
+
+
+class Header(NamedTuple):
+    key: bytes  # key_bytes of the block's key
+    fingerprint: bytes
+    payload_bytes: int
+    meta_bytes: int
+    checksum: int
+
+
+def parse_header(head) -> Header | None:
+    """The fields of a block header (the first HEADER_SIZE bytes of `head`) of this format version,
+    or None for another magic, version or flags. Callers check the fields they expect."""
+    magic, version, flags, key, fp, plen, mlen, checksum, reserved = _HEADER.unpack_from(head, 0)
+    if magic != MAGIC or version != VERSION or flags or reserved:
+        return None
+    return Header(key, fp, plen, mlen, checksum)
 
 
 def encode(key: tuple[int, int], fingerprint: bytes, payload: np.ndarray, meta: bytes = b"") -> list:
@@ -233,12 +251,12 @@ def _read_verified(fd: int, size: int, key, fingerprint: bytes, plen: int, out: 
         if not _io_exact(os.preadv, fd, parts, HEADER_SIZE + a if a else 0):
             return None
         if a == 0:
-            magic, version, flags, k, fp, hplen, hmlen, checksum, reserved = _HEADER.unpack(head)
-            if (magic != MAGIC or version != VERSION or flags or reserved or k != key_bytes(key)
-                    or fp != fingerprint or hplen != plen or hmlen != mlen):
+            h = parse_header(head)
+            if (h is None or h.key != key_bytes(key) or h.fingerprint != fingerprint or h.payload_bytes != plen
+                    or h.meta_bytes != mlen):
                 return None
         checksum_update(acc, buf[:n], a, None if out is None else out[a:a + n])
-    return bytes(meta) if _combine(checksum_final(acc, plen), meta) == checksum else None
+    return bytes(meta) if _combine(checksum_final(acc, plen), meta) == h.checksum else None
 
 
 def read_meta(path: str) -> bytes | None:
@@ -253,13 +271,13 @@ def read_meta(path: str) -> bytes | None:
         head = bytearray(HEADER_SIZE)
         if size < HEADER_SIZE or not _io_exact(os.preadv, fd, [head], 0):
             return None
-        magic, version, _f, k, _fp, plen, mlen, _c, _r = _HEADER.unpack(head)
+        h = parse_header(head)
         named = parse_key_hex(os.path.basename(path))
-        if (magic != MAGIC or version != VERSION or mlen > MAX_META or HEADER_SIZE + plen + mlen != size
-                or (named is not None and k != key_bytes(named))):
+        if (h is None or h.meta_bytes > MAX_META or HEADER_SIZE + h.payload_bytes + h.meta_bytes != size
+                or (named is not None and h.key != key_bytes(named))):
             return None
-        meta = bytearray(mlen)
-        return bytes(meta) if _io_exact(os.preadv, fd, [meta], HEADER_SIZE + plen) else None
+        meta = bytearray(h.meta_bytes)
+        return bytes(meta) if _io_exact(os.preadv, fd, [meta], HEADER_SIZE + h.payload_bytes) else None
     except OSError:
         return None
     finally:

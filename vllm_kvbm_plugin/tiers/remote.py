@@ -42,15 +42,15 @@ def read_value(value, key, fingerprint: bytes, out: np.ndarray) -> bool:
     if value is None or len(value) < diskfmt.HEADER_SIZE + plen:
         return False
     buf = np.frombuffer(value, dtype=np.uint8)
-    magic, version, flags, k, fp, hplen, hmlen, checksum, reserved = diskfmt._HEADER.unpack_from(value, 0)
-    if (magic != diskfmt.MAGIC or version != diskfmt.VERSION or flags or reserved or k != diskfmt.key_bytes(key)
-            or fp != fingerprint or hplen != plen or diskfmt.HEADER_SIZE + plen + hmlen != len(value)):
+    h = diskfmt.parse_header(value)
+    if (h is None or h.key != diskfmt.key_bytes(key) or h.fingerprint != fingerprint or h.payload_bytes != plen
+            or diskfmt.HEADER_SIZE + plen + h.meta_bytes != len(value)):
         return False
     acc = np.zeros(2, dtype=np.uint64)
     payload = buf[diskfmt.HEADER_SIZE: diskfmt.HEADER_SIZE + plen]
     checksum_update(acc, payload, 0, out)
     meta = bytes(value[diskfmt.HEADER_SIZE + plen:])
-    return diskfmt._combine(checksum_final(acc, plen), meta) == checksum
+    return diskfmt._combine(checksum_final(acc, plen), meta) == h.checksum
 
 
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
