@@ -92,14 +92,17 @@ def _write_once(path: str, text: str) -> None:
     """Create `path` with `text` unless it exists: a new temporary file (0600, O_EXCL, no symlink
     followed) published by a hard link, which fails if another process published first. Where hard
     links are not supported, the file is created O_EXCL in place (readers wait for its size)."""
+    def create(name: str) -> None:
+        fd = os.open(name, _WFLAGS, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     tmp = f"{path}.tmp{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, _WFLAGS, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    create(tmp)
     try:
         os.link(tmp, path, follow_symlinks=False)
     except FileExistsError:
@@ -108,16 +111,9 @@ def _write_once(path: str, text: str) -> None:
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
             raise
         try:
-            fd = os.open(path, _WFLAGS, 0o600)
+            create(path)
         except FileExistsError:
             pass
-        else:
-            try:
-                os.fchmod(fd, 0o600)
-                os.write(fd, text.encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
     finally:
         try:
             os.unlink(tmp)
