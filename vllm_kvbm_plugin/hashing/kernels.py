@@ -161,16 +161,3 @@ def extra_hash(data, k0, k1):
     last = _word(data, full * 8, n - full * 8) | (np.uint64((n + 8) & 0xFF) << _S56)
     v0, v1, v2, v3 = _absorb(v0, v1, v2, v3, last, _C)
     return _finish(v0, v1, v2, v3, _D)
-
-
-# ---- used by tiers.checksum (not a block key) ---------------------------------------------------
-_G = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
-
-
-@numba.njit(inline="always")
-def _mix64(z):
-    z = (z ^ (z >> _S30)) * _M1
-    z = (z ^ (z >> _S27)) * _M2
-    return z ^ (z >> _S31)

@@ -12,12 +12,22 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from vllm_kvbm_plugin.hashing.kernels import _G, _mix64
 from vllm_kvbm_plugin.tiers.copy import _copy_words, _fence
 
 _CK = np.uint64(0x9E3779B185EBCA87)  # position key step
+_G = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _LO32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
+
+
+@numba.njit(inline="always")
+def _mix64(z):
+    """splitmix64's finalizer: a bijection on 64-bit words with full avalanche."""
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
 
 
 @numba.njit(inline="always")
