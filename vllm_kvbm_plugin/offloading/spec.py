@@ -148,14 +148,14 @@ class KVBMCPUWorker(OffloadingWorker):
             return True
         jobs, nbytes = [], 0
         for (ids, slots, page), tensors in zip(groups, self.refs):
-            for j in (range(self.per_chunk) if self.per_chunk > 1 else (None,)):
-                sel = (ids, slots) if j is None else (ids[page == j], slots[page == j])
-                if not len(sel[0]):
+            for j in range(self.per_chunk):
+                on = page == j
+                if not on.any():
                     continue
                 for t in dict.fromkeys(tensors):  # page j of tensor t: j pages past t's offset in the row
                     w = self.page_words[t]
-                    jobs.append((self.pages[t], w, self.offsets[t] + (j or 0) * w, *sel))
-                    nbytes += 8 * w * len(sel[0])
+                    jobs.append((self.pages[t], w, self.offsets[t] + j * w, ids[on], slots[on]))
+                    nbytes += 8 * w * int(on.sum())
         try:
             copy_pages(jobs, self.pool_words, self.row_words, to_pool)
             ok = True
