@@ -21,7 +21,6 @@ announced.
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 import time
 import uuid
@@ -32,11 +31,11 @@ from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, stora
 from vllm_kvbm_plugin.events.validator import SPARSE_KINDS
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import remote
 
 logger = get_logger("announcer")
 
 NOTIFY_FLAGS = "Kg$xe"  # keyspace channel; generic (del, rename), string (set), expired, evicted
-_ENTRY_NAME = re.compile(rb"kvbm:(\d+):([0-9a-f]{32}):r(\d+):([0-9a-f]{32})")
 _WRITTEN = frozenset({b"set", b"setrange", b"append", b"restore", b"rename_to", b"copy_to", b"move_to"})
 _GONE = frozenset({b"del", b"expired", b"evicted", b"rename_from", b"move_from", b"unlink"})
 _SCAN_COUNT = 1000
@@ -63,14 +62,12 @@ class _Entry:
 
 def entry_of(name: bytes) -> tuple[tuple[bytes, bytes], int] | None:
     """((layout root hex, key hex), rank) of one of our value names in the current format."""
-    m = _ENTRY_NAME.fullmatch(name)
-    if m is None or int(m.group(1)) != diskfmt.VERSION:
-        return None
-    return (m.group(2), m.group(4)), int(m.group(3))
+    parsed = remote.parse_value_name(name)
+    return None if parsed is None else ((parsed[0], parsed[2]), parsed[1])
 
 
 def value_name(eid: tuple[bytes, bytes], rank: int) -> bytes:
-    return b"kvbm:%d:%s:r%d:%s" % (diskfmt.VERSION, eid[0], rank, eid[1])
+    return remote.value_name(eid[0], rank, eid[1])
 
 
 class RemoteAnnouncer:

@@ -8,6 +8,7 @@ paused), stops using the server for a backoff that doubles up to 30 s, then lets
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -24,8 +25,23 @@ SOCKET_TIMEOUT = 0.5  # s: a server slower than this is treated as down (the bre
 
 def key_prefix(root: tuple[int, int], rank: int) -> str:
     """Keys of one layout (model, dtype, KV spec, hash unit) and rank; the disk format version
-    names the value format."""
+    names the value format. A value's name is the prefix and its key's hex (diskfmt.key_hex)."""
     return f"kvbm:{diskfmt.VERSION}:{root[0]:016x}{root[1]:016x}:r{rank}:"
+
+
+_VALUE_NAME = re.compile(rb"kvbm:(\d+):([0-9a-f]{32}):r(\d+):([0-9a-f]{32})")
+
+
+def parse_value_name(name: bytes) -> tuple[bytes, int, bytes] | None:
+    """(layout root hex, rank, key hex) of a value name in the current format, else None."""
+    m = _VALUE_NAME.fullmatch(name)
+    if m is None or int(m.group(1)) != diskfmt.VERSION:
+        return None
+    return m.group(2), int(m.group(3)), m.group(4)
+
+
+def value_name(root_hex: bytes, rank: int, key_hex: bytes) -> bytes:
+    return b"kvbm:%d:%s:r%d:%s" % (diskfmt.VERSION, root_hex, rank, key_hex)
 
 
 def value_parts(key, fingerprint: bytes, payload: np.ndarray, meta: bytes) -> list:
