@@ -11,7 +11,7 @@ import pytest
 
 from vllm_kvbm_plugin.testing.redis_server import RedisClusterServers, server_binary
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
-from vllm_kvbm_plugin.tiers.remote import check_url, cluster_seeds
+from vllm_kvbm_plugin.tiers.remote import CLIENT_NAME, check_url, cluster_seeds
 
 pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
 needs_server = pytest.mark.skipif(server_binary() is None,
@@ -52,10 +52,30 @@ def test_instance_b_hits_what_a_stored_across_the_cluster(cluster, workers):
     assert a.serve(p) == 0
     per_node = [sum(1 for _ in s.client().scan_iter(match="kvbm:*")) for s in cluster.nodes]  # block values
     assert sum(n > 0 for n in per_node) >= 2, per_node  # the client spread the entries
-    b.serve(prompt())  # B's first lookup builds its cluster client (slot map, a connection per node):
-    # on a busy machine that can outlast a request's lookup patience, a miss by design
-    assert b.serve(p) == 192  # loaded from the cluster, every block's KV checked
+    assert b.serve(p) == 192  # B's first request: loaded from the cluster, every block's KV checked
     assert b.connector.remote.counters["fetched"] > 0
+
+
+def ours(node) -> set:
+    """Our connections to `node` (their ids)."""
+    return {c["id"] for c in node.client().client_list() if c["name"] == CLIENT_NAME}
+
+
+@needs_server
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_fresh_instance_is_connected_to_every_node_before_its_first_request(cluster, workers):
+    before = [ours(s) for s in cluster.nodes]
+    b = instance(cluster.url, workers)
+
+    def new() -> list[int]:
+        return [len(ours(s) - old) for s, old in zip(cluster.nodes, before)]
+
+    deadline = time.monotonic() + 10  # the workers connect behind startup
+    while min(new()) < 1 + workers and time.monotonic() < deadline:
+        time.sleep(0.02)
+    # the scheduler side (its lookups) and every worker (its fetches) on every master, no request yet
+    assert new() == [1 + workers] * len(cluster.nodes)
+    assert b.connector.remote.counters["lookups"] == 0
 
 
 @needs_server

@@ -370,6 +370,7 @@ class RemoteTier:
     PRESENT_TTL = 10.0  # s: a key seen present is trusted that long without asking again
     LOOKUP_PATIENCE = 0.2  # s: a request waits (steps) that long for its lookup, then it is a miss
     MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for removals)
+    CONNECT_WAIT = 0.5  # s: startup waits that long at most for the connections (then they go on behind)
 
     def __init__(self, layout: Layout, url: str, budget_ms: float, announce: bool = True):
         self.announce = announce
@@ -390,6 +391,9 @@ class RemoteTier:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client = None
+        self._connected = threading.Event()  # set when the first connection attempt ended
+        self._start_thread()
+        self._connected.wait(self.CONNECT_WAIT)
 
     def __len__(self) -> int:
         return len(self.present)
@@ -446,12 +450,27 @@ class RemoteTier:
         self.lookups.pop(req_id, None)
 
     def _submit(self, lk: _Lookup, keys: list) -> None:
+        self._start_thread()
+        self._jobs.put((lk, keys))
+
+    def _start_thread(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._lookup_loop, name="kvbm-remote-lookups", daemon=True)
             self._thread.start()
-        self._jobs.put((lk, keys))
+
+    def _connect(self) -> None:
+        """Open the connections before the first lookup needs them; a server down is a miss."""
+        try:
+            if self._client is None and self.breaker.allow():
+                self._client = remotefmt.connect_ready(self.url)
+                self.breaker.success()
+        except Exception as e:  # the breaker logs it; lookups are misses until it is back
+            self.breaker.failure(e)
+        finally:
+            self._connected.set()
 
     def _lookup_loop(self) -> None:
+        self._connect()
         while True:
             job = self._jobs.get()
             if job is None:

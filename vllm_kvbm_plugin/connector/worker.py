@@ -355,11 +355,15 @@ class RemoteIO:
         self.thread: threading.Thread | None = None
         self.client = None
         self.failures = {"fetch": 0, "write": 0}  # misses and failed writes (connector stats name disk only)
+        self._start()  # connects at once, in the background: the first fetch finds its connections open
 
-    def submit(self, job: tuple) -> None:
+    def _start(self) -> None:
         if self.thread is None:
             self.thread = threading.Thread(target=self._loop, name="kvbm-remote-io", daemon=True)
             self.thread.start()
+
+    def submit(self, job: tuple) -> None:
+        self._start()
         self.jobs.put(job)
 
     def take_reports(self) -> list[Report]:
@@ -377,6 +381,12 @@ class RemoteIO:
             self.thread = None
 
     def _loop(self) -> None:
+        if self.client is None and self.breaker.allow():
+            try:
+                self.client = remotefmt.connect_ready(self.url)
+                self.breaker.success()
+            except Exception as e:  # down at startup: a miss until the breaker lets a batch probe it
+                self.breaker.failure(e)
         while True:
             batch, job = [], self.jobs.get()
             while job is not None:

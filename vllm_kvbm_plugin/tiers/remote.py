@@ -20,6 +20,7 @@ from vllm_kvbm_plugin.tiers.checksum import checksum_final, checksum_update
 
 logger = get_logger("tiers.remote")
 
+CLIENT_NAME = "kvbm"  # what CLIENT LIST shows for our connections
 SOCKET_TIMEOUT = 0.5  # s: a server slower than this is treated as down (the breaker opens)
 
 
@@ -103,7 +104,8 @@ def connect(url: str):
     cluster client: it routes each single-key command of a pipeline to the node owning the key."""
     import redis
 
-    opts = dict(socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, health_check_interval=0)
+    opts = dict(socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, health_check_interval=0,
+                client_name=CLIENT_NAME)
     if not url.startswith(CLUSTER_SCHEMES):
         return redis.Redis.from_url(url, retry_on_timeout=False, **opts)
     from redis.backoff import NoBackoff
@@ -113,6 +115,18 @@ def connect(url: str):
     seeds, user, password = cluster_seeds(url)
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds], username=user, password=password,
                         ssl=url.startswith("rediss"), retry=Retry(NoBackoff(), 0), **opts)
+
+
+def connect_ready(url: str):
+    """`connect`, then one PING to every node (every master of a cluster), so the first lookup
+    or fetch finds its connections open and, for a cluster, its slot map built: done lazily, that
+    costs a fresh instance more than a lookup's patience and its first request misses."""
+    client = connect(url)
+    if url.startswith(CLUSTER_SCHEMES):
+        client.ping(target_nodes=client.PRIMARIES)
+    else:
+        client.ping()
+    return client
 
 
 class Breaker:
