@@ -311,3 +311,58 @@ def test_hybrid_kv_and_state_entries_are_announced_once_each(server):
     assert set(stored(ann.events()).values()) == {1}
     validate(a.batches, b.batches, [bt for _, bt in ann.records])
     ann.close()
+
+
+def test_cluster_every_master_is_subscribed_and_a_reshard_is_followed():
+    """Keyspace notifications are per node: entries on every master are announced once, a flush
+    of one master removes its entries only, and after a slot moves the announcer subscribes
+    again and goes on (nothing announced twice)."""
+    from vllm_kvbm_plugin.testing.redis_server import RedisClusterServers
+
+    cluster = RedisClusterServers().start()
+    try:
+        ann = Announcer(cluster.url)
+        a, b = instance(cluster.url), instance(cluster.url)
+        p, q = prompt(), prompt()
+        assert a.serve(p) == 0
+        assert b.serve(q) == 0
+        assert idle(a) and idle(b)
+        per_node = [entries_on(s) for s in cluster.nodes]
+        assert sum(n > 0 for n in per_node) >= 2 and sum(per_node) == 12, per_node
+        ann.wait(lambda evs: len(stored(evs)) >= 12)
+        quiet(ann, 0.5)
+        assert all(c == 1 for c in stored(ann.events()).values())
+        assert {h for _, h in stored(ann.events())} == set(a.unit_hashes(p)[:6] + b.unit_hashes(q)[:6])
+        validate(a.batches, b.batches, [bt for _, bt in ann.records])
+
+        # a flush of one master (no notification says so): its entries, and only they, are removed
+        flushed = max(range(len(cluster.nodes)), key=lambda i: per_node[i])
+        cluster.nodes[flushed].client().flushall()
+        ann.wait(lambda evs: held_in(evs) == 12 - per_node[flushed])
+        v = validate(a.batches, b.batches, [bt for _, bt in ann.records])
+        assert len(v.held("STORAGE", locality=LOCALITY_REMOTE)) == sum(entries_on(s) for s in cluster.nodes)
+
+        # a slot moves to another master: subscribe again, rescan, go on
+        connects = ann.announcer.counters["connects"]
+        ids = [s.client().cluster("myid") for s in cluster.nodes[:2]]
+        ids = [i.decode() if isinstance(i, bytes) else i for i in ids]
+        subprocess.run([cluster.cli, "--cluster", "reshard", f"127.0.0.1:{cluster.nodes[0].port}",
+                        "--cluster-from", ids[0], "--cluster-to", ids[1], "--cluster-slots", "1",
+                        "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=60)
+        cluster.wait_ok()
+        deadline = time.monotonic() + 20
+        while ann.announcer.counters["connects"] == connects and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ann.announcer.counters["connects"] > connects
+        r = prompt()
+        a.serve(r)
+        assert idle(a)
+        ann.wait(lambda evs: {(0, h) for h in a.unit_hashes(r)[:6]} <= set(stored(evs)))
+        quiet(ann, 0.5)
+        assert all(c == 1 for c in stored(ann.events()).values())
+        v = validate(a.batches, b.batches, [bt for _, bt in ann.records])
+        assert len(v.held("STORAGE", locality=LOCALITY_REMOTE)) == sum(entries_on(s) for s in cluster.nodes)
+        ann.close()
+    finally:
+        cluster.stop()

@@ -16,6 +16,11 @@ flush sends none), so after every (re)connect, whenever our marker key vanished 
 FLUSHDB, a restart) and every `rescan_interval`, a SCAN of our prefix is diffed with what was
 announced: entries gone are removed (AllBlocksCleared when none of them is left), new ones
 announced.
+
+A Redis Cluster (`redis+cluster://seed,...`) sends each node's notifications on that node only,
+so the announcer holds a connection and a subscription per master, a marker key on each, scans
+each, and reads a value's metadata from the master owning its slot. When the masters or their
+slots change (a node added or removed, a failover, a reshard), it reconnects and rescans.
 """
 
 from __future__ import annotations
@@ -40,6 +45,102 @@ _WRITTEN = frozenset({b"set", b"setrange", b"append", b"restore", b"rename_to", 
 _GONE = frozenset({b"del", b"expired", b"evicted", b"rename_from", b"move_from", b"unlink"})
 _SCAN_COUNT = 1000
 _READ_BATCH = 256  # metadata reads per pipelined round trip
+
+
+class TopologyChanged(Exception):
+    """The cluster's masters or their slots changed: subscribe again (on the new masters) and rescan."""
+
+
+class _Nodes:
+    """The server as the announcer uses it: a client per node (the one server, or every master of
+    a cluster, whose notifications are its own), and the node owning a key."""
+
+    def __init__(self, url: str):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # no silent retries: a reconnect must go through a rescan (notifications in between are lost)
+        self.opts = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
+                         health_check_interval=0)
+        self.url, self.owner, self.topology = url, None, None
+        if not url.startswith(remote.CLUSTER_SCHEMES):
+            self.clients = [redis.Redis.from_url(url, **self.opts)]
+            self.db = self.clients[0].connection_pool.connection_kwargs.get("db", 0)
+            return
+        seeds, user, password = remote.cluster_seeds(url)
+        self.opts.update(username=user, password=password, ssl=url.startswith("rediss"))
+        self.db, self.clients = 0, []
+        error: Exception | None = None
+        for host, port in seeds:  # the first seed that answers tells the slots
+            seed = redis.Redis(host=host, port=port, **self.opts)
+            try:
+                self.topology = self._slots(seed)
+                break
+            except redis.RedisError as e:
+                error = e
+            finally:
+                seed.close()
+        else:
+            raise error or ConnectionError(f"{url}: no seed node")
+        masters = sorted({(h, p) for _, _, h, p in self.topology})
+        self.clients = [redis.Redis(host=h, port=p, **self.opts) for h, p in masters]
+        self.owner = bytearray(16384)  # slot -> index of its master in clients
+        for start, end, h, p in self.topology:
+            self.owner[start:end + 1] = bytes([masters.index((h, p))]) * (end - start + 1)
+
+    @staticmethod
+    def _slots(client) -> tuple:
+        """(start, end, master host, master port) of every slot range, sorted."""
+        ranges = client.execute_command("CLUSTER", "SLOTS", NEVER_DECODE=True)
+        out = []
+        for r in ranges:
+            host = r[2][0].decode() if isinstance(r[2][0], bytes) else r[2][0]
+            out.append((int(r[0]), int(r[1]), host or "127.0.0.1", int(r[2][1])))
+        return tuple(sorted(out))
+
+    def of(self, name) -> int:
+        """Index of the client holding key `name`."""
+        if self.owner is None:
+            return 0
+        from redis.crc import key_slot
+
+        return self.owner[key_slot(name if isinstance(name, bytes) else name.encode())]
+
+    def markers(self, base: str) -> list[str]:
+        """One marker name per node, each on that node's slots (a hash tag picks the slot)."""
+        if self.owner is None:
+            return [base]
+        out = []
+        for i in range(len(self.clients)):
+            tag = 0
+            while self.of(f"{base}:{{{tag}}}") != i:
+                tag += 1
+            out.append(f"{base}:{{{tag}}}")
+        return out
+
+    def check(self) -> None:
+        """Raise TopologyChanged when the cluster's slots moved since we connected."""
+        if self.owner is not None and self._slots(self.clients[0]) != self.topology:
+            raise TopologyChanged(f"{self.url}: the cluster's masters or slots changed")
+
+    def run(self, commands: list) -> list:
+        """(method, key, *args) commands, one pipeline per node they go to; results in order."""
+        per: dict = {}
+        for i, (method, key, *args) in enumerate(commands):
+            per.setdefault(self.of(key), []).append((i, method, key, args))
+        out: list = [None] * len(commands)
+        for node, cmds in per.items():
+            pipe = self.clients[node].pipeline(transaction=False)
+            for _, method, key, args in cmds:
+                getattr(pipe, method)(key, *args)
+            for (i, *_), value in zip(cmds, pipe.execute()):
+                out[i] = value
+        return out
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
 
 
 class ServerRefused(RuntimeError):
@@ -104,6 +205,10 @@ class RemoteAnnouncer:
                 return
             except ServerRefused:
                 raise
+            except TopologyChanged as e:  # at once: notifications of a new master are being missed
+                logger.info("announcer: %s; subscribing again and rescanning", e)
+                failing, backoff = False, 0.5
+                continue
             except Exception as e:  # any client error: reconnect (then rescan), one log line per outage
                 if self.counters["connects"] > connects:
                     failing, backoff = False, 0.5
@@ -115,64 +220,64 @@ class RemoteAnnouncer:
                 backoff = min(backoff * 2, 5.0)
 
     def _serve(self, stop: threading.Event) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        # no silent retries: a reconnect must go through a rescan (notifications in between are lost)
-        client = redis.Redis.from_url(self.url, socket_timeout=10, socket_connect_timeout=2,
-                                      retry=Retry(NoBackoff(), 0), health_check_interval=0)
-        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        nodes = _Nodes(self.url)
+        pubsubs: list = []
         try:
-            client.ping()
-            config = self._enable_notifications(client)
-            db = client.connection_pool.connection_kwargs.get("db", 0)
-            prefix = f"__keyspace@{db}__:".encode()
-            pubsub.psubscribe(prefix + b"kvbm:*")  # before the scan: no change falls between them
-            marked = self._mark(client)
+            for client in nodes.clients:
+                client.ping()
+            config = "; ".join(self._enable_notifications(c) for c in nodes.clients)
+            prefix = f"__keyspace@{nodes.db}__:".encode()
+            for client in nodes.clients:  # before the scan: no change falls between them
+                pubsubs.append(client.pubsub(ignore_subscribe_messages=True))
+                pubsubs[-1].psubscribe(prefix + b"kvbm:*")
+            markers = nodes.markers(self.marker)
+            marked = self._mark(nodes, markers)
             try:
-                early = self._probe(pubsub, len(prefix), config) if marked else {}
+                early = self._probe(pubsubs, len(prefix), config, markers) if marked else {}
             except ServerRefused:
-                client.delete(self.marker)
+                nodes.run([("delete", m) for m in markers])
                 raise
-            self._rescan(client)
+            self._rescan(nodes)
             if early:
-                self._apply(client, early)
+                self._apply(nodes, early)
             self.counters["connects"] += 1
             self.connected.set()
-            logger.info("announcer: subscribed to %s, %d entries announced", self.url, len(self.held))
+            logger.info("announcer: subscribed to %s (%d node%s), %d entries announced", self.url,
+                        len(nodes.clients), "s" if len(nodes.clients) > 1 else "", len(self.held))
             next_check = next_rescan = time.monotonic()
             next_check += self.check_interval
             next_rescan += self.rescan_interval
             while not stop.is_set():
-                changes = self._drain(pubsub, len(prefix))
+                changes = self._drain(pubsubs, len(prefix))
                 if changes:
-                    self._apply(client, changes)
+                    self._apply(nodes, changes)
                 now = time.monotonic()
                 if now >= next_check:
                     next_check = now + self.check_interval
+                    nodes.check()
                     # flushed or restarted (no notification says so)? GETEX also keeps it an hour
                     # longer: it outlives us by that much at most
-                    if marked and client.getex(self.marker, ex=self.MARKER_TTL) is None:
-                        marked = self._mark(client)
-                        self._rescan(client)
+                    if marked and None in nodes.run([("getex", m, self.MARKER_TTL) for m in markers]):
+                        marked = self._mark(nodes, markers)
+                        self._rescan(nodes)
                 if now >= next_rescan:
                     next_rescan = now + self.rescan_interval
-                    self._rescan(client)
+                    self._rescan(nodes)
             if marked:
-                client.delete(self.marker)
+                nodes.run([("delete", m) for m in markers])
         finally:
             self.connected.clear()
-            pubsub.close()
-            client.close()
+            for pubsub in pubsubs:
+                pubsub.close()
+            nodes.close()
 
-    def _mark(self, client) -> bool:
-        """Write our marker key (a flush or restart removes it); False if the server refuses
-        (out of memory with nothing to evict): then only the periodic rescans see a flush."""
+    def _mark(self, nodes: _Nodes, markers: list) -> bool:
+        """Write our marker key on every node (a flush or restart removes it); False if the server
+        refuses (out of memory with nothing to evict): then only the periodic rescans see a flush."""
         import redis
 
         try:
-            client.set(self.marker, b"1", ex=self.MARKER_TTL)
+            nodes.run([("set", m, b"1", self.MARKER_TTL) for m in markers])
             return True
         except redis.ResponseError as e:
             logger.warning("announcer: cannot write the marker key %s (%s); a flush is seen at the next "
@@ -202,36 +307,38 @@ class RemoteAnnouncer:
         logger.info("announcer: notify-keyspace-events %r -> %r", have, want)
         return f"notify-keyspace-events set to {want!r}"
 
-    def _probe(self, pubsub, skip: int, config: str) -> dict:
-        """Wait for the notification of our marker's SET: proof that notifications reach us. The
-        changes seen meanwhile are returned, to apply after the rescan."""
+    def _probe(self, pubsubs: list, skip: int, config: str, markers: list) -> dict:
+        """Wait for the notifications of our markers' SETs: proof that every node's notifications
+        reach us. The changes seen meanwhile are returned, to apply after the rescan."""
         seen: dict = {}
         deadline = time.monotonic() + self.PROBE_TIMEOUT
-        while self.marker.encode() not in seen:
+        while not all(m.encode() in seen for m in markers):
             if time.monotonic() > deadline:
                 raise ServerRefused(
                     f"{self.url} sends no keyspace notifications for our keys ({config}): set "
                     f"`notify-keyspace-events {NOTIFY_FLAGS}` (or add those flags) in the server's "
                     f"configuration, or allow this client CONFIG GET and CONFIG SET")
-            seen.update(self._drain(pubsub, skip))
+            seen.update(self._drain(pubsubs, skip))
         return seen
 
-    def _drain(self, pubsub, skip: int) -> dict:
-        """Notifications of the next moment: value name -> written (True) or gone (False)."""
+    def _drain(self, pubsubs: list, skip: int) -> dict:
+        """Notifications of the next moment (50 ms at most), from every node: value name ->
+        written (True) or gone (False). A key lives on one node, so its order is kept."""
         changes: dict = {}
-        msg = pubsub.get_message(timeout=0.05)
-        while msg is not None and len(changes) < 10000:
-            if msg.get("type") == "pmessage":
-                event = msg["data"]
-                if event in _WRITTEN:
-                    changes[msg["channel"][skip:]] = True
-                elif event in _GONE:
-                    changes[msg["channel"][skip:]] = False
-            msg = pubsub.get_message(timeout=0)
+        for pubsub in pubsubs:
+            msg = pubsub.get_message(timeout=0.05 / len(pubsubs))
+            while msg is not None and len(changes) < 10000:
+                if msg.get("type") == "pmessage":
+                    event = msg["data"]
+                    if event in _WRITTEN:
+                        changes[msg["channel"][skip:]] = True
+                    elif event in _GONE:
+                        changes[msg["channel"][skip:]] = False
+                msg = pubsub.get_message(timeout=0)
         return changes
 
     # ---- changes ---------------------------------------------------------------------------
-    def _apply(self, client, changes: dict) -> None:
+    def _apply(self, nodes: _Nodes, changes: dict) -> None:
         touched, to_read = set(), []
         for name, written in changes.items():
             parsed = entry_of(name)
@@ -249,7 +356,7 @@ class RemoteAnnouncer:
             elif e is not None:
                 e.ranks.discard(rank)
             touched.add(eid)
-        self._read_meta(client, to_read)
+        self._read_meta(nodes, to_read)
         for eid in touched:
             e = self.entries.get(eid)
             if e is not None and e.announced and not self._complete(eid, e):
@@ -259,15 +366,16 @@ class RemoteAnnouncer:
         self._announce_ready(touched)
         self._flush()
 
-    def _rescan(self, client) -> None:
+    def _rescan(self, nodes: _Nodes) -> None:
         """Diff the server's keys with what we know: removals (AllBlocksCleared when every
         announced entry is gone), then new entries."""
         self.counters["rescans"] += 1
         found: dict = {}
-        for name in client.scan_iter(match=b"kvbm:*", count=_SCAN_COUNT):
-            parsed = entry_of(name)
-            if parsed is not None:
-                found.setdefault(parsed[0], set()).add(parsed[1])
+        for client in nodes.clients:
+            for name in client.scan_iter(match=b"kvbm:*", count=_SCAN_COUNT):
+                parsed = entry_of(name)
+                if parsed is not None:
+                    found.setdefault(parsed[0], set()).add(parsed[1])
         announced = [eid for eid, e in self.entries.items() if e.announced]
         if announced and not any(eid in found for eid in announced):
             self._out.append(self._cleared())
@@ -290,27 +398,23 @@ class RemoteAnnouncer:
                 self._unannounce(eid, e)
             if not e.announced and e.events is None and 0 in ranks:
                 to_read.append(eid)
-        self._read_meta(client, to_read)
+        self._read_meta(nodes, to_read)
         self._announce_ready(list(self.entries))
         self._flush()
 
-    def _read_meta(self, client, eids: list) -> None:
+    def _read_meta(self, nodes: _Nodes, eids: list) -> None:
         """Each entry's events from rank 0's metadata: the header (64 bytes) gives the lengths,
         a second GETRANGE reads the metadata only."""
         for i in range(0, len(eids), _READ_BATCH):
             batch = eids[i:i + _READ_BATCH]
-            pipe = client.pipeline(transaction=False)
-            for eid in batch:
-                pipe.getrange(value_name(eid, 0), 0, diskfmt.HEADER_SIZE - 1)
+            heads = nodes.run([("getrange", value_name(eid, 0), 0, diskfmt.HEADER_SIZE - 1) for eid in batch])
             ranges = []
-            for eid, head in zip(batch, pipe.execute()):
+            for eid, head in zip(batch, heads):
                 r = self._meta_range(eid, head)
                 if r is not None:
                     ranges.append((eid, r))
-            pipe = client.pipeline(transaction=False)
-            for eid, (start, n) in ranges:
-                pipe.getrange(value_name(eid, 0), start, start + n - 1)
-            for (eid, (_, n)), blob in zip(ranges, pipe.execute()):
+            blobs = nodes.run([("getrange", value_name(eid, 0), start, start + n - 1) for eid, (start, n) in ranges])
+            for (eid, (_, n)), blob in zip(ranges, blobs):
                 e = self.entries.get(eid)
                 if e is not None and len(blob) == n:
                     self._describe(eid, e, blob)
