@@ -408,19 +408,134 @@ def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypat
     assert not [n for n in os.listdir(os.path.dirname(disk.block_path(base, GOOD))) if ".tmp" in n]
 
 
-def test_direct_writes_keep_their_temporary_file_locked_until_renamed(tmp_path, monkeypatch):
-    base = tmp_path / "b"
-    path = disk.block_path(str(base), GOOD)
-    seen = {}
-    write = disk._write_direct
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_batched_writes_hold_their_temporary_files_while_engines_scan(tmp_path, direct):
+    """write_blocks flocks each temporary file until it is renamed: an engine scanning the
+    directory meanwhile (which removes temporary files nobody holds) never takes a live one, so
+    every block of every batch lands."""
+    base = str(tmp_path / "b")
+    data = np.frombuffer(os.urandom(disk._DIRECT_MIN), dtype=np.uint8)
+    done = threading.Event()
 
-    def watching(fd, *args):
-        seen["flags"] = fcntl.fcntl(fd, fcntl.F_GETFL)
-        disk.scan(str(base))  # a starting engine scanning meanwhile: the live temp stays
-        seen["temps"] = [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
-        write(fd, *args)
+    def scanning():
+        while not done.is_set():
+            disk.scan(base)
 
-    monkeypatch.setattr(disk, "_write_direct", watching)
-    disk.write_block(path, GOOD, FP, np.zeros(disk._DIRECT_MIN, dtype=np.uint8), b"m", direct=True)
-    assert seen["flags"] & os.O_DIRECT and len(seen["temps"]) == 1
-    assert os.path.getsize(path) == disk.HEADER_SIZE + disk._DIRECT_MIN + 1
+    disk.write_block(disk.block_path(base, key_of(0)), key_of(0), FP, data, b"m")  # the directories
+    scanner = threading.Thread(target=scanning, daemon=True)
+    scanner.start()
+    try:
+        keys = [key_of(i) for i in range(1, 301)]
+        for part in range(0, len(keys), 30):
+            batch = keys[part: part + 30]
+            errors = disk.write_blocks([disk.block_path(base, k) for k in batch], batch, FP,
+                                       [data] * len(batch), [b"m"] * len(batch), direct=direct)
+            assert errors == [None] * len(batch)
+    finally:
+        done.set()
+        scanner.join()
+    assert base not in disk._no_direct
+    out = np.empty(data.nbytes, dtype=np.uint8)
+    assert disk.read_blocks([disk.block_path(base, k) for k in keys], keys, FP, [out] * len(keys)) == [b"m"] * 300
+    assert not [n for _, _, names in os.walk(base) for n in names if ".tmp" in n]
+
+
+# ---- one batch, many files: each file on its own (issue 10) ----------------------------------------
+def reference_read(path: str, key, plen: int):
+    """An independent reader of the format: (payload, metadata) or None, with Python's own file
+    objects, struct and checksum64 (how the format is defined, not how the tier reads it)."""
+    data = open(path, "rb").read()
+    h = disk.parse_header(data)
+    if (h is None or h.key != disk.key_bytes(key) or h.fingerprint != FP or h.payload_bytes != plen
+            or len(data) != disk.HEADER_SIZE + plen + h.meta_bytes):
+        return None
+    body = np.frombuffer(data, dtype=np.uint8, offset=disk.HEADER_SIZE, count=plen)
+    meta = data[disk.HEADER_SIZE + plen:]
+    return (body, meta) if disk._combine(disk.checksum64(body), meta) == h.checksum else None
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_the_format_is_the_same_both_ways(tmp_path, direct):
+    """Files of the Python reference encoding read with the batched reader, and files of the
+    batched writer read by an independent reader, byte for byte, for sizes around every buffer."""
+    base = str(tmp_path)
+    sizes = [0, 8, 13, disk._CHUNK - 1, disk._CHUNK, disk._CHUNK + 5, disk._DIRECT_MIN, 3 * disk._DIRECT_CHUNK + 4032]
+    keys = [key_of(i) for i in range(len(sizes))]
+    datas = [np.frombuffer(os.urandom(n), dtype=np.uint8) for n in sizes]
+    metas = [b"", b"m" * 5000, b"x", b"", b"meta", b"y" * 7, b"", b"z" * 4093]
+    paths = [disk.block_path(base, k) for k in keys]
+    assert disk.write_blocks(paths, keys, FP, datas, metas, direct=direct) == [None] * len(keys)
+    for path, key, data, meta in zip(paths, keys, datas, metas):
+        body, m = reference_read(path, key, data.nbytes)
+        assert (body == data).all() and m == meta
+        ours = open(path, "rb").read()
+        disk.write_atomic(path, disk.encode(key, FP, data, meta))  # the Python reference encoding
+        assert open(path, "rb").read() == ours
+    outs = [np.empty(n, dtype=np.uint8) for n in sizes]
+    assert disk.read_blocks(paths, keys, FP, outs) == metas
+    assert all((o == d).all() for o, d in zip(outs, datas))
+
+
+def test_a_batch_reads_each_file_on_its_own(tmp_path):
+    """Good files between missing, foreign, corrupt, truncated, FIFO, symlink and sparse ones:
+    each bad one a miss (None), each good one its bytes; nothing hangs, nothing raises."""
+    base = tmp_path / "r0"
+    good = [store(base, key_of(i), seed=i) for i in range(0, 16, 2)]
+    bad = {}
+    for i in range(1, 16, 2):
+        bad[i] = disk.block_path(str(base), key_of(i))
+    store(base, key_of(1), seed=1)
+    with open(bad[1], "r+b") as f:  # a flipped sign bit in the payload
+        f.seek(disk.HEADER_SIZE + 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x80]))
+    store(base, key_of(3), seed=3)
+    os.truncate(bad[3], os.path.getsize(bad[3]) - 1)
+    os.mkfifo(bad[5])
+    os.symlink(good[0], bad[7])
+    with open(bad[9], "wb") as f:
+        f.truncate(4 << 30)
+    open(bad[11], "wb").write(open(good[1], "rb").read())  # another key's file under this name
+    store(base, key_of(13), seed=13, meta=b"m")
+    # 15: missing
+    keys = [key_of(i) for i in range(16)]
+    outs = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
+    metas = finishes(disk.read_blocks, [disk.block_path(str(base), k) for k in keys], keys, FP, outs)
+    for i in range(16):
+        if i % 2 == 0:
+            assert metas[i] == b"meta" and (outs[i] == payload(i)).all(), i
+        elif i == 13:
+            assert metas[i] == b"m"
+        else:
+            assert metas[i] is None, i
+    assert disk.read_blocks([], [], FP, []) == []
+    assert disk.read_blocks([good[0]], [key_of(0)], bytes(15), [outs[0]]) == [None]  # another fingerprint
+
+
+def test_a_batch_writes_each_file_on_its_own(tmp_path):
+    """A refused block (its name a directory, its directory a symlink, metadata too large) fails
+    alone; the others of the batch are stored; the missing directories are made 0700."""
+    base = tmp_path / "r0"
+    os.makedirs(os.path.join(disk.block_path(str(base), key_of(1)), "inside"))
+    os.makedirs(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", base / "cd")
+    keys = [key_of(0), key_of(1), (0xCD << 56, 1), key_of(3), (0x12 << 56, 4)]
+    metas = [b"a", b"b", b"c", b"m" * (disk.MAX_META + 1), b"e"]
+    errors = disk.write_blocks([disk.block_path(str(base), k) for k in keys], keys, FP,
+                               [payload(i) for i in range(5)], metas)
+    assert errors[0] is None and errors[4] is None
+    assert all(isinstance(e, disk.BlockRefused) for e in errors[1:4]), errors
+    assert os.listdir(tmp_path / "elsewhere") == []
+    assert stat.S_IMODE(os.stat(base / "12").st_mode) == 0o700
+    out = np.empty(SIZE, dtype=np.uint8)
+    assert disk.read_into(disk.block_path(str(base), keys[4]), keys[4], FP, out) == b"e" and (out == payload(4)).all()
+    # a failure that is no refusal (the directory read-only) is an OSError for the block
+    os.chmod(base / "ab", 0o500)
+    try:
+        if os.access(base / "ab", os.W_OK):
+            pytest.skip("running as a user who writes anywhere")
+        e = disk.write_blocks([disk.block_path(str(base), key_of(6))], [key_of(6)], FP, [payload(6)], [b""])[0]
+        assert isinstance(e, OSError) and not isinstance(e, disk.BlockRefused)
+    finally:
+        os.chmod(base / "ab", 0o700)
