@@ -37,6 +37,9 @@ class KVBMConfig:
     # who announces the remote tier's entries: "announcer" (`vllm-kvbm announce`, once per tier,
     # server evictions included) or "instance" (each instance its own writes; a lone instance)
     remote_events: str = "announcer"
+    # position-independent loads (connector/pic.py): the share of a salted request's reused tokens
+    # recomputed (patches/pic_blend.py); 0: the loaded KV is used as is
+    pic_recompute_ratio: float = 0.15
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "KVBMConfig":
@@ -74,6 +77,9 @@ class KVBMConfig:
         if cfg.remote_events not in REMOTE_EVENTS:
             raise ValueError(f"{CONNECTOR_NAME}: remote_events must be one of {', '.join(REMOTE_EVENTS)}, "
                              f"got {cfg.remote_events!r}")
+        r = cfg.pic_recompute_ratio
+        if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
+            raise ValueError(f"{CONNECTOR_NAME}: pic_recompute_ratio must be a number in [0, 1], got {r!r}")
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
             raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
         if os.environ.get("KVBM_KEY_SECRET"):  # a malformed one fails here, before the engine starts

@@ -33,15 +33,18 @@ REUSED = len(PRE) + 4 * len(DOCS[0])  # 544: everything but the question
 SALT = "kvbm-pic:rag"
 
 
-def run(tmp_path, steps, connector=True) -> tuple[dict, str]:
-    llm = {"max_model_len": 1024}
+def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_bytes=8 << 20,
+        **llm) -> tuple[dict, str]:
+    """The steps on one engine (pic_run); ratio: pic_recompute_ratio (0: loads only, layer 2)."""
+    llm = {"max_model_len": 1024, **llm}
     if connector:
         llm["kv_transfer_config"] = {"kv_connector": "KVBMConnector", "kv_connector_module_path":
                                      "vllm_kvbm_plugin.connector", "kv_role": "kv_both",
-                                     "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 20}}
-    out = tmp_path / ("pic" if connector else "cold")
+                                     "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes,
+                                                                   "pic_recompute_ratio": ratio}}
+    out = tmp_path / (name or ("pic" if connector else "cold"))
     out.mkdir()
-    (out / "spec.json").write_text(json.dumps({"model": "llama", "llm": llm, "steps": steps}))
+    (out / "spec.json").write_text(json.dumps({"model": model, "llm": llm, "steps": steps}))
     with open(out / "log.txt", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "vllm_kvbm_plugin.testing.pic_run", out / "spec.json", out],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)

@@ -86,7 +86,8 @@ class RotaryWorker(SimulatedWorker):
                         raise AssertionError(f"{rid}: {what} of token {int(bad[0])} is not what the forward writes")
 
 
-def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, **connector) -> SchedulerHarness:
+def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, worker=RotaryWorker,
+            **connector) -> SchedulerHarness:
     model = tmp_path / "llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
@@ -96,9 +97,10 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, **
         "rope_scaling": rope, "rope_theta": rope["rope_theta"], "torch_dtype": "float32"}))
     h = SchedulerHarness(HarnessConfig(model_dir=str(model), hybrid=False, block_size=B, hash_block_size=None,
                                        num_blocks=num_blocks, max_model_len=1024, workers=workers,
-                                       connector={"cpu_bytes_to_use": cpu_bytes, **connector}))
+                                       connector={"cpu_bytes_to_use": cpu_bytes, "pic_recompute_ratio": 0,
+                                                  **connector}))
     for w in h.workers:
-        w.__class__ = RotaryWorker
+        w.__class__ = worker
         w.setup(h.vllm_config)
     return h
 
@@ -232,3 +234,87 @@ def test_a_rope_that_cannot_be_rerotated_exactly_is_a_plain_miss(tmp_path):
     h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
     assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 0
+
+
+# ---- selective recompute (layer 3): loads into the blocks of tokens vLLM computes ----------------
+
+class PreloadedWorker(RotaryWorker):
+    """Counts, per step and before its forward overwrites them, the scheduled tokens whose cache
+    already holds exactly what the forward writes (the re-rotated loads), and whether vLLM was
+    told to run the step's loads before its forward."""
+
+    def run_step(self, out, spans):
+        if not hasattr(self, "preloaded"):
+            self.preloaded, self.sync_loads = {}, True
+        if out.kv_connector_metadata.pic_loads:
+            self.sync_loads &= getattr(out, "has_sync_kv_loads", True)
+        return super().run_step(out, spans)
+
+    def _forward(self, tokens, start, end, block_ids):
+        ids = block_ids[self._kv_group()]
+        pos = torch.arange(start, end)
+        k, v = self._kv(tokens[start:end], pos)
+        blocks = torch.tensor([ids[p // B] for p in range(start, end)])
+        tk, tv = pic.kv_views(self.attention[0])
+        same = ((tk[blocks, 0, :, pos % B] - k).abs().amax(dim=1) <= 1e-5) & (tv[blocks, 0, pos % B] == v).all(dim=1)
+        key = tuple(tokens[:len(PRE) + 8])
+        self.preloaded[key] = self.preloaded.get(key, 0) + int(same.sum())
+        super()._forward(tokens, start, end, block_ids)
+
+
+@pytest.fixture
+def blend(monkeypatch):
+    """The attention patch counts as applied (vLLM 0.33's CUDA wheel has no CPU attention to patch;
+    nothing here runs attention: the scheduler side and the loads are under test)."""
+    from vllm_kvbm_plugin.patches import pic_blend
+
+    monkeypatch.setattr(pic_blend, "applied", lambda: True)
+
+
+def test_recompute_loads_reused_tokens_that_vllm_then_computes(tmp_path, blend):
+    h = harness(tmp_path, worker=PreloadedWorker, pic_recompute_ratio=0.15)
+    planner = h.connector.pic
+    assert planner.recompute
+    h.serve(prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    # nothing is reported as computed: vLLM computes every token, and before its forward the
+    # reused ones (preamble and documents) already hold their re-rotated KV for the blend
+    reordered = prompt([2, 0, 3, 1])
+    assert h.serve(reordered, cache_salt=SALT) == 0
+    w = h.workers[0]
+    assert planner.stats["blended"] == planner.stats["tokens"] == 18 * B
+    assert w.preloaded[tuple(reordered[:len(PRE) + 8])] == 18 * B and w.sync_loads
+    assert pinned(h) == 0 and not planner.claims
+
+
+def test_recompute_loads_runs_after_gaps(tmp_path, blend):
+    h = harness(tmp_path, worker=PreloadedWorker, pic_recompute_ratio=0.15)
+    h.serve(prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    # 5 tokens nothing holds after the preamble: layer 2 stops there (test above); with the
+    # recompute every token is computed anyway, so document 2 is loaded too, 5 tokens off its blocks
+    tokens = PRE + [1, 2, 3, 4, 5] + DOCS[2] + [9]
+    assert h.serve(tokens, cache_salt=SALT) == 0
+    assert h.connector.pic.stats["blended"] == 2 * B + 4 * B
+    assert h.workers[0].preloaded[tuple(tokens[:len(PRE) + 8])] == 6 * B
+    assert pinned(h) == 0
+
+
+def test_recompute_ratio_0_is_plain_loads(tmp_path, blend):
+    h = harness(tmp_path, worker=PreloadedWorker, pic_recompute_ratio=0)
+    assert not h.connector.pic.recompute
+    h.serve(prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
+    assert h.connector.pic.stats["blended"] == 0
+
+
+def test_recompute_without_the_attention_patch_falls_back_to_plain_loads(tmp_path, monkeypatch):
+    from vllm_kvbm_plugin.patches import pic_blend
+
+    monkeypatch.setattr(pic_blend, "applied", lambda: False)
+    h = harness(tmp_path, pic_recompute_ratio=0.15)
+    assert not h.connector.pic.recompute
+    h.serve(prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B

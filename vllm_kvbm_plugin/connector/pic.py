@@ -14,6 +14,13 @@ request without that salt computes: approximate KV never reaches anybody who did
 - Worker side (`load`): per attention layer, K of those tokens re-rotated from the old to the new
   positions in float32 (`reuse.rope`, with the model's own RoPE parameters), V copied.
 
+Selective recompute (layer 3, `pic_recompute_ratio` > 0, the default 0.15): the claimed tokens are
+not reported to vLLM as computed, so vLLM computes them in the same step; the claim may then skip
+gaps (every run anywhere past the exact hit is loaded, not only those continuing it). The worker
+loads them into their blocks before the forward and hands a `BlendPlan` to the attention patch
+(patches/pic_blend.py), which keeps the loaded KV of all but the most deviating tokens. No
+compute is saved: the gain is fidelity (see docs/reuse.md).
+
 Only models whose K we can re-rotate exactly take part (`model_support`): dense Llama / Mistral /
 Qwen2 / Qwen3 with `default`, `linear` or `llama3` RoPE, on vLLM's CPU attention with its "vec"
 kernels (the one KV layout checked against a real forward, `kv_views`), no hybrid or MLA caches.
@@ -119,6 +126,26 @@ def _namespace(request):
     return False
 
 
+def _recompute(cfg, kv_groups) -> bool:
+    """Whether reused tokens are blended with a recompute; says why not when it was asked for."""
+    from vllm_kvbm_plugin.patches import pic_blend
+
+    ratio = getattr(cfg, "pic_recompute_ratio", 0)
+    if not ratio:
+        why = None
+    elif not pic_blend.applied():
+        why = "the attention patch is not applied (plugin disabled, or not vLLM's CPU attention)"
+    elif len(kv_groups) != 1:
+        why = f"{len(kv_groups)} KV cache groups (one is supported)"
+    else:
+        logger.info("KVBMConnector: position-independent loads recompute %.0f%% of the reused tokens "
+                    "(pic_recompute_ratio %s)", 100 * ratio, ratio)
+        return True
+    if why:
+        logger.warning("KVBMConnector: pic_recompute_ratio %s ignored (%s): loaded KV is used as is", ratio, why)
+    return False
+
+
 class PicCpuTier(TierManager):
     """The CPU tier, telling the planner about every entry that leaves it."""
 
@@ -164,9 +191,11 @@ class PicPlanner:
         self.indexes: dict = {}  # namespace -> SubseqIndex over whole blocks
         self.namespace_of: dict = {}  # tier key -> namespace
         self.claims: dict[str, _PicClaim] = {}
+        self.recompute = _recompute(cfg, self.kv_groups)  # selective recompute (layer 3) or loads only
         # lookups: salted requests' searches (one per scheduling attempt); served: requests that
         # got tokens; tokens: loaded position-independently; segments: their (block, run) pieces
-        self.stats = {"lookups": 0, "served": 0, "tokens": 0, "segments": 0}
+        # blended: of those tokens, loaded to be blended with a recompute (not reported as computed)
+        self.stats = {"lookups": 0, "served": 0, "tokens": 0, "segments": 0, "blended": 0}
 
     @classmethod
     def create(cls, layout, cfg) -> "PicPlanner | None":
@@ -182,6 +211,12 @@ class PicPlanner:
             return cls(layout, cfg)
         logger.info("KVBMConnector: no position-independent loads (%s)", why)
         return None
+
+    def ensure_loads_before_forward(self, scheduler_output, meta) -> None:
+        """vLLM runs a step's loads after its forward unless some request reported external
+        tokens; blended loads must be in the cache before the forward reads them."""
+        if self.recompute and meta.pic_loads and hasattr(scheduler_output, "has_sync_kv_loads"):
+            scheduler_output.has_sync_kv_loads = True
 
     # ---- the index, fed from the CPU tier ----
     def stored(self, request, block: int, key, parent) -> None:
@@ -208,7 +243,8 @@ class PicPlanner:
     # ---- claims ----
     def extend(self, request, computed: int, hit: int, limit: int) -> int:
         """Tokens past the exact hit [computed, computed + hit) that runs of stored blocks hold
-        without a gap (never token `limit`), claimed and pinned for this request."""
+        without a gap (never token `limit`), claimed and pinned for this request. Recompute: runs
+        after gaps too, and 0 (vLLM computes the claimed tokens; the worker blends them)."""
         self.release(request.request_id)
         if not wants(request):
             return 0
@@ -224,8 +260,11 @@ class PicPlanner:
         while end < limit:
             best = max((r for r in runs if r.new_start <= end < r.new_start + r.length),
                        key=lambda r: r.new_start + r.length, default=None)
-            if best is None:
-                break
+            if best is None:  # a gap: recompute goes on at the next run
+                if not self.recompute:
+                    break
+                end = min((r.new_start for r in runs if r.new_start > end), default=limit)
+                continue
             before = end
             for j in range((end - best.new_start) // B, len(best.keys)):
                 key = best.keys[j]
@@ -239,10 +278,12 @@ class PicPlanner:
                     self.cpu.prepare_load(key)
                     end += n
             if end == before:
-                break
+                if not self.recompute:
+                    break
+                end = min((r.new_start for r in runs if r.new_start > end), default=limit)
         if segments:
             self.claims[request.request_id] = _PicClaim(computed, segments)
-        return end - start
+        return 0 if self.recompute else end - start
 
     def after_alloc(self, request, blocks, num_external_tokens: int, meta, loads_pinned: list) -> None:
         """Turn the claimed segments vLLM took into loads (the rest is unpinned)."""
@@ -252,8 +293,12 @@ class PicPlanner:
         end = claim.computed + max(num_external_tokens, 0)
         block_ids = blocks.get_block_ids()
         B, served = self.block_size, 0
+        if self.recompute:  # tokens vLLM computes this step: those past the hit, in allocated blocks
+            start, end = end, min(len(ids) for ids in block_ids) * B
         for s in claim.segments:
             n = min(s.count, end - s.new_position)
+            if self.recompute and s.new_position < start:
+                n = 0
             if n <= 0:
                 self.cpu.complete_load(s.key)
                 continue
@@ -267,6 +312,8 @@ class PicPlanner:
             self.stats["served"] += 1
             self.stats["tokens"] += served
             self.stats["segments"] += sum(1 for s in claim.segments if s.new_position < end)
+            if self.recompute:
+                self.stats["blended"] += served
 
     def release(self, req_id: str) -> None:
         claim = self.claims.pop(req_id, None)
@@ -324,7 +371,30 @@ def load(side, ops: list[PicLoad]) -> None:
             dst_k[dst_block, :, :, dst_at] = k  # [tokens, heads, head] into [block, heads, head, offset]
             dst_v[dst_block, :, dst_at] = src_v[op, :, src_at]
             t.index_copy_(0, blocks, dst)
+    ratio = getattr(side.cfg, "pic_recompute_ratio", 0)
+    if ratio and len(side.layers[KV]) == 1:
+        from vllm_kvbm_plugin.patches import pic_blend
+
+        B = side.layout.block_size
+        block_ids = torch.tensor([o.block_ids[0] for o in ops])[op]
+        pic_blend.set_plan(pic_blend.BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), ratio, B))
     with side._stats_lock:
         data = side.stats.data
         for name, v in (("pic_loads", len(ops)), ("pic_tokens", len(new)), ("pic_seconds", time.perf_counter() - t0)):
             data[name] = data.get(name, 0) + v
+
+
+def _run_heads(ops: list[PicLoad], within: torch.Tensor) -> torch.Tensor:
+    """Per loaded token: among the first RUN_HEAD tokens of its run (ops that continue each other
+    at the same position shift form one run)."""
+    from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD
+
+    run_start, at = [], 0  # per op: how many tokens of its run precede it
+    for i, o in enumerate(ops):
+        p = ops[i - 1] if i else None
+        continues = (p is not None and o.new_position == p.new_position + p.count
+                     and o.old_position - o.new_position == p.old_position - p.new_position)
+        at = at + p.count if continues else 0
+        run_start.append(at)
+    counts = torch.tensor([o.count for o in ops])
+    return torch.repeat_interleave(torch.tensor(run_start), counts) + within < RUN_HEAD

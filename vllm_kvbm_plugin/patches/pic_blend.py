@@ -1,0 +1,155 @@
+"""Selective recompute of position-independent loads (issue 12, layer 3), CacheBlend-style.
+
+With `pic_recompute_ratio` > 0, a salted (`kvbm-pic:`) request's reused tokens are not reported to
+vLLM as computed: vLLM schedules them as new tokens, and the worker first loads their re-rotated
+KV into their blocks (connector/pic.py) and sets a `BlendPlan` on the step's forward context.
+Per attention layer, right before vLLM writes the step's fresh K/V into the cache
+(`CPUAttentionBackendImpl.do_kv_cache_update`; its attention then reads everything from the cache):
+- below the selection layer (layer 1): nothing, the fresh KV stays (layer 0's KV does not depend
+  on context: fresh and loaded are equal up to rounding);
+- at the selection layer: per request, the `ratio` of its reused tokens whose fresh K deviates
+  most from the loaded K, plus the first `RUN_HEAD` tokens of each reused run, are selected;
+- from the selection layer on: every reused token not selected gets its loaded K/V in place of the
+  fresh one, so attention and the cache use the loaded KV; selected tokens keep their fresh KV.
+Ratio 1 keeps every fresh KV (a full prefill); ratio 0 is never planned (plain loads, layer 2).
+
+This saves no compute: every reused token still runs through every layer (vLLM schedules whole
+tokens, not per-layer subsets); it trades the loaded KV's speed for fidelity. The loads are the
+reuse; the recompute only repairs the cross-attention the loaded KV misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from vllm_kvbm_plugin.patches import _WRAPPED, logger, wrap_method
+
+NAME = "pic_blend"
+ATTR = "kvbm_pic_blend"  # the plan's attribute on vLLM's ForwardContext (one per step)
+SELECTION_LAYER = 1
+RUN_HEAD = 2  # first tokens of every reused run, always recomputed
+STATS = {"steps": 0, "tokens": 0, "recomputed": 0}  # this process's blended steps and tokens
+
+
+@dataclasses.dataclass
+class BlendPlan:
+    """One step's reused tokens (loaded into their cache slots before the forward)."""
+
+    slots: torch.Tensor  # [n] long: block id * block size + offset of each loaded token
+    head: torch.Tensor  # [n] bool: among the first RUN_HEAD tokens of its run
+    ratio: float
+    block_size: int
+    rows: torch.Tensor | None = None  # batch rows of the loaded tokens this step computes
+    keep: torch.Tensor | None = None  # per row: selected (keeps its fresh KV)
+
+    def _find_rows(self, slot_mapping: torch.Tensor, layer_name: str) -> None:
+        """The batch rows whose cache slot is a loaded one (a chunk's tail may not be computed
+        this step: its tokens are computed fresh next step, never blended)."""
+        sm = slot_mapping.long().cpu()
+        order = torch.argsort(sm)
+        at = torch.searchsorted(sm[order], self.slots).clamp(max=max(len(sm) - 1, 0))
+        found = sm[order][at] == self.slots if len(sm) else torch.zeros(len(self.slots), dtype=torch.bool)
+        self.slots, self.head, self.rows = self.slots[found], self.head[found], order[at][found]
+        self.request = _request_of(self.rows, layer_name)
+
+    def blend(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        from vllm_kvbm_plugin.connector.pic import kv_views
+
+        layer = extract_layer_index(layer_name)
+        if layer < SELECTION_LAYER:
+            return key, value
+        if self.rows is None:
+            self._find_rows(slot_mapping, layer_name)
+        if not len(self.rows):
+            return key, value
+        heads = kv_cache.shape[1]
+        k_cache, v_cache = kv_views(kv_cache)
+        blocks, offsets = self.slots // self.block_size, self.slots % self.block_size
+        loaded_k = k_cache[blocks, :, :, offsets]  # [n, heads, head]
+        loaded_v = v_cache[blocks, :, offsets]
+        k = key.view(key.shape[0], heads, -1)
+        v = value.view(value.shape[0], heads, -1)
+        if self.keep is None:  # the selection layer
+            deviation = (k[self.rows].float() - loaded_k.float()).square().sum(dim=(1, 2))
+            self.keep = self.head.clone()
+            for r in torch.unique(self.request):
+                mine = (self.request == r).nonzero().squeeze(1)
+                n = math.ceil(self.ratio * len(mine))
+                self.keep[mine[torch.topk(deviation[mine], min(n, len(mine))).indices]] = True
+            STATS["steps"] += 1
+            STATS["tokens"] += len(self.rows)
+            STATS["recomputed"] += int(self.keep.sum())
+        reuse = ~self.keep
+        if not reuse.any():
+            return key, value
+        rows = self.rows[reuse]
+        k, v = k.clone(), v.clone()  # never write into the model's own tensors
+        k[rows] = loaded_k[reuse].to(k.dtype)
+        v[rows] = loaded_v[reuse].to(v.dtype)
+        return k.view(key.shape), v.view(value.shape)
+
+
+def _request_of(rows: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """Which request of the batch each row belongs to (its query_start_loc range)."""
+    from vllm.forward_context import get_forward_context
+
+    meta = get_forward_context().attn_metadata
+    meta = meta[0] if isinstance(meta, list) else meta
+    meta = meta.get(layer_name) if isinstance(meta, dict) else meta
+    starts = getattr(meta, "query_start_loc", None)
+    if starts is None:
+        return torch.zeros(len(rows), dtype=torch.long)
+    return torch.searchsorted(starts.long().cpu(), rows, right=True) - 1
+
+
+def set_plan(plan: BlendPlan) -> bool:
+    """Hand `plan` to this step's attention layers (False: no forward context to carry it)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return False
+    setattr(get_forward_context(), ATTR, plan)
+    return True
+
+
+def _current_plan() -> BlendPlan | None:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return getattr(get_forward_context(), ATTR, None)
+
+
+def applied() -> bool:
+    """Whether this process's CPU attention blends (the scheduler side checks before planning)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    except Exception:  # noqa: BLE001 - no usable CPU attention in this vLLM build
+        return False
+    return hasattr(CPUAttentionBackendImpl.do_kv_cache_update, _WRAPPED)
+
+
+def apply() -> bool:
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    except Exception as e:  # noqa: BLE001 - a vLLM build without usable CPU attention (0.33's CUDA
+        # wheel fails importing it): plain position-independent loads
+        logger.debug("pic_blend: no CPU attention (%s)", e)
+        return False
+    return wrap_method(CPUAttentionBackendImpl, "do_kv_cache_update", _wrap_update)
+
+
+def _wrap_update(orig):
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        plan = _current_plan()
+        if plan is not None:
+            key, value = plan.blend(layer.layer_name, key, value, kv_cache, slot_mapping)
+        return orig(self, layer, key, value, kv_cache, slot_mapping)
+
+    return do_kv_cache_update
