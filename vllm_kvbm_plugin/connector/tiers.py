@@ -370,6 +370,7 @@ class RemoteTier:
     PRESENT_TTL = 10.0  # s: a key seen present is trusted that long without asking again
     LOOKUP_PATIENCE = 0.2  # s: a request waits (steps) that long for its lookup, then it is a miss
     MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for removals)
+    FETCH_YIELD = 0.004  # s: a step's pause while a request waits for its fetches (see busy_loading)
     CONNECT_WAIT = 0.5  # s: startup waits that long at most for the connections (then they go on behind)
 
     def __init__(self, layout: Layout, url: str, budget_ms: float, announce: bool = True):
@@ -505,7 +506,16 @@ class RemoteTier:
         self.fetching.add(key)
 
     def busy_loading(self, key) -> bool:
-        return key in self.fetching
+        """Being fetched. Then the request waits a step, and this step yields the CPU for up to
+        FETCH_YIELD of its budget: an idle engine polls waiting requests in a tight loop that
+        would keep the GIL and a core from the threads doing the fetch (a GIL convoy)."""
+        if key not in self.fetching:
+            return False
+        if self.budget_left > 0:
+            pause = min(self.budget_left, self.FETCH_YIELD)
+            time.sleep(pause)
+            self.budget_left -= pause
+        return True
 
     def prefetched(self, key, ok: bool) -> None:
         self.fetching.discard(key)
