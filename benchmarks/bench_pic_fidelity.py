@@ -42,6 +42,28 @@ def prompts(n: int, doc: int) -> list[tuple[list, list]]:
     return out
 
 
+def model_dir(kind: str, init: float | None):
+    """A tiny model; with `init`, llama-big with weights drawn at that std instead of 0.02
+    (larger weights: sharper, less uniform attention), built once into the tiny-model cache."""
+    import pathlib
+
+    from vllm_kvbm_plugin.testing import tiny_models
+
+    if init is None:
+        return str(tiny_models.build(kind))
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = pathlib.Path(tiny_models.default_cache_dir()) / f"{kind}-init{init}"
+    if not (out / "config.json").exists():
+        config = tiny_models._config(kind)
+        config.initializer_range = init
+        torch.manual_seed(0)
+        tiny_models._build_tokenizer(out, config.vocab_size)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
 def child(args) -> None:
     """One engine at one ratio: per prompt, the loaded and the fully recomputed request."""
     import torch
@@ -49,9 +71,8 @@ def child(args) -> None:
     from vllm.inputs import TokensPrompt
 
     from vllm_kvbm_plugin.patches import pic_blend
-    from vllm_kvbm_plugin.testing import tiny_models
 
-    llm = LLM(model=str(tiny_models.build(args.model)), dtype="bfloat16", max_model_len=2048,
+    llm = LLM(model=model_dir(args.model, args.init), dtype="bfloat16", max_model_len=2048,
               enforce_eager=True, block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1,
               max_logprobs=-1,
               kv_transfer_config={"kv_connector": "KVBMConnector",
@@ -108,6 +129,7 @@ def main() -> None:
     ap.add_argument("--doc", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--ratios", default="0,0.15")
+    ap.add_argument("--init", type=float, default=None, help="weights' std (default: the tiny model's 0.02)")
     ap.add_argument("--child", type=float, default=None)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -121,11 +143,12 @@ def main() -> None:
         for r in ratios:
             out = os.path.join(tmp, f"{r}.pt")
             subprocess.run([sys.executable, __file__, "--child", str(r), "--out", out, "--model", args.model,
-                            "--prompts", str(args.prompts), "--doc", str(args.doc), "--tokens", str(args.tokens)],
+                            "--prompts", str(args.prompts), "--doc", str(args.doc), "--tokens", str(args.tokens)]
+                           + (["--init", str(args.init)] if args.init is not None else []),
                            check=True)
             rows[r] = torch.load(out)
     print(f"reordered RAG prompts ({args.prompts} x {rows[ratios[0]]['prompt_tokens']} tokens, 4 x {args.doc}-token "
-          f"documents), {args.model} (random weights), bf16; against full recompute in the same engine:")
+          f"documents), {args.model} (random weights, std {args.init or 0.02}), bf16; against full recompute in the same engine:")
     kls = {}
     for r, res in rows.items():
         kls[r] = sum(kl(f, l) for f, l in zip(res["full"], res["loaded"])) / len(res["full"])

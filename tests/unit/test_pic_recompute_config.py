@@ -5,9 +5,9 @@ import pytest
 from vllm_kvbm_plugin.config import KVBMConfig
 
 
-def test_default_recomputes_15_percent():
-    assert KVBMConfig.from_extra({}).pic_recompute_ratio == 0.15
-    assert KVBMConfig.from_extra({"pic_recompute_ratio": 0}).pic_recompute_ratio == 0
+def test_default_is_loads_alone():
+    assert KVBMConfig.from_extra({}).pic_recompute_ratio == 0
+    assert KVBMConfig.from_extra({"pic_recompute_ratio": 0.15}).pic_recompute_ratio == 0.15
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, "0.2", True, None])

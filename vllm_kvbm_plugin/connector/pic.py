@@ -14,12 +14,12 @@ request without that salt computes: approximate KV never reaches anybody who did
 - Worker side (`load`): per attention layer, K of those tokens re-rotated from the old to the new
   positions in float32 (`reuse.rope`, with the model's own RoPE parameters), V copied.
 
-Selective recompute (layer 3, `pic_recompute_ratio` > 0, the default 0.15): the claimed tokens are
+Selective recompute (layer 3, `pic_recompute_ratio` > 0; off by default): the claimed tokens are
 not reported to vLLM as computed, so vLLM computes them in the same step; the claim may then skip
 gaps (every run anywhere past the exact hit is loaded, not only those continuing it). The worker
 loads them into their blocks before the forward and hands a `BlendPlan` to the attention patch
 (patches/pic_blend.py), which keeps the loaded KV of all but the most deviating tokens. No
-compute is saved: the gain is fidelity (see docs/reuse.md).
+compute is saved: the gain is fidelity (README, "Non-prefix reuse").
 
 Only models whose K we can re-rotate exactly take part (`model_support`): dense Llama / Mistral /
 Qwen2 / Qwen3 with `default`, `linear` or `llama3` RoPE, on vLLM's CPU attention with its "vec"
