@@ -132,11 +132,16 @@ def reset_offloading_cache(manager) -> None:
         flushed()
 
 
+_UNPACKERS: dict = {}  # (hash length, list length) -> Struct.unpack, shared by every converter
+_UNPACK_MAX = 128  # longest list unpacked at once: longer ones go in pieces (bounded formats)
+
+
 def struct_event_hash_converter():
     """`event_hash_converter` with one `struct` unpack per list instead of numpy: the low 64 bits
     of a digest are its last 8 bytes, so each hash costs one unpacked int and nothing else (no
-    array, no big int). The unpacker is built once per (hash length, list length); list lengths
-    are bounded by a request's hash units."""
+    array, no big int). Unpackers are built once per process and (hash length, list length up to
+    _UNPACK_MAX): building one costs as much as converting thousands of hashes, and a format per
+    length of any list would grow with the context length."""
     import struct
 
     import vllm.envs as envs
@@ -145,17 +150,25 @@ def struct_event_hash_converter():
         return list
     mask = (1 << 64) - 1
     from_bytes = int.from_bytes
-    unpackers: dict = {}
+    unpackers = _UNPACKERS
+
+    def unpacker(size: int, n: int):
+        unpack = unpackers[(size, n)] = struct.Struct(">" + f"{size - 8}xQ" * n).unpack
+        return unpack
 
     def convert(hashes) -> list[int]:
         if not hashes:
             return []
         size, n = len(hashes[0]), len(hashes)
-        unpack = unpackers.get((size, n))
-        if unpack is None:
-            if size < 8:
-                return [from_bytes(h, "big") & mask for h in hashes]
-            unpack = unpackers[(size, n)] = struct.Struct(">" + f"{size - 8}xQ" * n).unpack
-        return list(unpack(b"".join(hashes)))
+        if size < 8:
+            return [from_bytes(h, "big") & mask for h in hashes]
+        if n <= _UNPACK_MAX:
+            unpack = unpackers.get((size, n)) or unpacker(size, n)
+            return list(unpack(b"".join(hashes)))
+        out: list[int] = []
+        for i in range(0, n, _UNPACK_MAX):
+            part = hashes[i : i + _UNPACK_MAX]
+            out += (unpackers.get((size, len(part))) or unpacker(size, len(part)))(b"".join(part))
+        return out
 
     return convert

@@ -26,7 +26,7 @@ from collections import deque
 from itertools import repeat
 from operator import add, sub
 
-from vllm.distributed.kv_events import BlockRemoved
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import to_event_extra_keys
@@ -68,6 +68,8 @@ class UnitTracker:
         # (request, first token, end token, token_ids) of the last BlockStored vLLM built for an
         # untracked group (e.g. Mamba, cached just before): the same token list serves our events
         self.recent_tokens: tuple | None = None
+        # (request, has extra keys, LoRA id, LoRA name, session) of the request cached last
+        self.fields: tuple = (None,)
         # Removed hashes per group, coarse and unit kept apart, sent as one BlockRemoved each
         # before our next BlockStored and when vLLM takes the step's events (`flush_removed`).
         self.removed_coarse: dict[int, list] = {}
@@ -144,13 +146,16 @@ class UnitTracker:
                 parent = prev[1][-1]
             else:
                 parent = self.to_event_hashes([request.block_hashes[start * r - 1]])[0]
-        with_extra = compat.has_extra_keys(request)
+        if request is not self.fields[0]:  # a request is cached in several calls (chunked prefill)
+            lora = request.lora_request
+            self.fields = (request, compat.has_extra_keys(request), lora.adapter_id if lora else None,
+                           lora.name if lora else None, request.session_id)
         if self.removed_units or self.removed_coarse:
             self.flush_removed()
         if block_runs:
-            self._announce(request, group, r, block_runs, conv, r, tokens, parent, with_extra)
+            self._announce(request, group, r, block_runs, conv, r, tokens, parent)
         if unit_runs:
-            self._announce(request, group, 1, unit_runs, conv, 1, tokens, parent, with_extra)
+            self._announce(request, group, 1, unit_runs, conv, 1, tokens, parent)
 
     def release(self, block_id: int) -> None:
         entry = self.by_block.pop(block_id, None)
@@ -202,15 +207,18 @@ class UnitTracker:
             pending.clear()
 
     def _announce(self, request, group: int, units_per_key: int, runs: list, conv: list,
-                  step: int, tokens: dict, parent_before, with_extra: bool) -> None:
+                  step: int, tokens: dict, parent_before) -> None:
         """One BlockStored per run of consecutive fresh keys, chained to the key before.
 
         Key i covers tokens [i*n, (i+1)*n) with n = units_per_key * hash_block_size; its hash
         (event form) is the chained unit hash at its last unit, which is what vLLM announces for
         a block of n tokens. A run's hashes are conv[lo :: step], one per key; a run starting
-        at conv's first key has parent `parent_before`.
+        at conv's first key has parent `parent_before`. Events are filled like
+        `compat.block_stored_event` fills them, with the request's fields looked up once.
         """
         n = units_per_key * self.unit
+        queue, medium = self.pool.kv_event_queue, self.pool.medium
+        _, with_extra, lora_id, lora_name, session_id = self.fields
         for first, end, lo in runs:
             if with_extra:
                 extra, mm_idx = [], 0
@@ -229,16 +237,18 @@ class UnitTracker:
             token_ids = tokens.get(span)
             if token_ids is None:
                 token_ids = tokens[span] = request.all_token_ids[span[0] : span[1]]
-            self.pool.kv_event_queue.append(
-                compat.block_stored_event(
-                    self.pool,
-                    request,
+            queue.append(
+                BlockStored(
                     block_hashes=key_hashes,
                     parent_block_hash=parent,
                     token_ids=token_ids,
                     block_size=n,
-                    group_idx=group,
+                    lora_id=lora_id,
+                    medium=medium,
+                    lora_name=lora_name,
                     extra_keys=extra,
+                    group_idx=group,
+                    session_id=session_id,
                 )
             )
 
