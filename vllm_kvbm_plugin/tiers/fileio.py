@@ -45,7 +45,7 @@ _LOCK_EX_NB = 2 | 4
 _AT_EMPTY_PATH = 0x1000
 _STATX_TYPE_SIZE = 0x1 | 0x200
 _S_IFMT, _S_IFREG = 0o170000, 0o100000
-_STATX_NLINK = 0x4
+_STATX_NLINK_MODE = 0x4 | 0x2
 _EINTR, _EINVAL, _EIO, _EEXIST, _EAGAIN = 4, 22, 5, 17, 11
 _CREATE_TRIES = 100
 
@@ -61,6 +61,7 @@ _openat = _libc("openat", _i32, _i32, _ip, _i32, _i32)
 _close = _libc("close", _i32, _i32)
 _pread = _libc("pread", _ip, _i32, _ip, _ip, _ip)
 _pwrite = _libc("pwrite", _ip, _i32, _ip, _ip, _ip)
+_pwritev = _libc("pwritev", _ip, _i32, _ip, _i32, _ip)
 _statx = _libc("statx", _i32, _i32, _ip, _i32, _u32, _ip)
 _flock = _libc("flock", _i32, _i32, _i32)
 _fchmod = _libc("fchmod", _i32, _i32, _u32)
@@ -240,22 +241,34 @@ def _create_locked(dfd, tmp, st, empty):
                 _close(fd)
                 _sched_yield()
                 continue
+            _fchmod(fd, 0o600)  # whatever the umask
             return fd  # a file system without locks: scan() goes by the file's age
-        if (_statx(fd, empty.ctypes.data, _AT_EMPTY_PATH, _STATX_NLINK, st.ctypes.data) == 0
-                and _le(st, 16, 4) == 0):  # removed by a scanner before we locked it
+        if _statx(fd, empty.ctypes.data, _AT_EMPTY_PATH, _STATX_NLINK_MODE, st.ctypes.data) != 0:
+            st[28] = st[29] = 0  # mode unknown: set below
+        elif _le(st, 16, 4) == 0:  # removed by a scanner before we locked it
             _close(fd)
             continue
+        if np.int64(_le(st, 28, 2)) & 0o7777 != 0o600:
+            _fchmod(fd, 0o600)  # the umask took bits away
         return fd
     return -_EAGAIN
 
 
 @numba.njit(cache=True, nogil=True)
 def _write_plain(fd, head, src, plen, meta):
-    e = _pwrite_all(fd, head.ctypes.data, HEADER, 0)
-    if e == 0:
-        e = _pwrite_all(fd, src, plen, HEADER)
-    if e == 0 and meta.shape[0]:
-        e = _pwrite_all(fd, meta.ctypes.data, meta.shape[0], HEADER + plen)
+    """Header, payload and metadata in one pwritev (resumed by pwrite after a short write)."""
+    iov = np.empty(6, dtype=np.int64)
+    iov[0], iov[1], iov[2], iov[3] = head.ctypes.data, HEADER, src, plen
+    iov[4], iov[5] = meta.ctypes.data, meta.shape[0]
+    n = _pwritev(fd, iov.ctypes.data, 3, 0)
+    if n < 0:
+        n = 0  # the errno comes again from the pwrite below
+    e = 0
+    for part in range(3):
+        addr, size, at = iov[2 * part], iov[2 * part + 1], (0, HEADER, HEADER + plen)[part]
+        done = min(max(n - at, 0), size)
+        if e == 0 and done < size:
+            e = _pwrite_all(fd, addr + done, size - done, at + done)
     return e
 
 
@@ -316,7 +329,6 @@ def write_files(dirs, dir_at, tmps, tmp_at, finals, final_at, heads, srcs, plens
             status[i], errs[i] = CREATE_FAILED, -fd
             _close(dfd)
             continue
-        _fchmod(fd, 0o600)  # whatever the umask
         head, meta = heads[i], metas[meta_at[i]: meta_at[i + 1]]
         payload = _bytes_at(srcs[i], plens[i])
         total = checksum64(payload) * _G + (checksum64(meta) if meta.shape[0] else np.uint64(0))
