@@ -242,6 +242,8 @@ def main() -> None:
         server.stop()
     med = {k: statistics.median(v) for k, v in res.items() if v}
     best = {k: min(v) for k, v in res.items() if v}
+    print("load average (1, 5, 15 min) at the end: %.2f %.2f %.2f on %d cores (other work on the machine "
+          "slows the forward passes, and the ratios with them)" % (*os.getloadavg(), os.cpu_count()))
     print(f"{args.tokens}-token prompts, {args.model} (random weights), {args.rounds} rounds x {args.reps} prompts "
           f"per engine process; TTFT median (best, worst):")
     print(f"  recompute                    {spread(res['recompute'])}")

@@ -187,6 +187,8 @@ def remote_main(args) -> None:
                     results[name].append(b)
     finally:
         redis.stop()
+    print("load average (1, 5, 15 min) at the end: %.2f %.2f %.2f on %d cores (other work on the machine "
+          "slows the forward passes, and the ratios with them)" % (*os.getloadavg(), os.cpu_count()))
     print(f"{args.tokens}-token prompts, llama 8x1024, block/chunk {BLOCK}, one redis-server; a second engine "
           f"process reads what the first stored; {args.rounds} alternating rounds x {args.reps} prompts:")
     med = {}
