@@ -15,9 +15,12 @@ Target: <= 1.05x best for 2176/64.
 """
 
 import argparse
+import os
 import random
 import statistics
 import time
+
+import vllm
 
 from vllm_kvbm_plugin import patches, plugin
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
@@ -95,7 +98,8 @@ def main() -> None:
     ap.add_argument("--lockstep-reps", type=int, default=3)
     args = ap.parse_args()
     prompts = workload(args.requests)
-    print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each")
+    print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each; "
+          f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f} (other processes make ratios noisy)")
     for name, (block, unit) in GEOMETRIES.items():
         times = {False: [], True: []}
         info = {}
