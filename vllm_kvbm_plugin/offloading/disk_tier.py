@@ -26,7 +26,9 @@ OffloadKey itself (with its parent and end position, for the restart index) is i
 checksummed metadata, compared on every load.
 
 All vLLM calls run on the scheduler thread and stay cheap: the index, pins and events live there;
-the pool threads only read and write files (and the primary tier's memory the job names).
+the pool threads only read and write files (and the primary tier's memory the job names), each
+part of a job in one call that holds no GIL (tiers/fileio.py): an engine loop holding the GIL
+delays a part once, not once per syscall.
 """
 
 from __future__ import annotations

@@ -183,8 +183,14 @@ def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, payload_b
     metadata) or None. A block file is never changed in place (writes replace it by a rename,
     eviction unlinks it), so later reads through this fd (read_payload) return the verified bytes,
     whatever happens to the path meanwhile."""
-    status, fds, metas, at = _read_files([path], [key], fingerprint, [payload_bytes], [0], keep_open=True)
-    return None if status[0] else (int(fds[0]), bytes(metas[at[0]: at[1]]))
+    return open_verified_blocks([path], [key], fingerprint, payload_bytes)[0]
+
+
+def open_verified_blocks(paths: list, keys: list, fingerprint: bytes, payload_bytes: int) -> list:
+    """open_verified for many files in one call that holds no GIL: (fd, metadata) or None each."""
+    status, fds, metas, at = _read_files(paths, keys, fingerprint, [payload_bytes] * len(paths),
+                                         [0] * len(paths), keep_open=True)
+    return [None if status[i] else (int(fds[i]), bytes(metas[at[i]: at[i + 1]])) for i in range(len(paths))]
 
 
 def _address(out: np.ndarray) -> int:
