@@ -377,7 +377,13 @@ def load(side, ops: list[PicLoad]) -> None:
 
         B = side.layout.block_size
         block_ids = torch.tensor([o.block_ids[0] for o in ops])[op]
-        pic_blend.set_plan(pic_blend.BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), ratio, B))
+        def report(blended: int, recomputed: int) -> None:
+            with side._stats_lock:
+                data = side.stats.data
+                data["pic_blended_tokens"] = data.get("pic_blended_tokens", 0) + blended
+                data["pic_recomputed_tokens"] = data.get("pic_recomputed_tokens", 0) + recomputed
+
+        pic_blend.set_plan(pic_blend.BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), ratio, B, report))
     with side._stats_lock:
         data = side.stats.data
         for name, v in (("pic_loads", len(ops)), ("pic_tokens", len(new)), ("pic_seconds", time.perf_counter() - t0)):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class BlendPlan:
     head: torch.Tensor  # [n] bool: among the first RUN_HEAD tokens of its run
     ratio: float
     block_size: int
+    report: Callable[[int, int], None] | None = None  # (reused tokens blended, recomputed) per step
     rows: torch.Tensor | None = None  # batch rows of the loaded tokens this step computes
     keep: torch.Tensor | None = None  # per row: selected (keeps its fresh KV)
 
@@ -86,6 +88,8 @@ class BlendPlan:
             STATS["steps"] += 1
             STATS["tokens"] += len(self.rows)
             STATS["recomputed"] += int(self.keep.sum())
+            if self.report is not None:
+                self.report(len(self.rows), int(self.keep.sum()))
         reuse = ~self.keep
         if not reuse.any():
             return key, value
