@@ -148,7 +148,8 @@ def main() -> None:
                            check=True)
             rows[r] = torch.load(out)
     print(f"reordered RAG prompts ({args.prompts} x {rows[ratios[0]]['prompt_tokens']} tokens, 4 x {args.doc}-token "
-          f"documents), {args.model} (random weights, std {args.init or 0.02}), bf16; against full recompute in the same engine:")
+          f"documents), {args.model} (random weights, std {args.init or 0.02}), bf16; "
+          "against full recompute in the same engine:")
     kls = {}
     for r, res in rows.items():
         kls[r] = sum(kl(f, l) for f, l in zip(res["full"], res["loaded"])) / len(res["full"])

@@ -377,6 +377,7 @@ def load(side, ops: list[PicLoad]) -> None:
 
         B = side.layout.block_size
         block_ids = torch.tensor([o.block_ids[0] for o in ops])[op]
+
         def report(blended: int, recomputed: int) -> None:
             with side._stats_lock:
                 data = side.stats.data

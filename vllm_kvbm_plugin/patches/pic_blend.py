@@ -45,6 +45,7 @@ class BlendPlan:
     block_size: int
     report: Callable[[int, int], None] | None = None  # (reused tokens blended, recomputed) per step
     rows: torch.Tensor | None = None  # batch rows of the loaded tokens this step computes
+    request: torch.Tensor | None = None  # per row: which request of the batch (selection is per request)
     keep: torch.Tensor | None = None  # per row: selected (keeps its fresh KV)
 
     def _find_rows(self, slot_mapping: torch.Tensor, layer_name: str) -> None:
