@@ -4,7 +4,8 @@
   against one plain torch copy of the same number of bytes. Target >= 0.9 of it.
 - disk: block files written (header, checksum, temp file + rename) and read back verified, against
   raw per-block file writes and reads of the same bytes with the same durability (no fsync by
-  default, --fsync for both). Target >= 0.8 of it.
+  default, --fsync for both). Target >= 0.8 of it. Also the same files in one batch call
+  (write_blocks / read_blocks, as KVBMDiskTier does them).
 
     python benchmarks/bench_tier_io.py [--layers 8] [--blocks 256] [--disk-blocks 64] [--fsync] [--rewrite] [--rounds 7]
 """
@@ -91,6 +92,17 @@ def main() -> None:
             for i, k in enumerate(keys):
                 assert disk.read_into(disk.block_path(base, k), k, fp, pool[i % n]) is not None
 
+        def write_batch():  # the same files in one write_blocks call (KVBMDiskTier's way)
+            gen["ours"] += 1
+            base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
+            assert not any(disk.write_blocks([disk.block_path(base, k) for k in keys], keys, fp,
+                                             [pool[i % n] for i in range(m)], [b""] * m, fsync=args.fsync))
+
+        def read_batch():
+            base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
+            metas = disk.read_blocks([disk.block_path(base, k) for k in keys], keys, fp, [pool[i % n] for i in range(m)])
+            assert None not in metas
+
         def write_raw():
             gen["raw"] += 1
             d = where("raw", gen["raw"])
@@ -119,13 +131,15 @@ def main() -> None:
             os.sync()
 
         write_ours(), write_raw()  # warm the page cache and directories
-        t_wr_raw, t_wr, t_rd_raw, t_rd = interleaved(args.rounds, write_raw, write_ours, read_raw, read_ours,
-                                                     settle=settle)
+        t_wr_raw, t_wr, t_wrb, t_rd_raw, t_rd, t_rdb = interleaved(
+            args.rounds, write_raw, write_ours, write_batch, read_raw, read_ours, read_batch, settle=settle)
     gb = m * w.slot_bytes / 2**30
     print(f"disk tier, {m} blocks (fsync={args.fsync}, {'rewriting' if args.rewrite else 'new'} files):")
     print(f"  write: raw {gb / t_wr_raw:6.2f} GiB/s, ours {gb / t_wr:6.2f} GiB/s -> {t_wr_raw / t_wr:.2f}x of raw")
     print(f"  read:  raw {gb / t_rd_raw:6.2f} GiB/s, ours {gb / t_rd:6.2f} GiB/s -> {t_rd_raw / t_rd:.2f}x of raw "
           f"(ours verifies key, layout and checksum)")
+    print(f"  one batch of {m} files (write_blocks / read_blocks, no GIL): write {gb / t_wrb:6.2f} GiB/s -> "
+          f"{t_wr_raw / t_wrb:.2f}x of raw, read {gb / t_rdb:6.2f} GiB/s -> {t_rd_raw / t_rdb:.2f}x of raw")
 
 
 if __name__ == "__main__":
