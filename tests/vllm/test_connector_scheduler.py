@@ -55,6 +55,23 @@ def test_cpu_tier_hit_loads_exactly_what_recompute_writes(hybrid, hit):
     assert validate(h).errors == 0
 
 
+@pytest.mark.parametrize("restart", [False, True])
+def test_block_aligned_prompt_loads_its_last_block_whole(tmp_path, restart):
+    """A prompt that ends on a block boundary: its last block comes from the tier too, and vLLM
+    computes only the last token (not a whole block, as its own prefix cache would). The harness
+    checks the loaded KV of every token, the recomputed one included."""
+    prompt = PROMPT[:192]
+    h = harness(False, disk_path=str(tmp_path))
+    assert h.serve(prompt) == 0
+    if restart:  # direct loads from the files, no CPU tier
+        h = harness(False, disk_path=str(tmp_path), cpu_bytes_to_use=1)
+    else:
+        h.reset_prefix_cache()
+    assert h.serve(prompt) == 191
+    assert idle(h)
+    assert validate(h).errors == 0
+
+
 def test_kv_check_catches_a_wrong_load():
     """The harness's oracle: a CPU slot with other bytes than the block it came from fails the step."""
     h = harness(False)

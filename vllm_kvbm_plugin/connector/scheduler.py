@@ -236,7 +236,10 @@ class SchedulerSide:
         while (full + 1) * B <= limit and held(self._block_key(st, full)):
             full += 1
         if not self.layout.hybrid:
-            return (full * B, [_Need(self._block_key(st, i), KV, i) for i in range(start, full)]) if full > start else None
+            hit = full * B
+            if (full + 1) * B == limit + 1 and held(self._block_key(st, full)):
+                full, hit = full + 1, limit  # the last block whole: vLLM computes only its last token
+            return (hit, [_Need(self._block_key(st, i), KV, i) for i in range(start, full)]) if full > start else None
         unit = self.hash_unit
         keys = self._unit_keys(st, limit // unit)
         for u in range(limit // unit, start * r, -1):  # the hit ends after unit u-1: X = u * unit
@@ -314,7 +317,7 @@ class SchedulerSide:
             if n.kind == STATE:
                 wanted = num_external_tokens > 0
             else:  # a whole block, or the partial block a hybrid hit ends inside
-                wanted = (n.index + 1) * self.block_size <= end or (hybrid and num_external_tokens > 0)
+                wanted = n.index * self.block_size < end or (hybrid and num_external_tokens > 0)
             if not wanted:
                 if not n.direct:
                     self.cpu.complete_load(n.key)
