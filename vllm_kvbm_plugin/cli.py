@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     a = sub.add_parser("announce", help="publish the remote tier's KV events once per tier (vLLM's wire "
                        "format, with replay), from the server's keyspace notifications")
-    a.add_argument("--remote-url", required=True, help="the fleet's remote_url (redis://, rediss://, unix://)")
+    a.add_argument("--remote-url", required=True, help="the fleet's remote_url (redis://, rediss://, unix://, redis+cluster://)")
     a.add_argument("--endpoint", default="tcp://*:5560", help="PUB endpoint to bind")
     a.add_argument("--replay-endpoint", default=None, help="ROUTER endpoint to bind for replay requests")
     a.add_argument("--topic", default="", help="topic of the published batches")

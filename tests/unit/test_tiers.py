@@ -245,11 +245,8 @@ def test_checksum_sees_every_bit_flip_and_moved_pages():
 BIG = 3 * disk._CHUNK + 13  # several read chunks and a short last one
 
 
-@pytest.mark.parametrize("helper", [True, False])
 @pytest.mark.parametrize("size", [0, 4096, BIG])
-def test_write_block_matches_the_reference_encoding(tmp_path, monkeypatch, helper, size):
-    if not helper:
-        monkeypatch.setattr(disk, "helpers", lambda: (None, 1))
+def test_write_block_matches_the_reference_encoding(tmp_path, size):
     payload = np.frombuffer(os.urandom(size), dtype=np.uint8)
     base = disk.block_dir(str(tmp_path), FP, 0)
     path = disk.block_path(base, KEY)

@@ -57,7 +57,6 @@ import numpy as np
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import fileio
 from vllm_kvbm_plugin.tiers.checksum import checksum64
-from vllm_kvbm_plugin.tiers.copy import helpers  # noqa: F401 - unused since writes checksum in fileio; tests/unit/test_tiers.py still patches it
 
 logger = get_logger("disk")
 
