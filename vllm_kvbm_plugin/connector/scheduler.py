@@ -217,7 +217,8 @@ class SchedulerSide:
     def _remote_candidates(self, st: RequestKeys, start: int, limit: int) -> list:
         """The keys a hit past block `start` could need that the local tiers do not hold."""
         B, r, unit = self.block_size, self.layout.units_per_block, self.hash_unit
-        keys = [self._block_key(st, i) for i in range(start, limit // B)]
+        ends = limit // B if self.layout.hybrid else (limit + 1) // B  # _plan: a last block ending at token `limit`
+        keys = [self._block_key(st, i) for i in range(start, ends)]
         if self.layout.hybrid:
             units = self._unit_keys(st, limit // unit)
             for u in range(start * r + 1, limit // unit + 1):
