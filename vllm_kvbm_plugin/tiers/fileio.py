@@ -24,6 +24,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from vllm_kvbm_plugin.hashing.kernels import _word as _le  # little-endian integer of buf[at:at+n]
 from vllm_kvbm_plugin.tiers.checksum import checksum64, checksum_final, checksum_update
 
 HEADER = 64  # the block header's size (tiers/disk.py HEADER_SIZE)
@@ -90,15 +91,6 @@ def _errno():
 @numba.njit(cache=True, nogil=True)
 def _bytes_at(addr, n):
     return numba.carray(_voidptr(addr), n, dtype=np.uint8)
-
-
-@numba.njit(cache=True, nogil=True)
-def _le(buf, at, n):
-    """The little-endian unsigned integer of buf[at:at+n]."""
-    v = np.uint64(0)
-    for j in range(n):
-        v |= np.uint64(buf[at + j]) << np.uint64(8 * j)
-    return v
 
 
 @numba.njit(cache=True, nogil=True)
