@@ -667,7 +667,7 @@ class KVIndex:
             if unit is None or n <= 1 or w.as_int is None:
                 out[key] = WorkerMatch(0, {}, stale)
                 continue
-            n_units = (n - 1) // unit  # a hit never covers the last token
+            n_units = n // unit  # a GPU hit never covers the last token, a tier hit's last block may (_tier_hit)
             if unit not in unit_keys:
                 unit_keys[unit] = _merge_keys(n_units, unit, extra_keys, lora, cache_salt)
             keys = unit_keys[unit]
@@ -737,7 +737,7 @@ class KVIndex:
         gpu_kv, gpu_st = tiers_bits.get(TIER_GPU, (0, 0))
         gpu = 0
         if gpu_kv:
-            k = bisect.bisect_left(looked.acc, True, key=lambda m: (m & gpu_kv) != gpu_kv)
+            k = min(bisect.bisect_left(looked.acc, True, key=lambda m: (m & gpu_kv) != gpu_kv), (n - 1) // unit)
             if not w.hybrid:
                 gpu = k * unit
             elif gpu_st:
@@ -813,7 +813,10 @@ def _tier_hit(gpu, n, unit, B, hybrid, kv_masks, state_masks, checkpoints, tiers
     while (full + 1) * B <= limit and held(kv_masks, (full + 1) * r, 0):
         full += 1
     if not hybrid:
-        return full * B if full > start else 0
+        hit = full * B
+        if (full + 1) * B == limit + 1 and held(kv_masks, (full + 1) * r, 0):
+            full, hit = full + 1, limit  # a block-aligned prompt's last block, loaded whole
+        return hit if full > start else 0
     lo = start * r
     for u in reversed(checkpoints):
         if u > limit // unit or u <= lo:
