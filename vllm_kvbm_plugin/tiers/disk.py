@@ -535,10 +535,7 @@ def remove_tier_dir(disk_path: str, name: str) -> tuple[int, str | None]:
             removed = _walk_tier_dir(tfd, remove=True)
         finally:
             os.close(tfd)
-        try:
-            os.rmdir(name, dir_fd=top)
-        except OSError:
-            pass
+        _rmdir_if_empty(name, top)
         return removed, None
     finally:
         os.close(top)
@@ -576,18 +573,19 @@ def _walk_tier_dir(tfd: int, remove: bool):
                 finally:
                     os.close(pfd)
                 if remove:
-                    try:
-                        os.rmdir(prefix, dir_fd=rfd)
-                    except OSError:
-                        pass
+                    _rmdir_if_empty(prefix, rfd)
         finally:
             os.close(rfd)
         if remove:
-            try:
-                os.rmdir(rank, dir_fd=tfd)
-            except OSError:
-                pass
+            _rmdir_if_empty(rank, tfd)
     return removed if remove else None
+
+
+def _rmdir_if_empty(name: str, dfd: int) -> None:
+    try:
+        os.rmdir(name, dir_fd=dfd)
+    except OSError:  # not empty (something not ours stays), or gone
+        pass
 
 
 def _own_subdirs(dfd: int, pattern):
