@@ -13,7 +13,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.testing.files import locked_writer
+from vllm_kvbm_plugin.testing.files import locked_writer, write_reference
 from vllm_kvbm_plugin.tiers import disk
 
 FP = bytes(range(16))
@@ -234,21 +234,6 @@ def test_temporary_files_of_live_writers_stay_and_abandoned_ones_go(tmp_path):
     assert not os.path.exists(live), "once its writer is gone it is a leftover"
 
 
-def test_our_own_writes_hold_their_temporary_file_until_renamed(tmp_path):
-    base = tmp_path / "r0"
-    store(base, GOOD)
-    path = disk.block_path(str(base), OTHER)
-    seen = {}
-
-    def fill(fd):
-        os.write(fd, b"partial")
-        disk.scan(str(base))  # a starting engine scanning meanwhile
-        seen["temps"] = [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
-
-    disk._write_via_temp(path, fill, fsync=False)
-    assert len(seen["temps"]) == 1 and open(path, "rb").read() == b"partial"
-
-
 # ---- modes (issue 14) --------------------------------------------------------------------------
 def modes_below(root):
     out = {}
@@ -274,7 +259,7 @@ def test_everything_the_tier_creates_is_private_whatever_the_umask(tmp_path, uma
     disk.prepare_block_dir(str(root), base)
     for k in (GOOD, OTHER, key_of(1)):
         store(base, k)
-    disk.write_atomic(disk.block_path(base, key_of(2)), disk.encode(key_of(2), FP, payload(0)))
+    write_reference(disk.block_path(base, key_of(2)), disk.encode(key_of(2), FP, payload(0)))
     umask(0o022)
     modes = modes_below(tmp_path)
     assert modes.pop("kv") == 0o700
@@ -378,7 +363,7 @@ def test_direct_writes_are_the_same_exact_private_file(tmp_path, size, meta):
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
     out = np.empty(size, dtype=np.uint8)
     assert disk.read_into(path, GOOD, FP, out) == meta and (out == data).all()
-    disk.write_atomic(path, disk.encode(GOOD, FP, data, meta))  # the reference encoding
+    write_reference(path, disk.encode(GOOD, FP, data, meta))  # the reference encoding
     assert ours == open(path, "rb").read()
     with open(path, "r+b") as f:  # and the checksum still covers every payload byte
         f.seek(disk.HEADER_SIZE + size - 1)
@@ -469,7 +454,7 @@ def test_the_format_is_the_same_both_ways(tmp_path, direct):
         body, m = reference_read(path, key, data.nbytes)
         assert (body == data).all() and m == meta
         ours = open(path, "rb").read()
-        disk.write_atomic(path, disk.encode(key, FP, data, meta))  # the Python reference encoding
+        write_reference(path, disk.encode(key, FP, data, meta))  # the Python reference encoding
         assert open(path, "rb").read() == ours
     outs = [np.empty(n, dtype=np.uint8) for n in sizes]
     assert disk.read_blocks(paths, keys, FP, outs) == metas

@@ -5,6 +5,7 @@ import threading
 import numpy as np
 import pytest
 
+from vllm_kvbm_plugin.testing.files import write_reference
 from vllm_kvbm_plugin.tiers import checksum
 from vllm_kvbm_plugin.tiers.checksum import checksum64
 from vllm_kvbm_plugin.tiers import copy as tcopy
@@ -79,7 +80,7 @@ KEY, FP = (0x0123456789ABCDEF, 0xFEDCBA9876543210), bytes(range(16))
 def write(tmp_path, payload):
     base = disk.block_dir(str(tmp_path), FP, 0)
     path = disk.block_path(base, KEY)
-    disk.write_atomic(path, disk.encode(KEY, FP, payload, b"meta"))
+    write_reference(path, disk.encode(KEY, FP, payload, b"meta"))
     return base, path
 
 
@@ -254,7 +255,7 @@ def test_write_block_matches_the_reference_encoding(tmp_path, size):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     ours = open(path, "rb").read()
-    disk.write_atomic(path, disk.encode(KEY, FP, payload, b"meta"))
+    write_reference(path, disk.encode(KEY, FP, payload, b"meta"))
     assert ours == open(path, "rb").read()
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
     out = np.empty(size, dtype=np.uint8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -19,3 +20,21 @@ def locked_writer(path: str, seconds: int) -> subprocess.Popen:
         writer.kill()
         raise RuntimeError(f"the writer could not lock {path}")
     return writer
+
+
+def write_reference(path: str, parts: list) -> None:
+    """The block file format written by plain Python (a temporary file renamed into place, 0600,
+    missing directories 0700): the reference the disk tier's own writer is compared against."""
+    d = os.path.dirname(path)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -74,7 +74,6 @@ _DIRECT_O = getattr(os, "O_DIRECT", 0)  # Linux
 MAX_META = 8 << 20  # a header claiming more metadata is not ours (real blobs are a few KiB)
 # O_NONBLOCK: opening a FIFO never waits for a writer (it has no effect on reads of regular files)
 _RFLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # always a new file
 _DFLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _KEY_NAME = re.compile(r"[0-9a-f]{32}\.kvb")
 _TEMP_NAME = re.compile(r"[0-9a-f]{32}\.kvb\.tmp[0-9]+(\.[0-9a-f]+)?")  # <block name>.tmp<pid>.<random>
@@ -269,71 +268,11 @@ def read_meta(path: str) -> bytes | None:
         os.close(fd)
 
 
-def _write_via_temp(path: str, fill, fsync: bool) -> None:
-    """fill(fd) a new temporary file next to `path` (0600, flock'ed until renamed so scan() knows
-    its writer is alive), then rename it into place. Missing directories are made (0700); a
-    directory that is a symlink or not a directory is never written through (BlockRefused)."""
-    d, name = os.path.split(path)
-    dfd = _open_block_dir(d)
-    try:
-        tmp = f"{name}.tmp{os.getpid()}.{os.urandom(4).hex()}"
-        fd = os.open(tmp, _WFLAGS, 0o600, dir_fd=dfd)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                pass  # a file system without locks: scan() goes by the file's age
-            os.fchmod(fd, 0o600)  # whatever the umask
-            fill(fd)
-            if fsync:
-                os.fsync(fd)
-            try:
-                os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
-            except IsADirectoryError as e:
-                raise BlockRefused(e.errno, f"{path} is a directory, not a block file") from e
-            if fsync:
-                os.fsync(dfd)  # the rename too
-        except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            raise
-        finally:
-            os.close(fd)
-    finally:
-        os.close(dfd)
-
-
-def _open_block_dir(d: str) -> int:
-    """An fd of the directory `d` (made 0700 with its missing parents if missing), never through a
-    symlink at `d` itself."""
-    try:
-        return os.open(d, _DFLAGS)
-    except FileNotFoundError:
-        _make_missing(d)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.lexists(d) and not _is_real_dir(d):
-            raise BlockRefused(e.errno, f"{d} is not a directory the disk tier made (a symlink or a file)") from e
-        raise
-    return os.open(d, _DFLAGS)
-
-
 def _is_real_dir(path: str) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _write_exact(fd: int, parts: list, offset: int) -> None:
-    if not _io_exact(os.pwritev, fd, parts, offset):
-        raise OSError("short write")
-
-
-def write_atomic(path: str, parts: list, fsync: bool = False) -> None:
-    """Write `parts` to `path` through a temporary file and a rename (0600 file, 0700 dirs)."""
-    _write_via_temp(path, lambda fd: _write_exact(fd, parts, 0), fsync)
 
 
 _no_direct: set[str] = set()  # block directories' parents whose file system refused O_DIRECT
@@ -347,7 +286,7 @@ def _refuse_direct(where: str) -> None:
 
 def write_block(path: str, key: tuple[int, int], fingerprint: bytes, payload: np.ndarray, meta: bytes = b"",
                 fsync: bool = False, direct: bool = False) -> None:
-    """write_atomic(path, encode(...)): the same bytes, written without the GIL (write_blocks).
+    """One block file, encode(...)'s bytes, written without the GIL (write_blocks).
     OSError (BlockRefused for this block alone) when it could not be stored."""
     error = write_blocks([path], [key], fingerprint, [payload], [meta], fsync, direct)[0]
     if error is not None:
