@@ -58,12 +58,13 @@ class _Nodes:
     def __init__(self, url: str):
         import redis
         from redis.backoff import NoBackoff
+        from redis.crc import key_slot
         from redis.retry import Retry
 
         # no silent retries: a reconnect must go through a rescan (notifications in between are lost)
         self.opts = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
                          health_check_interval=0)
-        self.url, self.owner, self.topology = url, None, None
+        self.url, self.owner, self.topology, self.key_slot = url, None, None, key_slot
         if not url.startswith(remote.CLUSTER_SCHEMES):
             self.clients = [redis.Redis.from_url(url, **self.opts)]
             self.db = self.clients[0].connection_pool.connection_kwargs.get("db", 0)
@@ -103,9 +104,7 @@ class _Nodes:
         """Index of the client holding key `name`."""
         if self.owner is None:
             return 0
-        from redis.crc import key_slot
-
-        return self.owner[key_slot(name if isinstance(name, bytes) else name.encode())]
+        return self.owner[self.key_slot(name if isinstance(name, bytes) else name.encode())]
 
     def markers(self, base: str) -> list[str]:
         """One marker name per node, each on that node's slots (a hash tag picks the slot)."""
