@@ -36,21 +36,6 @@ def _timed(obj, name: str, into: list) -> None:
     setattr(obj, name, timed)
 
 
-def _metric_totals(prefix: str = "vllm:kvbm_") -> dict:
-    """Our counters in prometheus_client's registry (vLLM's Prometheus stat logger), summed over
-    the engine labels: {"name{label=value,...}": total}."""
-    import prometheus_client
-
-    out: dict = {}
-    for metric in prometheus_client.REGISTRY.collect():
-        for s in metric.samples:
-            if s.name.startswith(prefix) and s.name.endswith("_total"):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("engine", "model_name"))
-                key = f"{s.name}{{{labels}}}"
-                out[key] = out.get(key, 0) + s.value
-    return out
-
-
 def run(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -167,7 +152,9 @@ def run(spec: dict) -> dict:
             facts["counters"] = dict(side.remote.counters)
             facts["breakers"] = {"scheduler": [side.remote.breaker.opened, side.remote.breaker.closed],
                                  "worker": [worker.remote.breaker.opened, worker.remote.breaker.closed]}
-            facts["metrics"] = _metric_totals()
+            from vllm_kvbm_plugin.testing.engine_run import metric_totals
+
+            facts["metrics"] = metric_totals()
             facts["accounting"] = side.accounting()
     finally:
         if server is not None:

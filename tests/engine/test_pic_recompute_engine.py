@@ -42,7 +42,7 @@ STEPS = [{"prompt": FIRST, "max_tokens": 1}, {"reset": True},
 
 def engine(tmp_path, ratio):
     result, _ = run(tmp_path, STEPS, ratio=ratio, name=f"ratio-{ratio}", max_model_len=2048, max_logprobs=-1,
-                    model="llama-big", cpu_bytes=64 << 20)
+                    model="llama-big", cpu_bytes=64 << 20, disable_log_stats=False)
     _, _, loaded, _, full = result["steps"]
     return result, loaded, full
 
@@ -87,6 +87,10 @@ def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
     recomputed = result["blend"]["recomputed"]
     assert math.ceil(0.15 * REUSABLE) <= recomputed <= math.ceil(0.15 * REUSABLE) + RUN_HEAD * runs
     assert result["blend"]["tokens"] == REUSABLE
+    m = result["metrics"]  # vLLM's Prometheus stat logger counted them
+    assert m["vllm:kvbm_pic_tokens_total{operation=loaded}"] == REUSABLE
+    assert m["vllm:kvbm_pic_tokens_total{operation=blended}"] == REUSABLE
+    assert m["vllm:kvbm_pic_tokens_total{operation=recomputed}"] == recomputed
     _, loaded0, full0 = loads_only
     assert full0["logprobs"] == full["logprobs"]  # the same full prefill in both engines
     print(f"\nRAG shape (4 x {DOC}-token documents, llama-big random weights): first-token KL vs a full prefill: "

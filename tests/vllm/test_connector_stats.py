@@ -16,6 +16,10 @@ def test_stats_aggregate_reduce_and_reset():
     red = s.reduce()
     assert red["cpu_load_blocks"] == 6 and abs(red["cpu_load_GiB_per_s"] - 1.95) < 0.01
     assert red["disk_read_failures"] == 1
+    assert "pic_loaded_tokens" not in red  # no position-independent loads: nothing said
+    s.aggregate(KVBMStats(data={"pic_tokens": 96, "pic_blended_tokens": 64, "pic_recomputed_tokens": 9}))
+    red = s.reduce()
+    assert (red["pic_loaded_tokens"], red["pic_blended_tokens"], red["pic_recomputed_tokens"]) == (96, 64, 9)
     s.reset()
     assert s.is_empty()
 
@@ -31,8 +35,11 @@ def test_prometheus_counters():
     cfg = type("C", (), {"kv_transfer_config": None})()
     m = KVBMPromMetrics(cfg, types, ["engine"], {0: ["0"]})
     m.observe({"disk_write_blocks": 3, "disk_write_bytes": 300, "disk_write_seconds": 0.5,
-               "disk_read_failures": 2})
+               "disk_read_failures": 2, "pic_tokens": 96, "pic_recomputed_tokens": 9})
     get = registry.get_sample_value
     assert get("vllm:kvbm_blocks_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 3
     assert get("vllm:kvbm_bytes_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 300
     assert get("vllm:kvbm_disk_failures_total", {"engine": "0", "operation": "read"}) == 2
+    assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "loaded"}) == 96
+    assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "recomputed"}) == 9
+    assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "blended"}) is None

@@ -15,6 +15,8 @@ through `KVBMPromMetrics`:
     vllm:kvbm_remote_misses_total   (blocks looked up and not on the server)
     vllm:kvbm_remote_errors_total{operation}   (lookup, lookup_timeout, fetch, write)
     vllm:kvbm_remote_breaker_changes_total{side, state}   (scheduler / worker; open / closed)
+    vllm:kvbm_pic_tokens_total{operation}   (position-independent loads, `kvbm-pic:` requests:
+        loaded; of those, blended with a recompute; of those, recomputed)
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ REMOTE_TIER = {"remote_hits": lambda c: c["fetched"],
                "remote_fetch_errors": lambda c: c["fetch_misses"],
                "remote_write_errors": lambda c: c["write_failures"]}
 ERRORS = ("lookup", "lookup_timeout", "fetch", "write")
+# worker stats key of each position-independent-load token count -> its Prometheus label
+PIC_TOKENS = {"pic_tokens": "loaded", "pic_blended_tokens": "blended", "pic_recomputed_tokens": "recomputed"}
 BREAKER = tuple(f"remote_{side}_breaker_{state}" for side in ("scheduler", "worker") for state in ("open", "closed"))
 
 
@@ -96,6 +100,9 @@ class KVBMStats(KVConnectorStats):
         for k in ("remote_hits", "remote_misses", *(f"remote_{e}_errors" for e in ERRORS), *BREAKER):
             if self.data.get(k):
                 out[k] = self.data[k]
+        for k, operation in PIC_TOKENS.items():
+            if self.data.get(k):
+                out[f"pic_{operation}_tokens"] = self.data[k]
         return out
 
 
@@ -127,6 +134,10 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
         self._breaker = self._counter_cls(
             name="vllm:kvbm_remote_breaker_changes_total", labelnames=labelnames + ["side", "state"],
             documentation="Remote-tier circuit breaker state changes (open: the server is not used for a backoff)")
+        self._pic = self._counter_cls(
+            name="vllm:kvbm_pic_tokens_total", labelnames=labelnames + ["operation"],
+            documentation="Tokens of kvbm-pic: requests loaded from other positions (loaded), of those "
+                          "loaded to be blended with a selective recompute (blended), and recomputed")
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -149,3 +160,6 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
             if v := transfer_stats_data.get(k, 0):
                 side, _, state = k[len("remote_"):].partition("_breaker_")
                 self._breaker.labels(*labels, side, state).inc(v)
+        for k, operation in PIC_TOKENS.items():
+            if v := transfer_stats_data.get(k, 0):
+                self._pic.labels(*labels, operation).inc(v)

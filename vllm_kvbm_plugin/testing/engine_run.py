@@ -51,6 +51,21 @@ def _worker_hash_block_size(worker) -> int | None:
     return worker.vllm_config.cache_config.hash_block_size
 
 
+def metric_totals(prefix: str = "vllm:kvbm_") -> dict:
+    """Our counters in prometheus_client's registry (vLLM's Prometheus stat logger), summed over
+    the engine labels: {"name{label=value,...}": total}."""
+    import prometheus_client
+
+    out: dict = {}
+    for metric in prometheus_client.REGISTRY.collect():
+        for s in metric.samples:
+            if s.name.startswith(prefix) and s.name.endswith("_total"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("engine", "model_name"))
+                key = f"{s.name}{{{labels}}}"
+                out[key] = out.get(key, 0) + s.value
+    return out
+
+
 def start_engine(spec: dict):
     """(LLM, Subscriber of its KV events or None) for a scenario spec's "model", "llm" and "events"."""
     from vllm import LLM

@@ -39,7 +39,7 @@ def run(spec: dict, out_dir: str) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_kvbm_plugin.testing.engine_run import start_engine
+    from vllm_kvbm_plugin.testing.engine_run import metric_totals, start_engine
 
     llm, _ = start_engine({**spec, "events": False})
     sched = llm.llm_engine.engine_core.engine_core.scheduler
@@ -76,7 +76,8 @@ def run(spec: dict, out_dir: str) -> dict:
     from vllm_kvbm_plugin.patches import pic_blend
 
     result = {"steps": steps, "pic": dict(pic.stats) if pic is not None else None, "blend": dict(pic_blend.STATS),
-              "accounting": side.accounting() if side is not None else None}
+              "accounting": side.accounting() if side is not None else None,
+              "metrics": metric_totals()}  # vLLM's Prometheus stat logger (when log stats are on)
     llm.llm_engine.engine_core.shutdown()
     return result
 
