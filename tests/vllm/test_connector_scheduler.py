@@ -151,3 +151,23 @@ def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_pat
 
 def _block_files(base: str) -> list[str]:
     return [os.path.join(d, n) for d, _, names in os.walk(base) for n in names if n.endswith(disk.SUFFIX)]
+
+
+@pytest.mark.parametrize("cpu_tier", [True, False], ids=["prefetch", "direct"])
+def test_a_corrupt_file_amid_a_batch_of_disk_loads_ends_the_hit_there(tmp_path, cpu_tier):
+    """A restarted engine's first request reads its six block files in one batched call (prefetches
+    into CPU slots, or opens for direct loads); the fourth file is corrupt. The three before it
+    hit, exactly as recompute would have written them (the harness checks the KV every step),
+    the rest is recomputed, and the corrupt file fails alone."""
+    first = harness(False, disk_path=str(tmp_path))
+    first.serve(PROMPT)
+    files = {disk.decode_meta(disk.read_meta(p))[0]: p for p in _block_files(first.connector.layout.rank_dir(0))}
+    assert sorted(files) == [32 * i for i in range(1, 7)]  # each file's token end
+    data = bytearray(open(files[128], "rb").read())
+    data[disk.HEADER_SIZE + 3] ^= 0x40
+    open(files[128], "wb").write(data)
+    second = harness(False, disk_path=str(tmp_path), **({} if cpu_tier else {"cpu_bytes_to_use": 1}))
+    assert second.serve(PROMPT) == 96
+    stats = second.workers[0].side.get_stats().data
+    assert stats["disk_read_blocks"] == 5 and stats["disk_read_failures"] == 1  # read in one batch
+    assert idle(second)

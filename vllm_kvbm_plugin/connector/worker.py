@@ -195,27 +195,26 @@ class WorkerSide:
         self.reports.append(Report(op, key, ok))
 
     def start_load_kv(self, meta: KVBMMetadata) -> None:
-        for key in meta.opens:
+        if meta.opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
-            path = diskfmt.block_path(self.disk_base, key)
-            opened = diskfmt.open_verified(path, key, self.fingerprint, self.slot_bytes)
-            if opened is not None:
-                old = self.held.pop(key, None)
-                if old is not None:
-                    os.close(old)
-                self.held[key] = opened[0]
-                self._record("disk", "read", 1, t0)
-            else:
-                self._failed("read")
-            self._report(Op.OPEN, key, opened is not None)
-        for p in meta.prefetches:
+            keys = list(meta.opens)
+            opened = diskfmt.open_verified_blocks(self._paths(keys), keys, self.fingerprint, self.slot_bytes)
+            for key, o in zip(keys, opened):
+                if o is not None:
+                    old = self.held.pop(key, None)
+                    if old is not None:
+                        os.close(old)
+                    self.held[key] = o[0]
+                self._report(Op.OPEN, key, o is not None)
+            self._disk_done("read", sum(o is not None for o in opened), len(keys), t0)
+        if meta.prefetches:  # read and verified straight into their (not yet ready) slots
             t0 = time.perf_counter()
-            ok = self._read_block(p.key, p.slot)
-            if ok:
-                self._record("disk", "read", 1, t0)
-            else:
-                self._failed("read")
-            self._report(Op.PREFETCH, p.key, ok)
+            keys = [p.key for p in meta.prefetches]
+            metas = diskfmt.read_blocks(self._paths(keys), keys, self.fingerprint,
+                                        [self.pool[p.slot].numpy() for p in meta.prefetches])
+            for key, m in zip(keys, metas):
+                self._report(Op.PREFETCH, key, m is not None)
+            self._disk_done("read", sum(m is not None for m in metas), len(keys), t0)
         for f in meta.remote_fetches:
             self.remote.submit(("fetch", f.key, f.slot))
         if meta.loads:
@@ -283,10 +282,15 @@ class WorkerSide:
         return errors
 
     # ---- disk ------------------------------------------------------------------------------
-    def _read_block(self, key, slot: int) -> bool:
-        """Read and verify a block file straight into its (not yet ready) pool slot."""
-        path = diskfmt.block_path(self.disk_base, key)
-        return diskfmt.read_into(path, key, self.fingerprint, self.pool[slot].numpy()) is not None
+    def _paths(self, keys: list) -> list[str]:
+        return [diskfmt.block_path(self.disk_base, k) for k in keys]
+
+    def _disk_done(self, operation: str, ok: int, n: int, t0: float) -> None:
+        """Stats of one batched disk call: `ok` of `n` blocks done, the rest failed."""
+        if ok:
+            self._record("disk", operation, ok, t0)
+        for _ in range(n - ok):
+            self._failed(operation)
 
     def _submit_write(self, key, slot: int, blob: bytes) -> None:
         if self._disk_broken:
@@ -297,29 +301,49 @@ class WorkerSide:
             self._writer.start()
         self._disk_jobs.put((key, slot, blob))
 
+    WRITE_BATCH = 32  # blocks per GIL-free write call (their reports wait for the whole batch)
+
     def _write_loop(self) -> None:
         while True:
-            job = self._disk_jobs.get()
+            jobs, job = [], self._disk_jobs.get()
+            while job is not None:
+                jobs.append(job)
+                if len(jobs) >= self.WRITE_BATCH:
+                    break
+                try:
+                    job = self._disk_jobs.get_nowait()
+                except queue.Empty:
+                    break
+            if jobs:
+                self._write_batch(jobs)
             if job is None:
                 return
-            key, slot, blob = job
-            ok = False
-            t0 = time.perf_counter()
-            if not self._disk_broken:
-                try:
-                    payload = self.pool[slot].numpy()  # pinned by the scheduler until reported
-                    diskfmt.write_block(diskfmt.block_path(self.disk_base, key), key, self.fingerprint, payload,
-                                        blob, fsync=self.cfg.disk_fsync)
-                    ok = True
-                    self._record("disk", "write", 1, t0)
-                except diskfmt.BlockRefused as e:  # something not ours holds its name: this block only
+
+    def _write_batch(self, jobs: list) -> None:
+        """Write block files from their slots (pinned by the scheduler until reported) in one call
+        that holds no GIL. A name taken by something not ours fails that block alone; any other
+        error ends disk writes for good (the scheduler then stops asking)."""
+        ok = [False] * len(jobs)
+        t0 = time.perf_counter()
+        if not self._disk_broken:
+            keys = [key for key, _, _ in jobs]
+            try:
+                errors = diskfmt.write_blocks(self._paths(keys), keys, self.fingerprint,
+                                              [self.pool[slot].numpy() for _, slot, _ in jobs],
+                                              [blob for _, _, blob in jobs], fsync=self.cfg.disk_fsync)
+            except OSError as e:
+                errors = [e] * len(jobs)
+            for i, (key, e) in enumerate(zip(keys, errors)):
+                if e is None:
+                    ok[i] = True
+                elif isinstance(e, diskfmt.BlockRefused):
                     logger.warning("KVBMConnector: disk block %s not stored (%s)", diskfmt.key_hex(key), e)
-                except OSError as e:
+                elif not self._disk_broken:
                     self._disk_broken = True
                     logger.warning("KVBMConnector: disk tier write failed (%s); no more disk writes", e)
-            if not ok:
-                self._failed("write")
-            self._disk_results.put((key, ok))
+        self._disk_done("write", sum(ok), len(jobs), t0)
+        for (key, _, _), good in zip(jobs, ok):
+            self._disk_results.put((key, good))
 
     def wait_for_disk(self, timeout: float = 30.0) -> None:
         """Block until queued disk writes and remote operations are done (shutdown, tests)."""
