@@ -107,6 +107,8 @@ class WorkerSide:
         self.fingerprint = tensor_fingerprint(self.layout.root, described)
         pin = torch.cuda.is_available()
         self.pool = torch.empty((self.layout.cpu_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        if not pin:  # pinned memory is resident already
+            _populate_behind(self.pool)
         self.scratch = torch.empty((1, self.slot_bytes), dtype=torch.uint8)  # direct loads: verify, odd layouts
         self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64)
         n_layers = sum(len(ls) for gs in self.layers.values() for ls in gs)
@@ -304,20 +306,7 @@ class WorkerSide:
     WRITE_BATCH = 32  # blocks per GIL-free write call (their reports wait for the whole batch)
 
     def _write_loop(self) -> None:
-        while True:
-            jobs, job = [], self._disk_jobs.get()
-            while job is not None:
-                jobs.append(job)
-                if len(jobs) >= self.WRITE_BATCH:
-                    break
-                try:
-                    job = self._disk_jobs.get_nowait()
-                except queue.Empty:
-                    break
-            if jobs:
-                self._write_batch(jobs)
-            if job is None:
-                return
+        _run_batches(self._disk_jobs, self.WRITE_BATCH, self._write_batch)
 
     def _write_batch(self, jobs: list) -> None:
         """Write block files from their slots (pinned by the scheduler until reported) in one call
@@ -359,6 +348,49 @@ class WorkerSide:
         for fd in self.held.values():
             os.close(fd)
         self.held.clear()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def _populate_behind(t: torch.Tensor) -> None:
+    """Make the pages of `t` resident on a background thread, keeping their content (madvise
+    MADV_POPULATE_WRITE, so slots in use are untouched). Otherwise the first disk read or remote
+    fetch into a fresh slot pays a page fault per 4 KiB: measured in a VM, 43 ms instead of 1.4 ms
+    to read a 1856-token prompt's 58 blocks. A kernel without it leaves the pool as it is."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page, step = mmap.PAGESIZE, 64 << 20
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+
+    def populate(keep=t) -> None:  # `keep`: the memory stays mapped until done
+        for a in range(start, end, step):
+            if libc.madvise(a, min(step, end - a), _MADV_POPULATE_WRITE) != 0:
+                return
+
+    threading.Thread(target=populate, name="kvbm-pool-populate", daemon=True).start()
+
+
+def _run_batches(jobs: queue.SimpleQueue, limit: int, run) -> None:
+    """run(batch) on what `jobs` holds, up to `limit` jobs at a time, until a None arrives."""
+    while True:
+        batch, job = [], jobs.get()
+        while job is not None:
+            batch.append(job)
+            if len(batch) >= limit:
+                break
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                break
+        if batch:
+            run(batch)
+        if job is None:
+            return
 
 
 class RemoteIO:
@@ -411,20 +443,7 @@ class RemoteIO:
                 self.breaker.success()
             except Exception as e:  # down at startup: a miss until the breaker lets a batch probe it
                 self.breaker.failure(e)
-        while True:
-            batch, job = [], self.jobs.get()
-            while job is not None:
-                batch.append(job)
-                if len(batch) >= self.BATCH:
-                    break
-                try:
-                    job = self.jobs.get_nowait()
-                except queue.Empty:
-                    break
-            if batch:
-                self._run(batch)
-            if job is None:
-                return
+        _run_batches(self.jobs, self.BATCH, self._run)
 
     def _run(self, batch: list) -> None:
         fetches = [j for j in batch if j[0] == "fetch"]
