@@ -107,14 +107,14 @@ class WorkerSide:
         self.fingerprint = tensor_fingerprint(self.layout.root, described)
         pin = torch.cuda.is_available()
         self.pool = torch.empty((self.layout.cpu_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
-        if not pin:  # pinned memory is resident already
-            _populate_behind(self.pool)
+        t0 = time.perf_counter()
+        resident = pin or _make_resident(self.pool)  # pinned memory is resident already
         self.scratch = torch.empty((1, self.slot_bytes), dtype=torch.uint8)  # direct loads: verify, odd layouts
         self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64)
         n_layers = sum(len(ls) for gs in self.layers.values() for ls in gs)
-        logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB)%s",
+        logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB, %s in %.2f s)",
                     n_layers, self.slot_bytes, self.layout.cpu_slots, self.pool.numel() / 2**20,
-                    ", pinned" if pin else "")
+                    "pinned" if pin else "resident" if resident else "faulted in on use", time.perf_counter() - t0)
 
     # ---- copies ----------------------------------------------------------------------------
     def _copy(self, ops: list[Load], to_pool: bool) -> None:
@@ -353,26 +353,22 @@ class WorkerSide:
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 
 
-def _populate_behind(t: torch.Tensor) -> None:
-    """Make the pages of `t` resident on a background thread, keeping their content (madvise
-    MADV_POPULATE_WRITE, so slots in use are untouched). Otherwise the first disk read or remote
-    fetch into a fresh slot pays a page fault per 4 KiB: measured in a VM, 43 ms instead of 1.4 ms
-    to read a 1856-token prompt's 58 blocks. A kernel without it leaves the pool as it is."""
+def _make_resident(t: torch.Tensor) -> bool:
+    """Fault in the pages of `t` now (madvise MADV_POPULATE_WRITE), as pinning does on GPUs.
+    Otherwise the first disk reads and remote fetches into fresh slots pay a page fault per 4 KiB
+    while a request waits: measured in a VM, 43 ms instead of 1.4 ms to read a 1856-token
+    prompt's 58 blocks, and done in the background the faults slowed the first prompts' forward
+    passes by up to 1.5x on 2 cores. Costs about 1.4 s per GiB at startup there. False where the
+    kernel cannot (the pool then stays lazy)."""
     import ctypes
     import mmap
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page, step = mmap.PAGESIZE, 64 << 20
+    page = mmap.PAGESIZE
     start = -(-t.data_ptr() // page) * page
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-
-    def populate(keep=t) -> None:  # `keep`: the memory stays mapped until done
-        for a in range(start, end, step):
-            if libc.madvise(a, min(step, end - a), _MADV_POPULATE_WRITE) != 0:
-                return
-
-    threading.Thread(target=populate, name="kvbm-pool-populate", daemon=True).start()
+    return end <= start or libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
 def _run_batches(jobs: queue.SimpleQueue, limit: int, run) -> None:
