@@ -66,6 +66,27 @@ def metric_totals(prefix: str = "vllm:kvbm_") -> dict:
     return out
 
 
+def _in_flight(accounting: dict) -> bool:
+    tiers = [v for v in accounting.values() if isinstance(v, dict)]
+    return bool(accounting["reports_pending"] or any(t.get("busy") or t.get("fetching") or t.get("writing")
+                                                     for t in tiers))
+
+
+def _settle(llm, side, timeout_s: float = 20.0) -> dict:
+    """Step the engine (one-token requests that store nothing) until the connector has nothing in
+    flight: writes behind (disk, remote) finish and are announced in a later step, and an idle
+    engine takes no steps, so a run that ends right after its last request would otherwise race
+    them. Returns the final accounting; a leak shows there after the timeout."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    deadline = time.monotonic() + timeout_s
+    while _in_flight(acc := side.accounting()) and time.monotonic() < deadline:
+        llm.generate([TokensPrompt(prompt_token_ids=[5])], SamplingParams(max_tokens=1), use_tqdm=False)
+        time.sleep(0.01)
+    return acc
+
+
 def start_engine(spec: dict):
     """(LLM, Subscriber of its KV events or None) for a scenario spec's "model", "llm" and "events"."""
     from vllm import LLM
@@ -114,7 +135,6 @@ def run(spec: dict) -> dict:
                  "prompt_len": len(o.prompt_token_ids)}
                 for o in outs]})
         drain(300)
-    drain(1000)
     core = llm.llm_engine.engine_core
     engine_core = getattr(core, "engine_core", None)
     connector = None
@@ -124,10 +144,11 @@ def run(spec: dict) -> dict:
         hbs, bs = sched.hash_block_size, sched.block_size
         side = getattr(getattr(sched, "connector", None), "_sched", None)
         if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
-            connector = side.accounting()
+            connector = _settle(llm, side)
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = connector = None
+    drain(1000)
     result = {
         "worker_hash_block_size": llm.collective_rpc(_worker_hash_block_size),
         "steps": steps,
