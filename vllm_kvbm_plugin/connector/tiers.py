@@ -384,6 +384,7 @@ class RemoteTier:
         self.breaker = remotefmt.Breaker("scheduler", url)
         self.present: dict = {}  # key -> when it was seen present
         self.fetching: set = set()
+        self.landed_seen = 0  # remotefmt.LANDINGS.count when last looked at
         self.writing: dict = {}  # key -> (Announce, parent)
         self.announced: collections.OrderedDict = collections.OrderedDict()  # key -> Announce
         self.lookups: dict = {}  # request id -> _Lookup
@@ -503,18 +504,25 @@ class RemoteTier:
 
     # ---- fetches into CPU slots ------------------------------------------------------------
     def prefetch(self, key) -> None:
+        if not self.fetching:
+            self.landed_seen = remotefmt.LANDINGS.count  # what landed before this fetch was asked
         self.fetching.add(key)
 
     def busy_loading(self, key) -> bool:
-        """Being fetched. Then the request waits a step, and this step yields the CPU for up to
-        FETCH_YIELD of its budget: an idle engine polls waiting requests in a tight loop that
-        would keep the GIL and a core from the threads doing the fetch (a GIL convoy)."""
+        """Being fetched. Then the request waits a step, and this step waits for up to
+        FETCH_YIELD of its budget for a fetch to land (remotefmt.Landings: the request then goes
+        on at once where the workers share this process). The pause also yields the CPU: an idle
+        engine polls waiting requests in a tight loop that would keep the GIL and a core from the
+        threads doing the fetch (a GIL convoy)."""
         if key not in self.fetching:
             return False
         if self.budget_left > 0:
-            pause = min(self.budget_left, self.FETCH_YIELD)
-            time.sleep(pause)
-            self.budget_left -= pause
+            t0 = time.perf_counter()
+            seen = remotefmt.LANDINGS.wait(self.landed_seen, min(self.budget_left, self.FETCH_YIELD))
+            self.budget_left -= time.perf_counter() - t0
+            if seen != self.landed_seen:
+                self.landed_seen = seen
+                self.budget_left = 0  # its report comes with this step's worker output: no more waiting
         return True
 
     def prefetched(self, key, ok: bool) -> None:

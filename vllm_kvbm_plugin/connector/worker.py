@@ -406,6 +406,7 @@ class RemoteIO:
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.client = None
+        self.direct = remotefmt.DirectReader(url) if remotefmt.DirectReader.supports(url) else None
         self.failures = {"fetch": 0, "write": 0}  # misses and failed writes (connector stats name disk only)
         self._start()  # connects at once, in the background: the first fetch finds its connections open
 
@@ -431,11 +432,15 @@ class RemoteIO:
             self.jobs.put(None)
             self.thread.join(timeout)
             self.thread = None
+            if self.direct is not None:
+                self.direct.close()
 
     def _loop(self) -> None:
         if self.client is None and self.breaker.allow():
             try:
                 self.client = remotefmt.connect_ready(self.url)
+                if self.direct is not None:
+                    self.direct.connect()
                 self.breaker.success()
             except Exception as e:  # down at startup: a miss until the breaker lets a batch probe it
                 self.breaker.failure(e)
@@ -464,21 +469,29 @@ class RemoteIO:
             if not ok:
                 self.failures[job[0]] += 1
             self.results.put(Report(Op.REMOTE_FETCH if job[0] == "fetch" else Op.REMOTE_WRITE, job[1], ok))
+        if fetches:
+            remotefmt.LANDINGS.landed()  # a scheduler side in this process waiting for them goes on
 
     def _fetch(self, fetches: list, t0: float) -> dict:
-        pipe = self.client.pipeline(transaction=False)
-        for _, key, _slot in fetches:
-            pipe.get(self.prefix + diskfmt.key_hex(key))
-        values = pipe.execute()
+        names = [self.prefix + diskfmt.key_hex(key) for _, key, _ in fetches]
+        outs = [self.side.pool[slot].numpy() for _, _, slot in fetches]
+        keys = [key for _, key, _ in fetches]
+        if self.direct is not None:  # straight into the slots, verified as the bytes land
+            results = self.direct.fetch(names, keys, self.side.fingerprint, outs)
+        else:
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)
+            results = [remotefmt.MISSING if v is None else
+                       remotefmt.OK if remotefmt.read_value(v, key, self.side.fingerprint, out) else remotefmt.BAD
+                       for v, key, out in zip(pipe.execute(), keys, outs)]
         done, bad = {}, []
-        pool = self.side.pool
-        for (_, key, slot), value in zip(fetches, values):
-            ok = remotefmt.read_value(value, key, self.side.fingerprint, pool[slot].numpy())
-            if not ok and value is not None:
-                bad.append(self.prefix + diskfmt.key_hex(key))
+        for key, name, r in zip(keys, names, results):
+            if r == remotefmt.BAD:
+                bad.append(name)
                 logger.warning("KVBMConnector: remote value %s does not verify; deleted (a miss)",
                                diskfmt.key_hex(key))
-            done[("fetch", key)] = ok
+            done[("fetch", key)] = r == remotefmt.OK
         if bad:
             pipe = self.client.pipeline(transaction=False)
             for name in bad:  # one key per command: a cluster routes each to its node

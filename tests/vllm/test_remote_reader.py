@@ -1,0 +1,127 @@
+"""The remote tier's direct reader (tiers/remote.py DirectReader) against a real redis-server:
+pipelined GETs read straight into the caller's buffers, verified there. Values that are missing,
+damaged, truncated or of another layout come back as such and never desynchronise the
+connection; a paused server is an error (the Breaker's business), never a wait."""
+
+import os
+
+import numpy as np
+import pytest
+
+from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import remote as remotefmt
+
+pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
+pytestmark = pytest.mark.skipif(server_binary() is None,
+                                reason="no redis-server on PATH: scripts/setup.sh installs Debian's as root")
+
+FP = bytes(range(16))
+
+
+@pytest.fixture
+def server():
+    s = RedisServer().start()
+    yield s
+    s.stop()
+
+
+def stored(server, n: int, plen: int) -> tuple[list, list, list]:
+    """n values of random payloads (names, keys, payloads) on the server."""
+    rng = np.random.default_rng(n)
+    c = server.client()
+    names, keys, payloads = [], [], []
+    for i in range(n):
+        key = (i + 1, (i * 7919) | 1)
+        payload = rng.integers(0, 256, plen, dtype=np.uint8)
+        name = f"kvbm:test:r0:{diskfmt.key_hex(key)}"
+        c.set(name, b"".join(bytes(p) for p in remotefmt.value_parts(key, FP, payload, os.urandom(i * 37))))
+        names.append(name)
+        keys.append(key)
+        payloads.append(payload)
+    return names, keys, payloads
+
+
+@pytest.mark.parametrize("plen", [1000, 200_000, 1 << 20])  # one group of many, groups of two, one per group
+def test_values_land_verified_in_their_buffers_and_damage_is_reported_per_value(server, plen):
+    names, keys, payloads = stored(server, 12, plen)
+    c = server.client()
+    c.delete(names[3])  # missing
+    c.setrange(names[5], diskfmt.HEADER_SIZE + plen // 2, b"\x00\xff\x00")  # payload damaged
+    c.set(names[7], c.get(names[7])[:-1])  # truncated (its metadata)
+    v = c.get(names[9])
+    c.set(names[9], v[:24] + bytes(16) + v[40:])  # another layout's fingerprint
+    c.set(names[10], b"not a value at all")
+    outs = [np.zeros(plen, dtype=np.uint8) for _ in names]
+    reader = remotefmt.DirectReader(server.url)
+    got = reader.fetch(names, keys, FP, outs)
+    bad = {3: remotefmt.MISSING, 5: remotefmt.BAD, 7: remotefmt.BAD, 9: remotefmt.BAD, 10: remotefmt.BAD}
+    assert got == [bad.get(i, remotefmt.OK) for i in range(len(names))]
+    for i, (out, payload) in enumerate(zip(outs, payloads)):
+        if i not in bad:
+            assert np.array_equal(out, payload), i
+    # the connection is still in step: the same reader fetches again, in another order
+    order = [11, 0, 5, 2]
+    outs = [np.zeros(plen, dtype=np.uint8) for _ in order]
+    assert reader.fetch([names[i] for i in order], [keys[i] for i in order], FP, outs) == [
+        remotefmt.OK, remotefmt.OK, remotefmt.BAD, remotefmt.OK]
+    assert np.array_equal(outs[0], payloads[11]) and np.array_equal(outs[3], payloads[2])
+    reader.close()
+
+
+def test_a_value_under_another_key_does_not_verify(server):
+    names, keys, _ = stored(server, 2, 4096)
+    out = [np.zeros(4096, dtype=np.uint8)]
+    reader = remotefmt.DirectReader(server.url)
+    assert reader.fetch([names[0]], [keys[1]], FP, out) == [remotefmt.BAD]
+    assert reader.fetch([names[0]], [keys[0]], FP, out) == [remotefmt.OK]
+
+
+def test_a_paused_server_is_an_error_within_the_socket_timeout_and_the_reader_recovers(server):
+    import time
+
+    names, keys, payloads = stored(server, 4, 65536)
+    reader = remotefmt.DirectReader(server.url)
+    outs = [np.zeros(65536, dtype=np.uint8) for _ in names]
+    assert reader.fetch(names, keys, FP, outs) == [remotefmt.OK] * 4
+    server.client().execute_command("CLIENT", "PAUSE", 1500)
+    t0 = time.monotonic()
+    with pytest.raises(OSError):
+        reader.fetch(names, keys, FP, outs)
+    assert time.monotonic() - t0 < remotefmt.SOCKET_TIMEOUT + 0.3
+    assert reader.sock is None  # closed: what was in flight must not be read as the next replies
+    time.sleep(1.6)
+    assert reader.fetch(names, keys, FP, outs) == [remotefmt.OK] * 4
+    assert np.array_equal(outs[2], payloads[2])
+
+
+def test_password_and_database_from_the_url(server):
+    c = server.client()
+    c.config_set("requirepass", "s3cret")
+    url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
+    import redis
+
+    r = redis.Redis.from_url(url)
+    key, payload = (5, 7), np.arange(4096, dtype=np.uint8) % 251
+    r.set("kvbm:x", b"".join(bytes(p) for p in remotefmt.value_parts(key, FP, payload, b"m")))
+    out = [np.zeros(4096, dtype=np.uint8)]
+    reader = remotefmt.DirectReader(url)
+    assert reader.fetch(["kvbm:x"], [key], FP, out) == [remotefmt.OK]
+    assert np.array_equal(out[0], payload)
+    assert remotefmt.CLIENT_NAME in {cl["name"] for cl in r.client_list()}  # named as our other connections
+    with pytest.raises(ConnectionError):
+        remotefmt.DirectReader(f"redis://:wrong@127.0.0.1:{server.port}/3").fetch(["kvbm:x"], [key], FP, out)
+    r.config_set("requirepass", "")
+
+
+def test_a_connection_the_server_closed_is_reopened_without_a_miss(server):
+    """A restarted server (or one that drops idle clients) closed the reader's connection since
+    its last fetch: the next fetch opens a new one instead of failing, as redis-py's pool does."""
+    names, keys, payloads = stored(server, 3, 4096)
+    reader = remotefmt.DirectReader(server.url)
+    outs = [np.zeros(4096, dtype=np.uint8) for _ in names]
+    assert reader.fetch(names, keys, FP, outs) == [remotefmt.OK] * 3
+    c = server.client()
+    c.client_kill_filter(_type="normal", skipme=True)  # every connection but this one
+    assert reader.fetch(names, keys, FP, outs) == [remotefmt.OK] * 3
+    assert np.array_equal(outs[1], payloads[1])
