@@ -201,3 +201,17 @@ def test_remote_config_is_validated():
                 {"remote_lookup_budget_ms": True}):
         with pytest.raises(ValueError, match="remote_"):
             KVBMConfig.from_extra(bad)
+
+
+def test_an_evicted_block_key_secret_is_written_back(server):
+    """The server may evict the store's block-key secret like any key (allkeys-lru): an instance
+    starting then would write a new one and share nothing with the fleet. Lookups write it back."""
+    from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME
+
+    a = instance(server.url)
+    c = server.client()
+    secret = c.get(REMOTE_NAME)
+    assert secret is not None and a.connector.remote.secret_hex == secret.decode()
+    c.delete(REMOTE_NAME)  # as an eviction would
+    assert a.serve(prompt()) == 0  # its lookup
+    assert c.get(REMOTE_NAME) == secret

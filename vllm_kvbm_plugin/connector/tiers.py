@@ -30,6 +30,8 @@ from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 from vllm_kvbm_plugin.tiers.policies import make_policy
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME as SECRET_NAME
+from vllm_kvbm_plugin.tiers.secret import tier_secret
 
 logger = get_logger("connector")
 
@@ -372,6 +374,7 @@ class RemoteTier:
     MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for removals)
     FETCH_YIELD = 0.004  # s: a step's pause while a request waits for its fetches (see busy_loading)
     CONNECT_WAIT = 0.5  # s: startup waits that long at most for the connections (then they go on behind)
+    SECRET_KEEP = 10.0  # s: a lookup writes the store's block-key secret back at most that often
 
     def __init__(self, layout: Layout, url: str, budget_ms: float, announce: bool = True):
         self.announce = announce
@@ -382,6 +385,11 @@ class RemoteTier:
         self.budget = budget_ms / 1000
         self.budget_left = self.budget
         self.breaker = remotefmt.Breaker("scheduler", url)
+        secret = tier_secret(url, layout.disk_path)
+        # A secret kept in the store is written back (SET NX) with lookups: the server may evict
+        # it like any key, and an instance starting then would make a new one and share nothing.
+        self.secret_hex = secret.key.hex() if secret.source == "remote" else None
+        self.secret_kept = float("-inf")  # when it was last written back
         self.present: dict = {}  # key -> when it was seen present
         self.fetching: set = set()
         self.landed_seen = 0  # remotefmt.LANDINGS.count when last looked at
@@ -498,8 +506,16 @@ class RemoteTier:
         for k in keys:
             for name in self.names(k):  # one key per command: a cluster routes each to its node
                 pipe.exists(name)
-        found = pipe.execute()
+        keep = self.secret_hex is not None and time.monotonic() - self.secret_kept > self.SECRET_KEEP
+        if keep:
+            pipe.set(SECRET_NAME, self.secret_hex, nx=True)
         n = len(self.prefixes)
+        found = pipe.execute(raise_on_error=False)
+        for r in found[: len(keys) * n]:
+            if isinstance(r, Exception):
+                raise r
+        if keep and not isinstance(found[-1], Exception):  # refused (a full server): again next time
+            self.secret_kept = time.monotonic()
         return [k for i, k in enumerate(keys) if all(found[i * n : (i + 1) * n])]
 
     # ---- fetches into CPU slots ------------------------------------------------------------
