@@ -45,20 +45,23 @@ def test_values_land_verified_in_their_buffers_and_damage_is_reported_per_value(
     v = c.get(names[9])
     c.set(names[9], v[:24] + bytes(16) + v[40:])  # another layout's fingerprint
     c.set(names[10], b"not a value at all")
+    c.delete(names[11])
+    c.rpush(names[11], b"a list")  # GET answers -WRONGTYPE
     outs = [np.zeros(plen, dtype=np.uint8) for _ in names]
     reader = remotefmt.DirectReader(server.url)
     got = reader.fetch(names, keys, FP, outs)
-    bad = {3: remotefmt.MISSING, 5: remotefmt.BAD, 7: remotefmt.BAD, 9: remotefmt.BAD, 10: remotefmt.BAD}
+    bad = {3: remotefmt.MISSING, 5: remotefmt.BAD, 7: remotefmt.BAD, 9: remotefmt.BAD, 10: remotefmt.BAD,
+           11: remotefmt.BAD}
     assert got == [bad.get(i, remotefmt.OK) for i in range(len(names))]
     for i, (out, payload) in enumerate(zip(outs, payloads)):
         if i not in bad:
             assert np.array_equal(out, payload), i
     # the connection is still in step: the same reader fetches again, in another order
-    order = [11, 0, 5, 2]
+    order = [8, 0, 5, 2]
     outs = [np.zeros(plen, dtype=np.uint8) for _ in order]
     assert reader.fetch([names[i] for i in order], [keys[i] for i in order], FP, outs) == [
         remotefmt.OK, remotefmt.OK, remotefmt.BAD, remotefmt.OK]
-    assert np.array_equal(outs[0], payloads[11]) and np.array_equal(outs[3], payloads[2])
+    assert np.array_equal(outs[0], payloads[8]) and np.array_equal(outs[3], payloads[2])
     reader.close()
 
 

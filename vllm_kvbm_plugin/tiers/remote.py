@@ -258,7 +258,9 @@ class DirectReader:
 
     def _value(self, key, fingerprint: bytes, out: np.ndarray) -> int:
         line = self._line()
-        if line[:1] != b"$":
+        if line.startswith(b"-WRONGTYPE"):  # not a string under our name: not ours, a bad value
+            return BAD
+        if line[:1] != b"$":  # another error (-LOADING, -BUSY, ...): the server's, not the value's
             raise ConnectionError(f"remote tier: unexpected reply {line[:200]!r}")
         size = int(line[1:])
         if size < 0:
