@@ -95,8 +95,11 @@ def start_engine(spec: dict):
 
     sock_dir = tempfile.mkdtemp(prefix="kvbm-events-")
     endpoint, replay = f"ipc://{sock_dir}/pub", f"ipc://{sock_dir}/replay"
+    # The SSM state in float32 whatever the CPU: vLLM's CPU platform keeps it in bfloat16 only
+    # without AVX-512 BF16, and a smaller state page makes a hybrid model's attention block smaller
+    # (tiny Qwen3-Next: 96 tokens instead of 160), so scenarios would depend on the machine.
     kwargs = dict(dtype="bfloat16", max_model_len=2048, enforce_eager=True, block_size=32,
-                  enable_prefix_caching=True, seed=0, max_num_seqs=8)
+                  enable_prefix_caching=True, seed=0, max_num_seqs=8, mamba_ssm_cache_dtype="float32")
     kwargs.update(spec.get("llm", {}))
     if spec.get("events", True):
         kwargs["kv_events_config"] = dict(enable_kv_cache_events=True, publisher="zmq",
