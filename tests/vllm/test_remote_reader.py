@@ -121,3 +121,22 @@ def test_a_connection_the_server_closed_is_reopened_without_a_miss(server):
     c.client_kill_filter(_type="normal", skipme=True)  # every connection but this one
     assert reader.fetch(names, keys, FP, outs) == [remotefmt.OK] * 3
     assert np.array_equal(outs[1], payloads[1])
+
+
+def test_redis_py_replies_are_classified_as_the_direct_reader_reads_them(server):
+    """The read path of TLS and cluster URLs (redis-py): the same outcome per value."""
+    names, keys, payloads = stored(server, 4, 4096)
+    c = server.client()
+    c.delete(names[1])
+    c.delete(names[2])
+    c.rpush(names[2], b"a list")  # -WRONGTYPE
+    at = diskfmt.HEADER_SIZE + 10
+    c.setrange(names[3], at, bytes([c.get(names[3])[at] ^ 0xFF]))  # one payload byte flipped
+    pipe = c.pipeline(transaction=False)
+    for n in names:
+        pipe.get(n)
+    outs = [np.zeros(4096, dtype=np.uint8) for _ in names]
+    got = [remotefmt.classify(v, k, FP, o) for v, k, o in zip(pipe.execute(raise_on_error=False), keys, outs)]
+    assert got == [remotefmt.OK, remotefmt.MISSING, remotefmt.BAD, remotefmt.BAD]
+    assert np.array_equal(outs[0], payloads[0])
+    assert remotefmt.DirectReader(server.url).fetch(names, keys, FP, outs) == got

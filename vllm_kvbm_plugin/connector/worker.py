@@ -482,9 +482,8 @@ class RemoteIO:
             pipe = self.client.pipeline(transaction=False)
             for name in names:
                 pipe.get(name)
-            results = [remotefmt.MISSING if v is None else
-                       remotefmt.OK if remotefmt.read_value(v, key, self.side.fingerprint, out) else remotefmt.BAD
-                       for v, key, out in zip(pipe.execute(), keys, outs)]
+            results = [remotefmt.classify(v, key, self.side.fingerprint, out)
+                       for v, key, out in zip(pipe.execute(raise_on_error=False), keys, outs)]
         done, bad = {}, []
         for key, name, r in zip(keys, names, results):
             if r == remotefmt.BAD:

@@ -50,6 +50,22 @@ def value_parts(key, fingerprint: bytes, payload: np.ndarray, meta: bytes) -> li
     return diskfmt.encode(key, fingerprint, payload, meta)
 
 
+MISSING, BAD, OK = 0, 1, 2  # outcomes of a value's read (DirectReader.fetch, classify)
+
+
+def classify(reply, key, fingerprint: bytes, out: np.ndarray) -> int:
+    """MISSING, BAD or OK for one GET reply of redis-py (raise_on_error=False), verified into
+    `out` as read_value does. A key of another type under our name is BAD (as DirectReader
+    reads it); any other error is the server's, not the value's: raised."""
+    if reply is None:
+        return MISSING
+    if isinstance(reply, Exception):
+        if str(reply).startswith("WRONGTYPE"):
+            return BAD
+        raise reply
+    return OK if read_value(reply, key, fingerprint, out) else BAD
+
+
 def read_value(value, key, fingerprint: bytes, out: np.ndarray) -> bool:
     """Verify a value read from the store and copy its payload into `out` (uint8, the exact
     payload size). False for anything but a complete value of `key` written under `fingerprint`
@@ -94,7 +110,6 @@ class Landings:
 
 LANDINGS = Landings()
 
-MISSING, BAD, OK = 0, 1, 2  # outcomes of DirectReader.fetch, per value
 
 
 class DirectReader:
