@@ -14,6 +14,10 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}  # GiB per worker
 export VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}  # two engines on one NUMA node
 READY_TIMEOUT=${READY_TIMEOUT:-300}
 MODEL=${1:-$("$PY" -m vllm_kvbm_plugin.cli tiny-model qwen3next 2>/dev/null | tail -n 1)}
+# The tiny model's SSM state in float32 (vLLM's CPU platform keeps it in bfloat16 on CPUs without
+# AVX-512 BF16, and then vLLM 0.32 serves no prefix-cache hit at all for the hybrid model).
+EXTRA=()
+[ $# -ge 1 ] || EXTRA=(--mamba-ssm-cache-dtype float32)
 
 WORK=$(mktemp -d -t kvbm-router-XXXXXX)
 chmod 700 "$WORK"
@@ -51,7 +55,7 @@ for i in 0 1; do
   config="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"$events\",\"replay_endpoint\":\"$replay\",\"topic\":\"kv\"}"
   setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$port" --dtype bfloat16 \
     --max-model-len 2048 --enforce-eager --block-size 32 --enable-prefix-caching \
-    --enable-prompt-tokens-details --served-model-name model --kv-events-config "$config" \
+    --enable-prompt-tokens-details --served-model-name model --kv-events-config "$config" "${EXTRA[@]}" \
     > "$WORK/worker-$i.log" 2>&1 &
   PIDS+=($!)
   URLS+=("http://127.0.0.1:$port")
