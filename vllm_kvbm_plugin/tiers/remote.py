@@ -76,14 +76,20 @@ def read_value(value, key, fingerprint: bytes, out: np.ndarray) -> bool:
         return False
     buf = np.frombuffer(value, dtype=np.uint8)
     h = diskfmt.parse_header(value)
-    if (h is None or h.key != diskfmt.key_bytes(key) or h.fingerprint != fingerprint or h.payload_bytes != plen
-            or diskfmt.HEADER_SIZE + plen + h.meta_bytes != len(value)):
+    if not _header_fits(h, key, fingerprint, plen, len(value)):
         return False
     acc = np.zeros(2, dtype=np.uint64)
     payload = buf[diskfmt.HEADER_SIZE: diskfmt.HEADER_SIZE + plen]
     checksum_update(acc, payload, 0, out)
     meta = bytes(value[diskfmt.HEADER_SIZE + plen:])
     return diskfmt._combine(checksum_final(acc, plen), meta) == h.checksum
+
+
+def _header_fits(h, key, fingerprint: bytes, plen: int, size: int) -> bool:
+    """A value of `size` bytes with header `h` is a complete value of `key` under `fingerprint`
+    with a `plen`-byte payload (its checksum still to be verified)."""
+    return (h is not None and h.key == diskfmt.key_bytes(key) and h.fingerprint == fingerprint
+            and h.payload_bytes == plen and diskfmt.HEADER_SIZE + plen + h.meta_bytes == size)
 
 
 class Landings:
@@ -109,7 +115,6 @@ class Landings:
 
 
 LANDINGS = Landings()
-
 
 
 class DirectReader:
@@ -154,7 +159,6 @@ class DirectReader:
         else:
             sock = socket.create_connection((o.get("host", "localhost"), o.get("port", 6379)), SOCKET_TIMEOUT)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(SOCKET_TIMEOUT)
         self.sock, self.start, self.end = sock, 0, 0
         setup = [[b"CLIENT", b"SETNAME", CLIENT_NAME.encode()]]
         if o.get("password"):
@@ -288,8 +292,7 @@ class DirectReader:
         head = bytearray(diskfmt.HEADER_SIZE)
         self._read_into(memoryview(head))
         h = diskfmt.parse_header(head)
-        if (h is None or h.key != diskfmt.key_bytes(key) or h.fingerprint != fingerprint or h.payload_bytes != plen
-                or diskfmt.HEADER_SIZE + plen + h.meta_bytes != size):
+        if not _header_fits(h, key, fingerprint, plen, size):
             self._skip(size - diskfmt.HEADER_SIZE + 2)
             return BAD
         acc = np.zeros(2, dtype=np.uint64)
