@@ -140,3 +140,25 @@ def test_redis_py_replies_are_classified_as_the_direct_reader_reads_them(server)
     assert got == [remotefmt.OK, remotefmt.MISSING, remotefmt.BAD, remotefmt.BAD]
     assert np.array_equal(outs[0], payloads[0])
     assert remotefmt.DirectReader(server.url).fetch(names, keys, FP, outs) == got
+
+
+def test_small_commands_reply_as_a_redis_py_pipeline_does(server):
+    """The scheduler's lookups (EXISTS, SET NX) over `call`: the same replies as redis-py's, errors
+    returned in place, and the connection stays in step for the fetches after them."""
+    names, keys, payloads = stored(server, 2, 4096)
+    server.client().rpush("kvbm:test:list", b"x")
+    commands = [[b"EXISTS", names[0].encode()], [b"EXISTS", b"kvbm:test:absent"], [b"SET", b"kvbm:test:s", b"v", b"NX"],
+                [b"SET", b"kvbm:test:s", b"w", b"NX"], [b"GET", b"kvbm:test:s"], [b"GET", b"kvbm:test:absent"],
+                [b"INCR", b"kvbm:test:list"]]
+    reader = remotefmt.DirectReader(server.url)
+    got = reader.call(commands)
+    server.client().delete("kvbm:test:s")
+    pipe = server.client().pipeline(transaction=False)
+    for c in commands:
+        pipe.execute_command(*c)
+    want = pipe.execute(raise_on_error=False)
+    assert got[:6] == want[:6] == [1, 0, b"OK", None, b"v", None]
+    assert type(got[6]) is type(want[6]) and str(got[6]).startswith("WRONGTYPE")
+    outs = [np.zeros(4096, dtype=np.uint8)]
+    assert reader.fetch(names[1:], keys[1:], FP, outs) == [remotefmt.OK]
+    assert np.array_equal(outs[0], payloads[1])

@@ -190,6 +190,7 @@ class PicPlanner:
         self.cpu = PicCpuTier(layout.cpu_slots, cfg.eviction_policy, self.removed)
         self.indexes: dict = {}  # namespace -> SubseqIndex over whole blocks
         self.namespace_of: dict = {}  # tier key -> namespace
+        self.queued: dict = {}  # tier key -> (namespace, tokens, parent, position): stored, to index
         self.claims: dict[str, _PicClaim] = {}
         self.recompute = _recompute(cfg, self.kv_groups)  # selective recompute (layer 3) or loads only
         # lookups: salted requests' searches (one per scheduling attempt); served: requests that
@@ -219,19 +220,33 @@ class PicPlanner:
             scheduler_output.has_sync_kv_loads = True
 
     # ---- the index, fed from the CPU tier ----
+    MAX_QUEUED = 1 << 14  # blocks stored but not yet indexed (see `stored`)
+
     def stored(self, request, block: int, key, parent) -> None:
-        """The CPU tier took block `block` of `request` under `key`."""
+        """The CPU tier took block `block` of `request` under `key`. Indexed later (`flush`):
+        the scheduler stores while it plans a step, which a request's loads and fetches wait for."""
         ns = _namespace(request)
-        if ns is False or key in self.namespace_of:
+        if ns is False or key in self.namespace_of or key in self.queued:
             return
         B = self.block_size
-        index = self.indexes.get(ns)
-        if index is None:
-            index = self.indexes[ns] = SubseqIndex(B)
-        index.add(key, request.all_token_ids[block * B:(block + 1) * B], parent, position=block * B)
-        self.namespace_of[key] = ns
+        self.queued[key] = (ns, request.all_token_ids[block * B:(block + 1) * B], parent, block * B)
+        if len(self.queued) > self.MAX_QUEUED:
+            self.flush()
+
+    def flush(self) -> None:
+        """Index the blocks stored since the last flush (before the indexes are read, and after
+        each step's model run)."""
+        for key, (ns, tokens, parent, position) in self.queued.items():
+            index = self.indexes.get(ns)
+            if index is None:
+                index = self.indexes[ns] = SubseqIndex(self.block_size)
+            index.add(key, tokens, parent, position=position)
+            self.namespace_of[key] = ns
+        self.queued.clear()
 
     def removed(self, key) -> None:
+        if self.queued.pop(key, None) is not None:
+            return  # never indexed
         ns = self.namespace_of.pop(key, False)
         if ns is False:
             return
@@ -248,6 +263,7 @@ class PicPlanner:
         self.release(request.request_id)
         if not wants(request):
             return 0
+        self.flush()
         self.stats["lookups"] += 1
         end = start = computed + hit
         if end >= limit:

@@ -60,10 +60,12 @@ class RequestKeys:
 
 def unit_keys(st: RequestKeys, n_units: int, unit: int, root, pool, keyer: Keyer) -> list:
     """Stable keys of the request's first n_units hash units (computed once, extended), with
-    vLLM's extra keys (images, LoRA, salt) folded in as vLLM computes them (`pool`)."""
+    vLLM's extra keys (images, LoRA, salt) folded in as vLLM computes them (`pool`). Extended
+    to every full unit of the request at once: one kernel call, not one per block of a hit."""
     have = len(st.unit_keys)
     if n_units > have:
         req = st.request
+        n_units = max(n_units, len(req.all_token_ids) // unit)
         tokens = req.all_token_ids[have * unit : n_units * unit]
         extras = None
         if compat.has_extra_keys(req):
@@ -468,6 +470,8 @@ class SchedulerSide:
 
     # ---- worker reports ----------------------------------------------------------------------
     def update_connector_output(self, output) -> None:
+        if self.pic is not None:
+            self.pic.flush()
         wm: KVBMWorkerMetadata | None = getattr(output, "kv_connector_worker_meta", None)
         if not wm:
             return

@@ -166,11 +166,15 @@ class DirectReader:
             setup.insert(0, [b"AUTH"] + [a.encode() for a in auth])
         if o.get("db"):
             setup.append([b"SELECT", str(o["db"]).encode()])
-        self.sock.sendall(b"".join(_command(c) for c in setup))
-        for _ in setup:
-            line = self._line()
-            if not line.startswith(b"+"):
-                raise ConnectionError(f"remote tier: server refused setup: {line[:200]!r}")
+        try:
+            self.sock.sendall(b"".join(_command(c) for c in setup))
+            for _ in setup:
+                line = self._line()
+                if not line.startswith(b"+"):
+                    raise ConnectionError(f"remote tier: server refused setup: {line[:200]!r}")
+        except BaseException:
+            self.close()  # not set up: never used
+            raise
 
     def _stale(self) -> bool:
         """Closed by the server since the last fetch (restarted, timed out idle clients): a
@@ -251,12 +255,44 @@ class DirectReader:
             self.start += k
             n -= k
 
+    # ---- small commands -------------------------------------------------------------------------
+    def call(self, commands: list[list]) -> list:
+        """Run `commands` pipelined, in one round trip; their replies as redis-py's pipelines give
+        them with raise_on_error=False: int, bytes, None, or a ResponseError (not raised).
+        For commands with short replies (EXISTS, SET): the scheduler's lookups."""
+        from redis.exceptions import ResponseError
+
+        try:
+            if self.sock is None or self._stale():
+                self.close()
+                self.connect()
+            self.sock.sendall(b"".join(_command(c) for c in commands))
+            replies = []
+            for _ in commands:
+                line = self._line()
+                kind, rest = line[:1], line[1:]
+                if kind == b":":
+                    replies.append(int(rest))
+                elif kind == b"+":
+                    replies.append(rest)
+                elif kind == b"-":
+                    replies.append(ResponseError(rest.decode(errors="replace")))
+                elif kind == b"$":
+                    n = int(rest)
+                    replies.append(None if n < 0 else self._take(n + 2)[:-2])
+                else:
+                    raise ConnectionError(f"remote tier: unexpected reply {line[:200]!r}")
+            return replies
+        except BaseException:
+            self.close()
+            raise
+
     # ---- fetch ----------------------------------------------------------------------------------
     def fetch(self, names: list, keys: list, fingerprint: bytes, outs: list) -> list[int]:
         """GET every name (pipelined, DEPTH groups in flight) and verify each value into its `out`
         (uint8, the exact payload size): OK, BAD (present but not a complete value of its key
         under `fingerprint`; `out` holds garbage) or MISSING, per name."""
-        gets = [_command([b"GET", n.encode() if isinstance(n, str) else n]) for n in names]
+        gets = [_command([b"GET", n]) for n in names]
         group = max(1, self.GROUP_BYTES // max(1, outs[0].nbytes)) if outs else 1
         try:
             if self.sock is None or self._stale():
@@ -320,6 +356,7 @@ class DirectReader:
 
 
 def _command(args: list) -> bytes:
+    args = [a.encode() if isinstance(a, str) else a for a in args]
     return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
 
 
