@@ -90,6 +90,32 @@ def test_second_engine_hits_what_the_first_stored(run_engine, baseline, server):
     assert "Traceback" not in a["log"] + b["log"]
 
 
+def test_damaged_and_foreign_values_are_misses_and_replaced(run_engine, baseline, server):
+    """Every value A stored damaged one of three ways (a payload byte flipped with SETRANGE,
+    truncated, another layout's fingerprint): B computes the whole prompt with the tokens of a
+    run without the connector, deletes each bad value and writes a good one in its place."""
+    from vllm_kvbm_plugin.tiers import disk as diskfmt
+
+    run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, remote_url=server.url))
+    c = server.client()
+    names = sorted(n for n in c.scan_iter(match="kvbm:*") if b"key-secret" not in n)
+    assert len(names) == HIT // 32
+    good, damaged = {}, {}
+    for i, name in enumerate(names):
+        v = good[name] = c.get(name)
+        at = diskfmt.HEADER_SIZE + 100
+        damaged[name] = [v[:at] + bytes([v[at] ^ 0xFF]) + v[at + 1:], v[:-1], v[:24] + bytes(16) + v[40:]][i % 3]
+        c.set(name, damaged[name])
+    b = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, remote_url=server.url))
+    (o,) = outputs(b)
+    assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline["first"][0]["tokens"]
+    for name in names:  # B wrote it again: a complete value, none of the damaged bytes
+        v = c.get(name)
+        assert v is not None and len(v) == len(good[name]) and v != damaged[name], name
+    assert b["connector"]["remote"] == {"fetching": 0, "writing": 0}
+    assert "Traceback" not in b["log"]
+
+
 def test_server_failures_are_misses_and_hits_resume(tmp_path_factory, baseline):
     r = faults_run(tmp_path_factory, connector=True)
     facts, out = r["facts"], r["outputs"]
