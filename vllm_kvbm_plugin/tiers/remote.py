@@ -176,6 +176,11 @@ class DirectReader:
             self.close()  # not set up: never used
             raise
 
+    def _ready(self) -> None:
+        if self.sock is None or self._stale():
+            self.close()
+            self.connect()
+
     def _stale(self) -> bool:
         """Closed by the server since the last fetch (restarted, timed out idle clients): a
         connection redis-py would reopen on its own. Nothing may be pending between fetches."""
@@ -263,9 +268,7 @@ class DirectReader:
         from redis.exceptions import ResponseError
 
         try:
-            if self.sock is None or self._stale():
-                self.close()
-                self.connect()
+            self._ready()
             self.sock.sendall(b"".join(_command(c) for c in commands))
             replies = []
             for _ in commands:
@@ -295,9 +298,7 @@ class DirectReader:
         gets = [_command([b"GET", n]) for n in names]
         group = max(1, self.GROUP_BYTES // max(1, outs[0].nbytes)) if outs else 1
         try:
-            if self.sock is None or self._stale():
-                self.close()
-                self.connect()
+            self._ready()
             sent = min(len(gets), self.DEPTH * group)
             self.sock.sendall(b"".join(gets[:sent]))
             results = []
