@@ -5,77 +5,23 @@ files are misses, never bytes, never an exception."""
 import contextlib
 import os
 import subprocess
-import time
-import uuid
 
 import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, Medium
 
-from vllm_kvbm_plugin import compat
+from vllm_kvbm_plugin.offloading import drive
 from vllm_kvbm_plugin.offloading.disk_tier import file_key
-from vllm_kvbm_plugin.offloading.drive import (
-    Request, chunk_key, end_step, lookup_until_settled, primary_rows, tiering_manager)
+from vllm_kvbm_plugin.offloading.drive import Request, chunk_key, payload
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 
 CHUNK = 4096
 
 
-def payload(key: bytes) -> np.ndarray:
-    return np.random.default_rng(int.from_bytes(key[:8], "big")).integers(0, 256, CHUNK, dtype=np.uint8)
-
-
-class Tiered:
+def Tiered(path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru", **opts) -> drive.Tiered:
     """vLLM's tiering manager with our disk tier at `path`, and the calls the connector makes."""
-
-    def __init__(self, path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru", **opts):
-        tier = {"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
-                "bytes_to_use": bytes_to_use, "eviction_policy": policy, **opts}
-        self.spec, self.m = tiering_manager([tier], cpu_chunks, CHUNK, cpu_policy,
-                                            engine_id=f"kvbm-test-{uuid.uuid4().hex[:8]}")
-        self.tier = self.m.secondary_tiers[0]
-        self.rows = primary_rows(self.m)
-        self.events = []
-
-    def settle(self):
-        for _ in range(2000):
-            end_step(self.m)
-            if not self.m.has_pending_work():
-                break
-            time.sleep(0.002)
-        self.events += list(self.m.take_events())
-
-    def store(self, keys, per_step=None):
-        """One request stores `keys` (per_step at a time) into the CPU tier, which cascades them."""
-        r = Request(self.m, keys)
-        fill = lambda cids, ks: [self.rows.__setitem__(c, payload(k)) for c, k in zip(cids, ks)]  # noqa: E731
-        step = per_step or len(keys)
-        for i in range(0, len(keys), step):
-            r.store(keys[i: i + step], fill=fill)
-            self.settle()
-        r.finish()
-        self.settle()
-
-    def load(self, keys) -> dict:
-        """Drop the CPU tier, then look `keys` up (promoting disk hits) and load the prefix that
-        hits, as the connector would: key -> bytes served, or None for a miss."""
-        compat.reset_offloading_cache(self.m)
-        r = Request(self.m, keys)
-        results = lookup_until_settled(self.m, r, keys)
-        served = {}
-        hits = [k for k, res in zip(keys, results) if res is LookupResult.HIT]
-        if hits:
-            r.load(hits, read=lambda cids, ks: served.update({k: self.rows[c].copy() for c, k in zip(cids, ks)}))
-        r.finish()
-        self.settle()
-        return {k: served.get(k) for k in keys}
-
-    def storage_events(self, removed: bool) -> list:
-        return [k for e in self.events if e.medium is Medium.STORAGE and e.removed == removed for k in e.keys]
-
-    def close(self):
-        self.rows = None
-        self.m.shutdown()
+    return drive.Tiered({"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
+                         "bytes_to_use": bytes_to_use, "eviction_policy": policy, **opts}, cpu_chunks, CHUNK, cpu_policy)
 
 
 @pytest.fixture

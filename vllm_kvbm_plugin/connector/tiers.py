@@ -473,19 +473,12 @@ class RemoteTier:
         go over a DirectReader where one can (`call`: a few times faster than redis-py)."""
         try:
             if self._client is None and self.breaker.allow():
-                self._client = self._open()
+                self._client = remotefmt.connect_direct(self.url)
                 self.breaker.success()
         except Exception as e:  # the breaker logs it; lookups are misses until it is back
             self.breaker.failure(e)
         finally:
             self._connected.set()
-
-    def _open(self):
-        if remotefmt.DirectReader.supports(self.url):
-            client = remotefmt.DirectReader(self.url)
-            client.connect()
-            return client
-        return remotefmt.connect_ready(self.url)
 
     def _lookup_loop(self) -> None:
         self._connect()
@@ -514,14 +507,8 @@ class RemoteTier:
         if keep:
             commands.append(("SET", SECRET_NAME, self.secret_hex, "NX"))
         if self._client is None:
-            self._client = self._open()
-        if isinstance(self._client, remotefmt.DirectReader):
-            found = self._client.call(commands)
-        else:
-            pipe = self._client.pipeline(transaction=False)
-            for c in commands:
-                pipe.execute_command(*c)
-            found = pipe.execute(raise_on_error=False)
+            self._client = remotefmt.connect_direct(self.url)
+        found = remotefmt.run(self._client, commands)
         n = len(self.prefixes)
         for r in found[: len(keys) * n]:
             if isinstance(r, Exception):

@@ -122,3 +122,69 @@ def primary_rows(manager):
     view = manager.primary_tier.get_kv_memoryview()
     rows = np.asarray(view)
     return rows.view(np.uint8).reshape(rows.shape[0], -1)
+
+
+def payload(key: bytes, size: int = 4096):
+    """Made-up chunk bytes of `key` (the same every time)."""
+    import numpy as np
+
+    return np.random.default_rng(int.from_bytes(key[:8], "big")).integers(0, 256, size, dtype=np.uint8)
+
+
+class Tiered:
+    """vLLM's tiering manager with one secondary tier (`tier`: its secondary_tiers entry), and the
+    calls the connector makes: `store` cascades through the CPU primary tier, `load` promotes hits."""
+
+    def __init__(self, tier: dict, cpu_chunks: int = 8, chunk_bytes: int = 4096, cpu_policy: str = "lru"):
+        import uuid
+
+        self.chunk_bytes = chunk_bytes
+        self.spec, self.m = tiering_manager([tier], cpu_chunks, chunk_bytes, cpu_policy,
+                                            engine_id=f"kvbm-test-{uuid.uuid4().hex[:8]}")
+        self.tier = self.m.secondary_tiers[0]
+        self.rows = primary_rows(self.m)
+        self.events = []
+
+    def settle(self) -> None:
+        for _ in range(2000):
+            end_step(self.m)
+            if not self.m.has_pending_work():
+                break
+            time.sleep(0.002)
+        self.events += list(self.m.take_events())
+
+    def store(self, keys: list, per_step: int | None = None) -> None:
+        """One request stores `keys` (per_step at a time) into the CPU tier, which cascades them."""
+        r = Request(self.m, keys)
+        fill = lambda cids, ks: [self.rows.__setitem__(c, payload(k, self.chunk_bytes)) for c, k in zip(cids, ks)]  # noqa: E731
+        step = per_step or len(keys)
+        for i in range(0, len(keys), step):
+            r.store(keys[i: i + step], fill=fill)
+            self.settle()
+        r.finish()
+        self.settle()
+
+    def load(self, keys: list) -> dict:
+        """Drop the CPU tier, then look `keys` up (promoting the secondary tier's hits) and load the
+        prefix that hits, as the connector would: key -> bytes served, or None for a miss."""
+        from vllm_kvbm_plugin import compat
+
+        compat.reset_offloading_cache(self.m)
+        r = Request(self.m, keys)
+        results = lookup_until_settled(self.m, r, keys)
+        served = {}
+        hits = [k for k, res in zip(keys, results) if res is LookupResult.HIT]
+        if hits:
+            r.load(hits, read=lambda cids, ks: served.update({k: self.rows[c].copy() for c, k in zip(cids, ks)}))
+        r.finish()
+        self.settle()
+        return {k: served.get(k) for k in keys}
+
+    def storage_events(self, removed: bool) -> list:
+        from vllm.v1.kv_offload.base import Medium
+
+        return [k for e in self.events if e.medium is Medium.STORAGE and e.removed == removed for k in e.keys]
+
+    def close(self) -> None:
+        self.rows = None
+        self.m.shutdown()

@@ -420,6 +420,27 @@ def connect_ready(url: str):
     return client
 
 
+def connect_direct(url: str):
+    """A connected DirectReader where one can be used (redis://, unix://), else `connect_ready`'s
+    redis-py client: for small pipelined commands (`run`)."""
+    if DirectReader.supports(url):
+        client = DirectReader(url)
+        client.connect()
+        return client
+    return connect_ready(url)
+
+
+def run(client, commands: list) -> list:
+    """Pipelined commands on a client of `connect_direct`, in one round trip; replies as redis-py
+    gives them with raise_on_error=False."""
+    if isinstance(client, DirectReader):
+        return client.call(commands)
+    pipe = client.pipeline(transaction=False)
+    for c in commands:
+        pipe.execute_command(*c)
+    return pipe.execute(raise_on_error=False)
+
+
 class Breaker:
     """Circuit breaker: closed (use the server), open (a miss without asking, until the backoff
     ends), then one probe call decides. One log line per state change; counters for stats."""

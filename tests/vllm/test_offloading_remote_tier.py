@@ -1,0 +1,105 @@
+"""KVBMRemoteTier as a secondary tier of vLLM's own TieringOffloadingManager (in-process, 0.32 and
+0.33) on a real Redis / Valkey server: stores cascade from vLLM's CPU primary tier to the server,
+hits are promoted back through it; missing, damaged, truncated or foreign values are misses, never
+bytes; a server that is down is a miss, never an exception."""
+
+import contextlib
+import time
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload.base import Medium
+
+from vllm_kvbm_plugin.offloading import drive
+from vllm_kvbm_plugin.offloading.drive import chunk_key, payload
+from vllm_kvbm_plugin.testing.redis_server import server_binary
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+
+pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
+pytestmark = pytest.mark.skipif(server_binary() is None,
+                                reason="no redis-server on PATH: scripts/setup.sh installs Debian's as root")
+
+
+def Tiered(url) -> drive.Tiered:
+    """vLLM's tiering manager with our remote tier on `url`, and the calls the connector makes."""
+    return drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": url})
+
+
+@pytest.fixture
+def tiered():
+    made = []
+
+    def make(*args, **kw):
+        t = Tiered(*args, **kw)
+        made.append(t)
+        return t
+    yield make
+    for t in made:
+        with contextlib.suppress(Exception):
+            t.close()
+
+
+def keys_of(name, n):
+    return [chunk_key(f"{name}{i}") for i in range(n)]
+
+
+def test_a_second_manager_hits_what_the_first_stored(tiered, server):
+    keys = keys_of("a", 5)
+    a = tiered(server.url)
+    a.store(keys)
+    assert a.storage_events(removed=False) == keys  # announced once each, once the server has them
+    ev = next(e for e in a.events if e.medium is Medium.STORAGE)
+    assert ev.locality.value == "REMOTE" and ev.ownership == a.tier.ownership
+    assert sorted(server.client().keys("kvbm:*")) == sorted(a.tier.name(k).encode() for k in keys)
+    b = tiered(server.url)  # another instance: an empty CPU tier, the same server
+    served = b.load(keys)
+    for k in keys:
+        assert served[k] is not None and np.array_equal(served[k], payload(k))
+
+
+@pytest.mark.parametrize("fault", ["flip", "truncate", "foreign", "delete", "wrongtype"])
+def test_bad_values_are_misses_never_bytes(tiered, server, fault):
+    keys = keys_of("c", 4)
+    t = tiered(server.url)
+    t.store(keys)
+    c, name = server.client(), t.tier.name(keys[2])
+    v = c.get(name)
+    if fault == "flip":
+        c.setrange(name, diskfmt.HEADER_SIZE + 7, bytes([v[diskfmt.HEADER_SIZE + 7] ^ 0x40]))
+    elif fault == "truncate":
+        c.set(name, v[:-1])
+    elif fault == "foreign":  # another layout's fingerprint
+        c.set(name, v[:24] + bytes(16) + v[40:])
+    elif fault == "delete":
+        c.delete(name)
+    else:
+        c.delete(name)
+        c.rpush(name, b"not ours")
+    served = t.load(keys)
+    for k in keys[:2]:
+        assert np.array_equal(served[k], payload(k))
+    assert served[keys[2]] is None
+    if fault != "delete":  # found by the lookup, failed at the load: forgotten, announced, deleted
+        assert t.tier.failed_loads >= 1 and keys[2] in t.storage_events(removed=True)
+        assert c.exists(name) == 0
+    assert t.load(keys)[keys[2]] is None  # a plain miss now
+
+
+def test_a_server_down_is_a_miss_and_hits_resume(tiered, server):
+    keys = keys_of("d", 3)
+    t = tiered(server.url)
+    t.store(keys)
+    server.stop()
+    assert all(v is None for v in t.load(keys).values())
+    t.store(keys_of("e", 2))  # writes fail as misses, no exception
+    assert t.tier.failed_writes >= 2
+    server.start()
+    server.client().flushall()
+    time.sleep(1.2)  # the breakers' first backoff (0.5 s) and a probe
+    t.store(keys)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.client().dbsize() < len(keys):
+        t.settle()
+        t.store(keys)
+    served = t.load(keys)
+    assert all(np.array_equal(served[k], payload(k)) for k in keys)

@@ -1,0 +1,237 @@
+"""Our remote tier (Redis / Valkey) as a vLLM `SecondaryTierManager`, behind vLLM's CPU primary tier:
+
+    "secondary_tiers": [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading",
+                         "url": "redis://HOST:PORT/0"}]
+
+`url` takes what KVBMConnector's `remote_url` takes (redis://, rediss://, unix://, redis+cluster://);
+optional "enable_kv_events" (default true). One value per primary-tier chunk, named
+`kvbm:<format>:<layout fingerprint>:r0:<file key>` with KVBMDiskTier's file key (a 128-bit digest
+of vLLM's OffloadKey); the value is a block file's bytes (tiers/disk.py), verified on every read:
+a value that is missing, damaged, truncated or of another layout fails that key (vLLM recomputes
+the chunk) and a bad one is deleted. The server's `maxmemory` policy bounds the tier (docs/remote.md);
+this side keeps no index.
+
+Nothing waits for the server on the scheduler thread: lookups are vLLM's AsyncLookupManager (one
+pipelined EXISTS per request and step, on its thread; RETRY meanwhile), loads and stores run on
+one I/O thread each. Failure is a miss: a Breaker (tiers/remote.py) per thread stops asking a
+server that is down, slow or paused, and hits resume when it is back.
+
+Events (with the engine's KV events on): Stored when a write is acknowledged, Removed when a load
+finds the value gone or bad, as medium STORAGE, locality REMOTE, ownership "kvbm-remote:<fingerprint>".
+The server's own evictions are not seen from here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Iterable
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.offloading.disk_tier import _encode_meta, _ChunkMeta, file_key, layout_fingerprint
+from vllm_kvbm_plugin.offloading.lineage import parent_in_request
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import remote as remotefmt
+
+logger = get_logger("offloading")
+
+
+class _Exists(AsyncLookupManager):
+    def __init__(self, tier: KVBMRemoteTier):
+        self.tier = tier
+        self.client = None
+        super().__init__(tier_type=tier.tier_type)
+
+    def batch_lookup(self, keys: list, req_context: ReqContext) -> Iterable[bool]:
+        t = self.tier
+        if not t.breakers["lookup"].allow():
+            return [False] * len(keys)
+        try:
+            if self.client is None:
+                self.client = remotefmt.connect_direct(t.url)
+            found = remotefmt.run(self.client, [("EXISTS", t.name(k)) for k in keys])
+            for r in found:
+                if isinstance(r, Exception):
+                    raise r
+            t.breakers["lookup"].success()
+            return [bool(r) for r in found]
+        except Exception as e:  # the breaker logs it: misses until the server is back
+            t.breakers["lookup"].failure(e)
+            return [False] * len(keys)
+
+
+class KVBMRemoteTier(SecondaryTierManager):
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, url: str,
+                 enable_kv_events: bool = True, backpressure_detector=None):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        import numpy as np
+
+        remotefmt.check_url(url)
+        self.url = url
+        self.locality = Locality.REMOTE
+        self.chunk_bytes = self.block_size_bytes
+        rows = np.asarray(primary_kv_view)
+        self._rows = rows.view(np.uint8).reshape(rows.shape[0], -1)[:, : self.chunk_bytes]
+        self.fingerprint = layout_fingerprint(offloading_spec, self.chunk_bytes)
+        self.ownership = f"kvbm-remote:{self.fingerprint.hex()}"
+        root = (int.from_bytes(self.fingerprint[:8], "big"), int.from_bytes(self.fingerprint[8:], "big"))
+        self.prefix = remotefmt.key_prefix(root, 0)
+        self.breakers = {side: remotefmt.Breaker(f"offloading {side}", url) for side in ("lookup", "load", "store")}
+        events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if events_on else None
+        self._io = {op: concurrent.futures.ThreadPoolExecutor(1, f"kvbm-remote-{op}") for op in ("load", "store")}
+        self._clients: dict = {}  # "load" / "store" -> the client its thread uses
+        self._jobs: dict[int, tuple[concurrent.futures.Future, bool, list]] = {}
+        self.failed_writes = self.failed_loads = 0
+        self._lookups = _Exists(self)
+        logger.info("KVBMRemoteTier: %s, chunks of %d bytes under %s*", url, self.chunk_bytes, self.prefix)
+
+    # ---- the server --------------------------------------------------------------------------
+    def name(self, key: bytes) -> str:
+        return self.prefix + diskfmt.key_hex(file_key(key))
+
+    # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_schedule_end(self, context) -> None:
+        self._lookups.flush()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def submit_store(self, job: TransferJob) -> None:
+        work = []
+        for key, chunk in zip(job.keys, job.chunk_ids):
+            parent = parent_in_request(key, job.req_context)
+            pos = job.req_context.get_offload_key_position(key) or 0
+            work.append((key, int(chunk), _encode_meta(_ChunkMeta(key, parent, pos))))
+        self._jobs[job.job_id] = (self._io["store"].submit(self._write, work), False, work)
+
+    def submit_load(self, job: TransferJob) -> None:
+        work = [(key, int(chunk)) for key, chunk in zip(job.keys, job.chunk_ids)]
+        self._jobs[job.job_id] = (self._io["load"].submit(self._read, work), True, work)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for job_id in [j for j, (f, _, _) in self._jobs.items() if f.done()]:
+            future, is_load, work = self._jobs.pop(job_id)
+            try:
+                ok, lost, seconds = future.result()
+            except Exception:  # a bug, never the server's answer: the keys fail, the step goes on
+                logger.exception("KVBMRemoteTier: I/O job %d failed", job_id)
+                ok, lost, seconds = set(), [], None
+            keys = [w[0] for w in work]
+            done = [k for k in keys if k in ok]
+            if is_load:
+                self.failed_loads += len(keys) - len(done)
+                if lost:
+                    self._lookups.mark_miss(lost)
+                    self._event(lost, removed=True)
+                results.append(JobResult(job_id, success=len(done) == len(keys),
+                                         successful_keys=tuple(done) if done and len(done) < len(keys) else None,
+                                         transfer_time=seconds, transfer_bytes=len(done) * self.chunk_bytes))
+            else:
+                self.failed_writes += len(keys) - len(done)
+                self._event(done, removed=False)
+                results.append(JobResult(job_id, success=len(done) == len(keys), transfer_time=seconds,
+                                         transfer_bytes=len(done) * self.chunk_bytes))
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        concurrent.futures.wait([f for f, _, _ in self._jobs.values()])
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def shutdown(self) -> None:
+        self._lookups.shutdown()
+        for pool in self._io.values():
+            pool.shutdown(wait=True)
+        self._rows = None  # vLLM closes the primary tier's mmap next: no view of it may remain
+
+    def _event(self, keys: list, removed: bool) -> None:
+        if keys and self._events is not None:
+            self._events.append(OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=removed,
+                                                locality=self.locality, ownership=self.ownership,
+                                                removal_expected=True))
+
+    # ---- I/O (one thread per direction) -------------------------------------------------------
+    def _call(self, op: str, fn):
+        """fn(client) on `op`'s connection, through its breaker; None when the server failed."""
+        breaker = self.breakers[op]
+        if not breaker.allow():
+            return None
+        try:
+            if op not in self._clients:
+                self._clients[op] = remotefmt.connect_direct(self.url) if op == "load" else remotefmt.connect(self.url)
+            out = fn(self._clients[op])
+            breaker.success()
+            return out
+        except Exception as e:  # the breaker logs it: misses until the server is back
+            breaker.failure(e)
+            return None
+
+    def _write(self, work: list) -> tuple[set, list, float]:
+        t0 = time.perf_counter()
+
+        def write(client) -> list:
+            pipe = client.pipeline(transaction=False)
+            for key, chunk, meta in work:
+                fkey = file_key(key)
+                pipe.set(self.name(key), b"".join(bytes(p) if not isinstance(p, bytes) else p for p in
+                                                  remotefmt.value_parts(fkey, self.fingerprint, self._rows[chunk], meta)))
+            return pipe.execute(raise_on_error=False)
+
+        replies = self._call("store", write) or [None] * len(work)
+        return {key for (key, _, _), r in zip(work, replies) if r is True}, [], time.perf_counter() - t0
+
+    def _read(self, work: list) -> tuple[set, list, float]:
+        t0 = time.perf_counter()
+        names = [self.name(key) for key, _ in work]
+        fkeys = [file_key(key) for key, _ in work]
+        outs = [self._rows[chunk] for _, chunk in work]
+
+        def read(client) -> list[int]:
+            if isinstance(client, remotefmt.DirectReader):
+                return client.fetch(names, fkeys, self.fingerprint, outs)
+            pipe = client.pipeline(transaction=False)
+            for n in names:
+                pipe.get(n)
+            return [remotefmt.classify(v, k, self.fingerprint, o)
+                    for v, k, o in zip(pipe.execute(raise_on_error=False), fkeys, outs)]
+
+        outcomes = self._call("load", read)
+        if outcomes is None:
+            return set(), [], time.perf_counter() - t0
+        bad = [n for n, o in zip(names, outcomes) if o == remotefmt.BAD]
+        if bad:
+            logger.warning("KVBMRemoteTier: %d value(s) damaged, truncated or of another layout: deleted (misses)",
+                           len(bad))
+            self._call("store", lambda c: c.delete(*bad))
+        ok = {key for (key, _), o in zip(work, outcomes) if o == remotefmt.OK}
+        return ok, [key for key, _ in work if key not in ok], time.perf_counter() - t0
