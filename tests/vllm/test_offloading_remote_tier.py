@@ -103,3 +103,20 @@ def test_a_server_down_is_a_miss_and_hits_resume(tiered, server):
         t.store(keys)
     served = t.load(keys)
     assert all(np.array_equal(served[k], payload(k)) for k in keys)
+
+
+def test_a_bad_value_another_instance_wrote_is_deleted_but_not_announced_here(tiered, server):
+    """Its Stored event is in the writer's stream; a Removed in this one would name a block this
+    stream never stored (the validator's unknown_removal)."""
+    keys = keys_of("f", 2)
+    a = tiered(server.url)
+    a.store(keys)
+    c, name = server.client(), a.tier.name(keys[1])
+    at = diskfmt.HEADER_SIZE + 3
+    c.setrange(name, at, bytes([c.get(name)[at] ^ 0x40]))
+    b = tiered(server.url)
+    served = b.load(keys)
+    assert np.array_equal(served[keys[0]], payload(keys[0])) and served[keys[1]] is None
+    assert b.tier.failed_loads == 1 and b.storage_events(removed=True) == [] and c.exists(name) == 0
+    b.store(keys)  # written again by b: announced by b, once
+    assert b.storage_events(removed=False) == [keys[1]]

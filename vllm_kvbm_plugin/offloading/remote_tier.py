@@ -16,13 +16,14 @@ pipelined EXISTS per request and step, on its thread; RETRY meanwhile), loads an
 one I/O thread each. Failure is a miss: a Breaker (tiers/remote.py) per thread stops asking a
 server that is down, slow or paused, and hits resume when it is back.
 
-Events (with the engine's KV events on): Stored when a write is acknowledged, Removed when a load
-finds the value gone or bad, as medium STORAGE, locality REMOTE, ownership "kvbm-remote:<fingerprint>".
-The server's own evictions are not seen from here.
+Events (with the engine's KV events on): Stored when a write is first acknowledged, Removed when a
+load finds a value this instance announced gone or bad, as medium STORAGE, locality REMOTE,
+ownership "kvbm-remote:<fingerprint>". The server's own evictions are not seen from here.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import time
 from collections.abc import Iterable
@@ -73,6 +74,7 @@ class _Exists(AsyncLookupManager):
 
 class KVBMRemoteTier(SecondaryTierManager):
     medium = Medium.STORAGE
+    MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for their removals)
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, url: str,
                  enable_kv_events: bool = True, backpressure_detector=None):
@@ -95,6 +97,9 @@ class KVBMRemoteTier(SecondaryTierManager):
         self._io = {op: concurrent.futures.ThreadPoolExecutor(1, f"kvbm-remote-{op}") for op in ("load", "store")}
         self._clients: dict = {}  # "load" / "store" -> the client its thread uses
         self._jobs: dict[int, tuple[concurrent.futures.Future, bool, list]] = {}
+        # keys this instance announced: Stored once each, Removed only for those (a value another
+        # instance wrote is announced in that instance's stream)
+        self._announced: collections.OrderedDict = collections.OrderedDict()
         self.failed_writes = self.failed_loads = 0
         self._lookups = _Exists(self)
         logger.info("KVBMRemoteTier: %s, chunks of %d bytes under %s*", url, self.chunk_bytes, self.prefix)
@@ -146,13 +151,17 @@ class KVBMRemoteTier(SecondaryTierManager):
                 self.failed_loads += len(keys) - len(done)
                 if lost:
                     self._lookups.mark_miss(lost)
-                    self._event(lost, removed=True)
+                    self._event([k for k in lost if self._announced.pop(k, False)], removed=True)
                 results.append(JobResult(job_id, success=len(done) == len(keys),
                                          successful_keys=tuple(done) if done and len(done) < len(keys) else None,
                                          transfer_time=seconds, transfer_bytes=len(done) * self.chunk_bytes))
             else:
                 self.failed_writes += len(keys) - len(done)
-                self._event(done, removed=False)
+                fresh = [k for k in done if k not in self._announced]
+                self._announced.update(dict.fromkeys(fresh, True))
+                while len(self._announced) > self.MAX_ANNOUNCED:
+                    self._announced.popitem(last=False)  # its removal will never be announced by us
+                self._event(fresh, removed=False)
                 results.append(JobResult(job_id, success=len(done) == len(keys), transfer_time=seconds,
                                          transfer_bytes=len(done) * self.chunk_bytes))
         return results
