@@ -476,14 +476,8 @@ class RemoteIO:
         names = [self.prefix + diskfmt.key_hex(key) for _, key, _ in fetches]
         outs = [self.side.pool[slot].numpy() for _, _, slot in fetches]
         keys = [key for _, key, _ in fetches]
-        if self.direct is not None:  # straight into the slots, verified as the bytes land
-            results = self.direct.fetch(names, keys, self.side.fingerprint, outs)
-        else:
-            pipe = self.client.pipeline(transaction=False)
-            for name in names:
-                pipe.get(name)
-            results = [remotefmt.classify(v, key, self.side.fingerprint, out)
-                       for v, key, out in zip(pipe.execute(raise_on_error=False), keys, outs)]
+        # a DirectReader reads straight into the slots, verified as the bytes land
+        results = remotefmt.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint, outs)
         done, bad = {}, []
         for key, name, r in zip(keys, names, results):
             if r == remotefmt.BAD:
@@ -492,10 +486,7 @@ class RemoteIO:
                                diskfmt.key_hex(key))
             done[("fetch", key)] = r == remotefmt.OK
         if bad:
-            pipe = self.client.pipeline(transaction=False)
-            for name in bad:  # one key per command: a cluster routes each to its node
-                pipe.delete(name)
-            pipe.execute()
+            remotefmt.delete_values(self.client, bad)
         n = sum(done.values())
         if n:
             self.side._record("remote", "read", n, t0)

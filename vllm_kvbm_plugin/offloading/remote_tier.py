@@ -211,9 +211,8 @@ class KVBMRemoteTier(SecondaryTierManager):
         def write(client) -> list:
             pipe = client.pipeline(transaction=False)
             for key, chunk, meta in work:
-                fkey = file_key(key)
-                pipe.set(self.name(key), b"".join(bytes(p) if not isinstance(p, bytes) else p for p in
-                                                  remotefmt.value_parts(fkey, self.fingerprint, self._rows[chunk], meta)))
+                pipe.set(self.name(key), b"".join(remotefmt.value_parts(file_key(key), self.fingerprint,
+                                                                        self._rows[chunk], meta)))
             return pipe.execute(raise_on_error=False)
 
         replies = self._call("store", write) or [None] * len(work)
@@ -225,22 +224,13 @@ class KVBMRemoteTier(SecondaryTierManager):
         fkeys = [file_key(key) for key, _ in work]
         outs = [self._rows[chunk] for _, chunk in work]
 
-        def read(client) -> list[int]:
-            if isinstance(client, remotefmt.DirectReader):
-                return client.fetch(names, fkeys, self.fingerprint, outs)
-            pipe = client.pipeline(transaction=False)
-            for n in names:
-                pipe.get(n)
-            return [remotefmt.classify(v, k, self.fingerprint, o)
-                    for v, k, o in zip(pipe.execute(raise_on_error=False), fkeys, outs)]
-
-        outcomes = self._call("load", read)
+        outcomes = self._call("load", lambda c: remotefmt.fetch_values(c, names, fkeys, self.fingerprint, outs))
         if outcomes is None:
             return set(), [], time.perf_counter() - t0
         bad = [n for n, o in zip(names, outcomes) if o == remotefmt.BAD]
         if bad:
             logger.warning("KVBMRemoteTier: %d value(s) damaged, truncated or of another layout: deleted (misses)",
                            len(bad))
-            self._call("store", lambda c: c.delete(*bad))
+            self._call("store", lambda c: remotefmt.delete_values(c, bad))  # a multi-key DEL fails on a cluster
         ok = {key for (key, _), o in zip(work, outcomes) if o == remotefmt.OK}
         return ok, [key for key, _ in work if key not in ok], time.perf_counter() - t0

@@ -441,6 +441,25 @@ def run(client, commands: list) -> list:
     return pipe.execute(raise_on_error=False)
 
 
+def fetch_values(client, names: list, keys: list, fingerprint: bytes, outs: list) -> list[int]:
+    """OK, BAD or MISSING per name, each value verified into its `out`: straight from the socket
+    on a DirectReader, through `classify` on a redis-py client (TLS, cluster)."""
+    if isinstance(client, DirectReader):
+        return client.fetch(names, keys, fingerprint, outs)
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.get(name)
+    return [classify(v, k, fingerprint, o) for v, k, o in zip(pipe.execute(raise_on_error=False), keys, outs)]
+
+
+def delete_values(client, names: list) -> None:
+    """Delete `names` (redis-py client), one key per command: a cluster routes each to its node."""
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.delete(name)
+    pipe.execute()
+
+
 class Breaker:
     """Circuit breaker: closed (use the server), open (a miss without asking, until the backoff
     ends), then one probe call decides. One log line per state change; counters for stats."""
