@@ -228,6 +228,33 @@ def test_prompts_diverging_inside_a_block_announce_shared_units_once():
     assert v.errors == 0, v.report()
 
 
+def test_shared_prefix_of_holders_matches_a_unit_by_unit_count():
+    """`_shared` (how many of a block's units other holders hold) against counting unit by unit,
+    for holders that are prefixes, duplicates, or diverge anywhere inside the block."""
+    from vllm_kvbm_plugin.patches.sub_block_events import _shared
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        base = [rng.getrandbits(64) for _ in range(rng.randrange(1, 12))]
+
+        def block():  # a prefix of base, then its own units (hashes chain: no re-agreement)
+            keep = rng.randrange(1, len(base) + 1)
+            return base[:keep] + [rng.getrandbits(64) for _ in range(rng.randrange(0, 6))]
+
+        units = block()
+        holders = [(1, block()) for _ in range(rng.randrange(1, 6))]
+        skip = rng.choice(holders + [None])
+
+        def common(other):
+            n = 0
+            while n < min(len(units), len(other)) and units[n] == other[n]:
+                n += 1
+            return n
+
+        expected = max([common(o) for e in holders if e is not skip for o in [e[1]]], default=0)
+        assert _shared(units, holders, skip) == expected
+
+
 def test_chunked_prefill_chains_each_chunk_to_the_unit_before_it():
     """A prompt cached over several steps: each chunk's first coarse and unit events take their
     parent from the block the previous chunk cached (converted once, not again per event)."""

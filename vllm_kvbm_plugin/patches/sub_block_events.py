@@ -21,11 +21,6 @@ Mamba / linear-attention groups are left exactly as vLLM emits them.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import deque
-from itertools import repeat
-from operator import add, sub
-
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -49,9 +44,8 @@ class UnitTracker:
 
     So only a block's first unit is indexed (`heads`). A block alone there (the usual case) holds
     all its units alone: caching or releasing it costs a few Python operations per block and none
-    per unit. Blocks sharing a first unit keep holder counts per unit, negated so that they
-    increase along a block's units; the shared prefix is found by a binary search and the counts
-    are updated in bulk, all in C.
+    per unit. Blocks sharing a first unit are kept as a list of holders; the units others hold
+    are the longest prefix any of them shares with the block (`_shared`, usually one comparison).
     """
 
     def __init__(self, pool: BlockPool, units_per_block: dict[int, int], coarse: bool):
@@ -62,7 +56,7 @@ class UnitTracker:
         # Hashes are kept in event form (converted once per unit, when it is cached).
         self.by_block: dict[int, tuple[int, list]] = {}  # block id -> (group, [unit hashes])
         # group -> first unit hash -> its only holder's by_block entry, or, when blocks share it,
-        # {unit hash: -(number of holders)} over their units
+        # the list of their entries
         self.heads: dict[int, dict] = {g: {} for g in units_per_block}
         self.to_event_hashes = compat.struct_event_hash_converter()
         # (request, first token, end token, token_ids) of the last BlockStored vLLM built for an
@@ -101,23 +95,23 @@ class UnitTracker:
             if entry is None:
                 held = conv[a:b]
                 entry = by_block[block.block_id] = (group, held)
-                counts = heads.get(held[0])
-                if counts is None:
+                holders = heads.get(held[0])
+                if holders is None:
                     heads[held[0]] = entry
                     k = 0
                 else:
-                    if type(counts) is tuple:  # a second holder: start counting
-                        counts = heads[held[0]] = dict.fromkeys(counts[1], -1)
-                    k = _hold(counts, held)
+                    if type(holders) is tuple:  # a second holder
+                        holders = heads[held[0]] = [holders]
+                    k = _shared(held, holders)
+                    holders.append(entry)
             else:
                 held = entry[1]
                 had = len(held)
                 if had >= b - a:
                     continue
-                new = conv[a + had : b]
-                held += new
-                counts = heads[held[0]]
-                k = had if counts is entry else had + _hold(counts, new)
+                held += conv[a + had : b]
+                holders = heads[held[0]]
+                k = had if holders is entry else max(had, _shared(held, holders, entry))
             # runs of consecutive fresh keys (the last run grows while contiguous)
             if k < b - a:
                 u = bi * r
@@ -163,14 +157,18 @@ class UnitTracker:
             return
         group, held = entry
         heads = self.heads[group]
-        counts = heads[held[0]]
-        if counts is entry:
+        holders = heads[held[0]]
+        if holders is entry:
             del heads[held[0]]
             k = 0
         else:
-            k = _unhold(counts, held)
-            if not k:
-                del heads[held[0]]
+            for i, other in enumerate(holders):
+                if other is entry:
+                    del holders[i]
+                    break
+            k = _shared(held, holders)
+            if len(holders) == 1:
+                heads[held[0]] = holders[0]
         r = self.units_per_block[group]
         if self.coarse and len(held) == r and k < r:
             coarse = self.removed_coarse.get(group)
@@ -253,26 +251,30 @@ class UnitTracker:
             )
 
 
-def _hold(counts: dict, units: list) -> int:
-    """Count one more holder of `units` (a block's units from some point on, in order);
-    returns how many of them other blocks held already (a prefix of them)."""
-    k = sum(map(counts.__contains__, units))
-    if k:
-        shared = units[:k]
-        counts.update(zip(shared, map(sub, map(counts.__getitem__, shared), repeat(1))))
-    if k < len(units):
-        counts.update(dict.fromkeys(units[k:] if k else units, -1))
-    return k
-
-
-def _unhold(counts: dict, units: list) -> int:
-    """Count one holder of `units` (a block's units) less; returns how many of them other
-    blocks still hold (a prefix of them: counts only grow along a block's units)."""
-    k = bisect_left(units, -1, key=counts.__getitem__)  # the first unit held only by this block
-    if k:
-        shared = units[:k]
-        counts.update(zip(shared, map(add, map(counts.__getitem__, shared), repeat(1))))
-    deque(map(counts.pop, units[k:] if k else units), maxlen=0)  # bulk delete in C
+def _shared(units: list, holders: list, skip=None) -> int:
+    """How many of `units` (a block's, from its first) other holders hold: the longest prefix
+    any of them shares with it. Hashes chain, so two blocks agree at unit j exactly when they
+    agree on every unit before it: a holder that differs at the best length so far is passed
+    over with one comparison, one that agrees at its last shared unit with two."""
+    k, size = 0, len(units)
+    for entry in holders:
+        other = entry[1]
+        n = min(size, len(other))
+        if n <= k or units[k] != other[k] or entry is skip:
+            continue
+        if units[n - 1] == other[n - 1]:
+            k = n
+            if k == size:
+                break
+            continue
+        lo, hi = k + 1, n - 1  # units[lo - 1] agrees, units[hi] differs: find the first difference
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if units[mid] == other[mid]:
+                lo = mid + 1
+            else:
+                hi = mid
+        k = lo
     return k
 
 
