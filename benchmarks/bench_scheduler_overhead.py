@@ -2,9 +2,11 @@
 
 vLLM's real Scheduler runs in-process with a hybrid KV cache config (a Mamba group and a full-attention
 group sharing an inflated block) and simulated model outputs. KV events are on in both runs; the
-vanilla run has every patch removed. After a warm-up pair, runs alternate (vanilla, plugin, ...);
-the best and the median per-step times are compared, and the spread of the runs is printed (on a
-shared machine the best of a few runs is still at the mercy of other processes). Published batches are counted and dropped,
+vanilla run has every patch removed. After a warm-up pair, runs alternate (vanilla, plugin, ...).
+Every run of one workload takes the same steps, so "best" is per step: each step's least CPU time
+over the runs, summed (whole runs on a shared or virtual machine differ by up to a third, which
+the best of a few whole runs cannot remove); "median" is the median run. The spread of whole
+runs is printed. Published batches are counted and dropped,
 as vLLM's publisher thread does (retaining them would bill garbage-collector work to the run with
 more events). Then a lockstep measure: a vanilla and a plugin scheduler on the same workload,
 stepped alternately (patches switched between steps), so load from other processes on a shared
@@ -51,7 +53,8 @@ def harness(block: int, unit: int) -> SchedulerHarness:
                                           max_num_seqs=32))
 
 
-def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[float, int, int]:
+def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[list[float], int]:
+    """CPU time of each scheduler step, and the number of KV events published."""
     use_plugin(with_plugin)
     h = harness(block, unit)
     n_events = 0
@@ -63,13 +66,12 @@ def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[float, 
     h.scheduler.kv_event_publisher.publish = publish
     for p in prompts:
         h.add(p, max_tokens=2)
-    steps, t_total = 0, 0.0
+    times = []
     while h.scheduler.has_unfinished_requests():
         t0 = time.process_time()
         h.step()
-        t_total += time.process_time() - t0
-        steps += 1
-    return t_total / steps, steps, n_events
+        times.append(time.process_time() - t0)
+    return times, n_events
 
 
 def lockstep_once(block: int, unit: int, prompts) -> float:
@@ -101,23 +103,26 @@ def main() -> None:
     print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each; "
           f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f} (other processes make ratios noisy)")
     for name, (block, unit) in GEOMETRIES.items():
-        times = {False: [], True: []}
+        runs = {False: [], True: []}  # per run: each step's CPU time
         info = {}
         for with_plugin in (False, True):  # warm-up
             run_once(block, unit, prompts[:100], with_plugin)
         for _ in range(args.reps):
             for with_plugin in (False, True):
-                per_step, steps, n_events = run_once(block, unit, prompts, with_plugin)
-                times[with_plugin].append(per_step)
-                info[with_plugin] = (steps, n_events)
-        van, plg = min(times[False]), min(times[True])
-        med = statistics.median(times[True]) / statistics.median(times[False])
-        paired = [p / v for v, p in zip(times[False], times[True])]  # each rep's plugin over its vanilla
-        print(f"{name}: vanilla {van * 1e3:.3f} ms/step ({info[False][0]} steps, {info[False][1]} events), "
-              f"plugin {plg * 1e3:.3f} ms/step ({info[True][1]} events) -> ratio {plg / van:.3f}x best, "
-              f"{med:.3f}x median")
+                times, n_events = run_once(block, unit, prompts, with_plugin)
+                runs[with_plugin].append(times)
+                info[with_plugin] = (len(times), n_events)
+        assert len({len(t) for r in runs.values() for t in r}) == 1, "runs took different steps"
+        steps = info[False][0]
+        best = {w: sum(map(min, zip(*r))) / steps for w, r in runs.items()}  # per-step minimum
+        mean = {w: [sum(t) / steps for t in r] for w, r in runs.items()}  # per run
+        med = statistics.median(mean[True]) / statistics.median(mean[False])
+        paired = [p / v for v, p in zip(mean[False], mean[True])]  # each rep's plugin over its vanilla
+        print(f"{name}: vanilla {best[False] * 1e3:.3f} ms/step ({steps} steps, {info[False][1]} events), "
+              f"plugin {best[True] * 1e3:.3f} ms/step ({info[True][1]} events) -> ratio "
+              f"{best[True] / best[False]:.3f}x best, {med:.3f}x median")
         print(f"{name}: spread (noise from other processes): vanilla runs "
-              f"{min(times[False]) * 1e3:.3f}-{max(times[False]) * 1e3:.3f} ms/step, paired ratios "
+              f"{min(mean[False]) * 1e3:.3f}-{max(mean[False]) * 1e3:.3f} ms/step, paired ratios "
               f"{min(paired):.3f}-{max(paired):.3f}x")
         if args.lockstep_reps:
             ratios = [lockstep_once(block, unit, prompts) for _ in range(args.lockstep_reps)]
