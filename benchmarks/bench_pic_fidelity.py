@@ -13,7 +13,15 @@ how many tokens were loaded / recomputed. Target of issue 12: KL(0.15) <= 0.5 * 
 
 Random-weight tiny models: this measures the mechanism, not task quality.
 
+`--reference` computes the same figures outside vLLM instead: the Hugging Face model in float32,
+the stored KV of the first prompt put in place of the reordered prompt's own K/V projections from
+the selection layer on (re-rotation is implicit: RoPE is applied after the projections), the
+same selection (each run's first tokens, then the largest layer-1 K deviations), and a random
+selection of the same size. It tells the mechanism apart from the model: if the engine's ratios
+match the reference's, what is left is the model's attention.
+
     python benchmarks/bench_pic_fidelity.py [--model llama-big] [--prompts 50] [--doc 128] [--ratios 0,0.15]
+                                            [--reference]
 """
 
 import argparse
@@ -114,6 +122,78 @@ def child(args) -> None:
     os._exit(0)
 
 
+def reference(args) -> None:
+    """CacheBlend computed exactly in float32 outside vLLM (see the module docstring)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, SELECTION_LAYER
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir(args.model, args.init), dtype=torch.float32).eval()
+    state = {"capture": None, "replace": None}
+
+    def hook(name):
+        def swap(module, inputs, out):
+            if state["capture"] is not None:
+                state["capture"][name] = out[0].clone()
+            elif state["replace"] is not None and name[1] >= SELECTION_LAYER:
+                rows, src = state["replace"]
+                out = out.clone()
+                out[0, rows] = state["stored"][name][src]
+                return out
+        return swap
+
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.k_proj.register_forward_hook(hook(("k", i)))
+        layer.self_attn.v_proj.register_forward_hook(hook(("v", i)))
+
+    def last_logprobs(tokens, capture=None, replace=None):
+        state["capture"], state["replace"] = capture, replace
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+
+    ratios = [float(r) for r in args.ratios.split(",")]
+    rows = {r: 0.0 for r in ratios} | {"random": 0.0}
+    rng = torch.Generator().manual_seed(0)
+    for first_prompt, reordered in prompts(args.prompts, args.doc):
+        n_pre, doc = 32, args.doc
+        stored, fresh = {}, {}
+        last_logprobs(first_prompt, capture=stored)
+        full = last_logprobs(reordered, capture=fresh)
+        state["stored"] = stored
+        # where each reused token of the reordered prompt was stored; runs as the index finds them
+        src = torch.arange(len(reordered))
+        for j in range(4):
+            d = [first_prompt[n_pre + doc * i : n_pre + doc * (i + 1)] for i in range(4)].index(
+                reordered[n_pre + doc * j : n_pre + doc * (j + 1)])
+            src[n_pre + doc * j : n_pre + doc * (j + 1)] = torch.arange(n_pre + doc * d, n_pre + doc * (d + 1))
+        end = n_pre + 4 * doc
+        prefix = next((p for p in range(end) if src[p] != p), end)  # an exact prefix hit: not blended
+        reused = torch.arange(prefix, end)
+        head = torch.zeros(len(reordered), dtype=torch.bool)
+        for p in reused.tolist():
+            if p == prefix or src[p] != src[p - 1] + 1:
+                head[p : p + RUN_HEAD] = True
+        key = ("k", SELECTION_LAYER)
+        deviation = (fresh[key][reused] - stored[key][src[reused]]).square().sum(-1)
+        p_full = full.exp()
+        for r in rows:
+            keep = head[reused].clone()
+            n = math.ceil((0.15 if r == "random" else r) * len(reused))
+            pick = torch.randperm(len(reused), generator=rng)[:n] if r == "random" else torch.topk(deviation, n).indices
+            keep[pick] = True
+            swapped = reused[~keep]
+            lp = last_logprobs(reordered, replace=(swapped, src[swapped]))
+            rows[r] += float((p_full * (full - lp)).sum()) / args.prompts
+    print(f"reference (Hugging Face, float32, outside vLLM): {args.prompts} reordered RAG prompts, {args.model} "
+          f"(random weights, std {args.init or 0.02})")
+    for r, v in rows.items():
+        label = "0.15 chosen at random" if r == "random" else f"{r}"
+        print(f"  ratio {label:<22} mean KL {v:.3e} nats" + (f"   {v / rows[0.0]:.2f}x of ratio 0" if rows.get(0.0) else ""))
+
+
 def kl(full, loaded):
     """KL(full || loaded) in nats over the vocabulary (both log-probabilities)."""
     import torch
@@ -130,11 +210,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--ratios", default="0,0.15")
     ap.add_argument("--init", type=float, default=None, help="weights' std (default: the tiny model's 0.02)")
+    ap.add_argument("--reference", action="store_true", help="CacheBlend outside vLLM, float32 (no engine)")
     ap.add_argument("--child", type=float, default=None)
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.child is not None:
         return child(args)
+    if args.reference:
+        return reference(args)
     import torch
 
     ratios = [float(r) for r in args.ratios.split(",")]
