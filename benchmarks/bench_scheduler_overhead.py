@@ -13,10 +13,16 @@ stepped alternately (patches switched between steps), so load from other process
 machine hits both alike; its ratio is the sum of plugin step times over the sum of vanilla ones.
 Target: <= 1.05x best for 2176/64.
 
-    python benchmarks/bench_scheduler_overhead.py [--requests 1000] [--reps 5] [--lockstep-reps 3]
+`--tracker` measures the plugin's own bookkeeping alone, with little noise: the calls into the
+sub-block event tracker (`UnitTracker`) of one plugin run are recorded, then replayed on fresh
+trackers with the garbage collector off; printed is the best replay against the scheduler CPU
+time of an unrecorded plugin run. Use it to judge a change to the tracker in seconds.
+
+    python benchmarks/bench_scheduler_overhead.py [--requests 1000] [--reps 5] [--lockstep-reps 3] [--tracker]
 """
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -27,6 +33,7 @@ import vllm
 from vllm_kvbm_plugin import patches, plugin
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
+_last_harness: SchedulerHarness | None = None  # run_once's, for the tracker replay
 GEOMETRIES = {"nemotron-like (2176/64)": (2176, 64), "tiny qwen3-next (160/32)": (160, 32)}
 
 
@@ -55,8 +62,9 @@ def harness(block: int, unit: int) -> SchedulerHarness:
 
 def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[list[float], int]:
     """CPU time of each scheduler step, and the number of KV events published."""
+    global _last_harness
     use_plugin(with_plugin)
-    h = harness(block, unit)
+    h = _last_harness = harness(block, unit)
     n_events = 0
 
     def publish(batch) -> None:  # like vLLM's publisher thread: encode and forget, never retain
@@ -93,13 +101,80 @@ def lockstep_once(block: int, unit: int, prompts) -> float:
     return total[True] / total[False]
 
 
+class _BlockSnapshot:
+    """What the tracker reads of a KVCacheBlock, as it was at the call."""
+
+    __slots__ = ("block_id", "is_null")
+
+    def __init__(self, block):
+        self.block_id, self.is_null = block.block_id, block.is_null
+
+
+def tracker_replay(block: int, unit: int, prompts, reps: int) -> tuple[float, float, int]:
+    """(best replay seconds, a plugin run's scheduler CPU seconds, calls) of UnitTracker."""
+    from vllm_kvbm_plugin.patches.sub_block_events import UnitTracker
+
+    scheduler = sum(run_once(block, unit, prompts, True)[0])  # not recorded: recording costs
+
+    calls = []
+    originals = {name: UnitTracker.__dict__[name] for name in ("cache", "release", "flush_removed")}
+
+    def cache(self, request, group, blocks, start, end, n_last=None, mask=None):
+        snap = ([_BlockSnapshot(b) for b in blocks] if type(blocks) is list
+                else {i: _BlockSnapshot(b) for i, b in blocks.items()})
+        calls.append((self.recent_tokens, (request, group, snap, start, end, n_last, mask)))
+        return originals["cache"](self, request, group, blocks, start, end, n_last, mask)
+
+    def release(self, block_id):
+        calls.append((None, block_id))
+        return originals["release"](self, block_id)
+
+    def flush_removed(self):
+        calls.append((None, None))
+        return originals["flush_removed"](self)
+
+    for name, f in (("cache", cache), ("release", release), ("flush_removed", flush_removed)):
+        setattr(UnitTracker, name, f)
+    try:
+        run_once(block, unit, prompts, True)
+    finally:
+        for name, f in originals.items():
+            setattr(UnitTracker, name, f)
+    pool = _last_harness.scheduler.kv_cache_manager.block_pool
+    recorded = pool._kvbm_units
+    best = float("inf")
+    for _ in range(reps):
+        t = UnitTracker(pool, recorded.units_per_block, recorded.coarse)
+        pool.kv_event_queue = []
+        gc.disable()
+        t0 = time.process_time()
+        for recent, args in calls:
+            if type(args) is tuple:
+                t.recent_tokens = recent
+                t.cache(*args)
+            elif args is None:
+                t.flush_removed()
+            else:
+                t.release(args)
+        best = min(best, time.process_time() - t0)
+        gc.enable()
+    return best, scheduler, len(calls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lockstep-reps", type=int, default=3)
+    ap.add_argument("--tracker", action="store_true", help="only replay the tracker's recorded calls")
     args = ap.parse_args()
     prompts = workload(args.requests)
+    if args.tracker:
+        for name, (block, unit) in GEOMETRIES.items():
+            best, sched, n = tracker_replay(block, unit, prompts, max(args.reps, 5))
+            print(f"{name}: UnitTracker alone {best * 1e3:.1f} ms (best of {max(args.reps, 5)} replays of {n} calls) = "
+                  f"{best / sched:.1%} of a plugin run's scheduler CPU time ({sched * 1e3:.0f} ms)")
+        return
     print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each; "
           f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f} (other processes make ratios noisy)")
     for name, (block, unit) in GEOMETRIES.items():
