@@ -178,7 +178,6 @@ def reference(args) -> None:
                 head[p : p + RUN_HEAD] = True
         key = ("k", SELECTION_LAYER)
         deviation = (fresh[key][reused] - stored[key][src[reused]]).square().sum(-1)
-        p_full = full.exp()
         for r in rows:
             keep = head[reused].clone()
             n = math.ceil((0.15 if r == "random" else r) * len(reused))
@@ -186,7 +185,7 @@ def reference(args) -> None:
             keep[pick] = True
             swapped = reused[~keep]
             lp = last_logprobs(reordered, replace=(swapped, src[swapped]))
-            rows[r] += float((p_full * (full - lp)).sum()) / args.prompts
+            rows[r] += kl(full, lp) / args.prompts
     print(f"reference (Hugging Face, float32, outside vLLM): {args.prompts} reordered RAG prompts, {args.model} "
           f"(random weights, std {args.init or 0.02})")
     for r, v in rows.items():

@@ -33,7 +33,6 @@ import vllm
 from vllm_kvbm_plugin import patches, plugin
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
-_last_harness: SchedulerHarness | None = None  # run_once's, for the tracker replay
 GEOMETRIES = {"nemotron-like (2176/64)": (2176, 64), "tiny qwen3-next (160/32)": (160, 32)}
 
 
@@ -62,9 +61,8 @@ def harness(block: int, unit: int) -> SchedulerHarness:
 
 def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[list[float], int]:
     """CPU time of each scheduler step, and the number of KV events published."""
-    global _last_harness
     use_plugin(with_plugin)
-    h = _last_harness = harness(block, unit)
+    h = harness(block, unit)
     n_events = 0
 
     def publish(batch) -> None:  # like vLLM's publisher thread: encode and forget, never retain
@@ -116,13 +114,14 @@ def tracker_replay(block: int, unit: int, prompts, reps: int) -> tuple[float, fl
 
     scheduler = sum(run_once(block, unit, prompts, True)[0])  # not recorded: recording costs
 
-    calls = []
+    calls, recorded = [], []  # recorded: the tracker the calls went to
     originals = {name: UnitTracker.__dict__[name] for name in ("cache", "release", "flush_removed")}
 
     def cache(self, request, group, blocks, start, end, n_last=None, mask=None):
         snap = ([_BlockSnapshot(b) for b in blocks] if type(blocks) is list
                 else {i: _BlockSnapshot(b) for i, b in blocks.items()})
         calls.append((self.recent_tokens, (request, group, snap, start, end, n_last, mask)))
+        recorded[:] = [self]
         return originals["cache"](self, request, group, blocks, start, end, n_last, mask)
 
     def release(self, block_id):
@@ -140,8 +139,8 @@ def tracker_replay(block: int, unit: int, prompts, reps: int) -> tuple[float, fl
     finally:
         for name, f in originals.items():
             setattr(UnitTracker, name, f)
-    pool = _last_harness.scheduler.kv_cache_manager.block_pool
-    recorded = pool._kvbm_units
+    recorded = recorded[0]
+    pool = recorded.pool
     best = float("inf")
     for _ in range(reps):
         t = UnitTracker(pool, recorded.units_per_block, recorded.coarse)

@@ -446,18 +446,16 @@ def fetch_values(client, names: list, keys: list, fingerprint: bytes, outs: list
     on a DirectReader, through `classify` on a redis-py client (TLS, cluster)."""
     if isinstance(client, DirectReader):
         return client.fetch(names, keys, fingerprint, outs)
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.get(name)
-    return [classify(v, k, fingerprint, o) for v, k, o in zip(pipe.execute(raise_on_error=False), keys, outs)]
+    replies = run(client, [("GET", name) for name in names])
+    return [classify(v, k, fingerprint, o) for v, k, o in zip(replies, keys, outs)]
 
 
 def delete_values(client, names: list) -> None:
-    """Delete `names` (redis-py client), one key per command: a cluster routes each to its node."""
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.delete(name)
-    pipe.execute()
+    """Delete `names`, one key per command (a cluster routes each to its node); a failed command
+    raises."""
+    for reply in run(client, [("DEL", name) for name in names]):
+        if isinstance(reply, Exception):
+            raise reply
 
 
 class Breaker:
