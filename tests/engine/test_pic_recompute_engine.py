@@ -40,9 +40,10 @@ STEPS = [{"prompt": FIRST, "max_tokens": 1}, {"reset": True},
          {"prompt": REORDERED, "salt": "full", "logprobs": True, "max_tokens": 4}]
 
 
-def engine(tmp_path, ratio):
-    result, _ = run(tmp_path, STEPS, ratio=ratio, name=f"ratio-{ratio}", max_model_len=2048, max_logprobs=-1,
-                    model="llama-big", cpu_bytes=64 << 20, disable_log_stats=False)
+def engine(tmp_path, ratio, **llm):
+    name = f"ratio-{ratio}" + "".join(f"-{k}-{v}" for k, v in llm.items())
+    result, _ = run(tmp_path, STEPS, ratio=ratio, name=name, max_model_len=2048, max_logprobs=-1,
+                    model="llama-big", cpu_bytes=64 << 20, disable_log_stats=False, **llm)
     _, _, loaded, _, full = result["steps"]
     return result, loaded, full
 
@@ -69,6 +70,23 @@ def test_ratio_1_reproduces_a_full_prefill(tmp):
     assert result["blend"]["tokens"] == result["blend"]["recomputed"] == REUSABLE
     assert torch.allclose(torch.tensor(loaded["logprobs"]), torch.tensor(full["logprobs"]), atol=1e-5)
     assert loaded["tokens"] == full["tokens"]
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.15])
+def test_a_chunked_prefill_blends_every_chunk(tmp, ratio):
+    # 512 tokens per step: the 1652-token prompts are prefilled in 4 chunks, three ending inside a
+    # block; each chunk's reused tokens are loaded before the forward that computes them
+    result, loaded, full = engine(tmp, ratio, max_num_batched_tokens=512)
+    assert loaded["num_cached_tokens"] == 0
+    assert result["pic"]["blended"] == result["blend"]["tokens"] == REUSABLE
+    assert result["blend"]["steps"] == 4  # one blend per chunk
+    recomputed = result["blend"]["recomputed"]
+    if ratio == 1.0:  # loads into the wrong slots would leave wrong KV behind: the logits would move
+        assert recomputed == REUSABLE
+        assert torch.allclose(torch.tensor(loaded["logprobs"]), torch.tensor(full["logprobs"]), atol=1e-5)
+        assert loaded["tokens"] == full["tokens"]
+    else:  # 15% of each chunk's reused tokens, plus the first tokens of each run and of each chunk
+        assert math.ceil(0.15 * REUSABLE) <= recomputed <= math.ceil(0.15 * REUSABLE) + 4 + RUN_HEAD * (5 + 3)
 
 
 def test_ratio_0_is_loads_alone(loads_only):

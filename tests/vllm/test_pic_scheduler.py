@@ -87,7 +87,7 @@ class RotaryWorker(SimulatedWorker):
 
 
 def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, worker=RotaryWorker,
-            **connector) -> SchedulerHarness:
+            max_num_batched_tokens=2048, **connector) -> SchedulerHarness:
     model = tmp_path / "llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps({
@@ -97,6 +97,7 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, wo
         "rope_scaling": rope, "rope_theta": rope["rope_theta"], "torch_dtype": "float32"}))
     h = SchedulerHarness(HarnessConfig(model_dir=str(model), hybrid=False, block_size=B, hash_block_size=None,
                                        num_blocks=num_blocks, max_model_len=1024, workers=workers,
+                                       max_num_batched_tokens=max_num_batched_tokens,
                                        connector={"cpu_bytes_to_use": cpu_bytes, "pic_recompute_ratio": 0,
                                                   **connector}))
     for w in h.workers:
@@ -284,7 +285,22 @@ def test_recompute_loads_reused_tokens_that_vllm_then_computes(tmp_path, blend):
     w = h.workers[0]
     assert planner.stats["blended"] == planner.stats["tokens"] == 18 * B
     assert w.preloaded[tuple(reordered[:len(PRE) + 8])] == 18 * B and w.sync_loads
-    assert pinned(h) == 0 and not planner.claims
+    assert pinned(h) == 0 and not planner.claims and not planner.blending
+
+
+def test_recompute_loads_every_chunk_of_a_chunked_prefill(tmp_path, blend):
+    # 100 tokens per step: the 581-token prompt is computed in 6 chunks, most ending inside a block;
+    # each chunk's reused tokens are loaded before the forward that computes them
+    h = harness(tmp_path, worker=PreloadedWorker, pic_recompute_ratio=0.15, max_num_batched_tokens=100)
+    planner = h.connector.pic
+    h.serve(prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    reordered = prompt([2, 0, 3, 1])
+    assert h.serve(reordered, cache_salt=SALT) == 0
+    w = h.workers[0]
+    assert planner.stats["blended"] == planner.stats["tokens"] == 18 * B and planner.stats["served"] == 1
+    assert w.preloaded[tuple(reordered[:len(PRE) + 8])] == 18 * B and w.sync_loads
+    assert pinned(h) == 0 and not planner.claims and not planner.blending
 
 
 def test_recompute_loads_runs_after_gaps(tmp_path, blend):

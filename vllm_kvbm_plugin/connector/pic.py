@@ -15,9 +15,10 @@ request without that salt computes: approximate KV never reaches anybody who did
   positions in float32 (`reuse.rope`, with the model's own RoPE parameters), V copied.
 
 Selective recompute (layer 3, `pic_recompute_ratio` > 0; off by default): the claimed tokens are
-not reported to vLLM as computed, so vLLM computes them in the same step; the claim may then skip
-gaps (every run anywhere past the exact hit is loaded, not only those continuing it). The worker
-loads them into their blocks before the forward and hands a `BlendPlan` to the attention patch
+not reported to vLLM as computed, so vLLM computes them; the claim may then skip gaps (every run
+anywhere past the exact hit is loaded, not only those continuing it). Each step, the claimed tokens
+vLLM computes in it (a chunked prefill computes a long prompt over several steps) are loaded into
+their blocks before the forward, and the worker hands a `BlendPlan` to the attention patch
 (patches/pic_blend.py), which keeps the loaded KV of all but the most deviating tokens. No
 compute is saved: the gain is fidelity (README, "Non-prefix reuse").
 
@@ -192,6 +193,7 @@ class PicPlanner:
         self.namespace_of: dict = {}  # tier key -> namespace
         self.queued: dict = {}  # tier key -> (namespace, tokens, parent, position): stored, to index
         self.claims: dict[str, _PicClaim] = {}
+        self.blending: dict[str, list] = {}  # recompute: req id -> segments vLLM has yet to compute (pinned)
         self.recompute = _recompute(cfg, self.kv_groups)  # selective recompute (layer 3) or loads only
         # lookups: salted requests' searches (one per scheduling attempt); served: requests that
         # got tokens; tokens: loaded position-independently; segments: their (block, run) pieces
@@ -302,38 +304,72 @@ class PicPlanner:
         return 0 if self.recompute else end - start
 
     def after_alloc(self, request, blocks, num_external_tokens: int, meta, loads_pinned: list) -> None:
-        """Turn the claimed segments vLLM took into loads (the rest is unpinned)."""
+        """Turn the claimed segments vLLM took into loads (the rest is unpinned). Recompute: they
+        are kept (pinned) and loaded step by step as vLLM computes them (`step_loads`)."""
         claim = self.claims.pop(request.request_id, None)
         if claim is None:
             return
         end = claim.computed + max(num_external_tokens, 0)
+        if self.recompute:  # vLLM computes every token past the exact hit
+            taken = [s for s in claim.segments if s.new_position >= end]
+            for s in claim.segments:
+                if s.new_position < end:
+                    self.cpu.complete_load(s.key)
+            if taken:
+                self.blending[request.request_id] = taken
+                self.stats["served"] += 1
+            return
         block_ids = blocks.get_block_ids()
-        B, served = self.block_size, 0
-        if self.recompute:  # tokens vLLM computes this step: those past the hit, in allocated blocks
-            start, end = end, min(len(ids) for ids in block_ids) * B
+        served = 0
         for s in claim.segments:
             n = min(s.count, end - s.new_position)
-            if self.recompute and s.new_position < start:
-                n = 0
             if n <= 0:
                 self.cpu.complete_load(s.key)
                 continue
             self.cpu.touch(s.key)
             loads_pinned.append(s.key)  # unpinned once the metadata is built
-            ids = tuple(block_ids[g][s.new_position // B] for g in self.kv_groups)
-            meta.pic_loads.append(PicLoad(ids, s.new_position % B, self.cpu.slot(s.key), s.src_offset, n,
-                                          s.old_position, s.new_position))
+            self._load(meta, block_ids, s, n)
             served += n
         if served:
             self.stats["served"] += 1
             self.stats["tokens"] += served
-            self.stats["segments"] += sum(1 for s in claim.segments if s.new_position < end)
-            if self.recompute:
-                self.stats["blended"] += served
+
+    def step_loads(self, req_id: str, start: int, count: int, block_ids, meta, loads_pinned: list) -> None:
+        """Recompute: load the claimed tokens of [start, start + count), the ones vLLM computes this
+        step, before its forward; a segment cut by the step's end keeps its pin for the next step."""
+        segments = self.blending.pop(req_id, None)
+        if not segments:
+            return
+        end, rest, served = start + count, [], 0
+        for s in segments:
+            if s.new_position >= end:
+                rest.append(s)
+                continue
+            skip = max(start - s.new_position, 0)  # computed already without its load (never planned)
+            n = min(s.count, end - s.new_position) - skip
+            if n > 0:
+                s = _Segment(s.key, s.src_offset + skip, s.count - skip, s.old_position + skip, s.new_position + skip)
+                self.cpu.touch(s.key)
+                self._load(meta, block_ids, s, n)
+                served += n
+                if n < s.count:  # the rest is computed next step
+                    rest.append(_Segment(s.key, s.src_offset + n, s.count - n, s.old_position + n, s.new_position + n))
+                    continue
+            loads_pinned.append(s.key)  # unpinned once the metadata is built
+        if rest:
+            self.blending[req_id] = rest
+        self.stats["tokens"] += served
+        self.stats["blended"] += served
+
+    def _load(self, meta, block_ids, s: _Segment, n: int) -> None:
+        ids = tuple(block_ids[g][s.new_position // self.block_size] for g in self.kv_groups)
+        meta.pic_loads.append(PicLoad(ids, s.new_position % self.block_size, self.cpu.slot(s.key),
+                                      s.src_offset, n, s.old_position, s.new_position))
+        self.stats["segments"] += 1
 
     def release(self, req_id: str) -> None:
         claim = self.claims.pop(req_id, None)
-        for s in claim.segments if claim else ():
+        for s in (claim.segments if claim else []) + self.blending.pop(req_id, []):
             self.cpu.complete_load(s.key)
 
     def release_all(self) -> None:

@@ -360,17 +360,24 @@ class SchedulerSide:
                 continue
             self._add_load(STATE, ids, direct, source)
 
+    def _pic_step(self, req_id: str, computed: int, scheduled: int) -> None:
+        if self.pic is not None and req_id in self.pic.blending:
+            self.pic.step_loads(req_id, computed, scheduled, self.kv_cache_manager.get_block_ids(req_id),
+                                self.meta, self.loads_pinned)
+
     # ---- stores ------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVBMMetadata:
         for new in scheduler_output.scheduled_new_reqs:
             scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
             self._load_state(new.req_id, scheduled)
+            self._pic_step(new.req_id, new.num_computed_tokens, scheduled)
             self._store(new.req_id, new.num_computed_tokens + scheduled, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            self._load_state(req_id, scheduler_output.num_scheduled_tokens[req_id])  # resumed requests
-            self._store(req_id, cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id],
-                        scheduler_output)
+            scheduled = scheduler_output.num_scheduled_tokens[req_id]
+            self._load_state(req_id, scheduled)  # resumed requests
+            self._pic_step(req_id, cached.num_computed_tokens[i], scheduled)  # later chunks of a prefill
+            self._store(req_id, cached.num_computed_tokens[i] + scheduled, scheduler_output)
         for k in self.loads_pinned:
             self.cpu.complete_load(k)
         self.loads_pinned = []

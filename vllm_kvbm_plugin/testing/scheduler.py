@@ -190,9 +190,12 @@ class SchedulerHarness:
                 wm = w.run_step(out, spans)
                 meta = wm if meta is None else (meta.aggregate(wm) if wm is not None else meta)
             kv_output = KVConnectorOutput(kv_connector_worker_meta=meta)
+        # like the model runner: a chunk that leaves the prompt unfinished samples nothing
+        reqs = self.scheduler.requests
+        sampled = [[] if reqs[r].num_computed_tokens < reqs[r].num_tokens else [7] for r in rids]
         self.scheduler.update_from_output(out, ModelRunnerOutput(
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
-            sampled_token_ids=[[7] for _ in rids], kv_connector_output=kv_output))
+            sampled_token_ids=sampled, kv_connector_output=kv_output))
         return out.total_num_scheduled_tokens
 
     def settle(self) -> None:
