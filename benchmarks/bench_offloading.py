@@ -20,7 +20,11 @@
    and the tier's part) and the rest (the KV load into the model runner and the forward pass; on a
    shared 2-core machine this part swings from ~10 to ~400 ms when other processes take the cores).
 
-    python benchmarks/bench_offloading.py [--skip-engine | --skip-io] [--tokens 1856] [--reps 3] [--direct-io]
+3. With --remote (instead of 1 and 2): KVBMRemoteTier's I/O in the same jobs against raw redis-py
+   (one pipeline of SETs or GETs per job, no format or checks) on a redis-server of its own
+   (loopback, no persistence): what our value format, checksums and verification cost.
+
+    python benchmarks/bench_offloading.py [--skip-engine | --skip-io | --remote] [--tokens 1856] [--reps 3] [--direct-io]
 """
 
 import argparse
@@ -42,8 +46,10 @@ MODULE = "vllm_kvbm_plugin.offloading"
 
 
 # ---- 1. tier I/O -------------------------------------------------------------------------------
-def tier_io(args) -> dict:
-    """{"<tier>_<phase>": [seconds of each rep]}, the tiers taking turns rep by rep."""
+def tier_io(args, remote_url: str | None = None) -> dict:
+    """{"<tier>_<phase>": [seconds of each rep]}, the tiers taking turns rep by rep: KVBMDiskTier
+    ("ours") and vLLM's fs ("fs"); with `remote_url`, KVBMRemoteTier ("ours") and raw redis-py
+    ("raw", `RawRedis`) on that server."""
     import numpy as np
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -53,22 +59,29 @@ def tier_io(args) -> dict:
     chunk = args.chunk_kib << 10
     out = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        tiers = [{"type": "KVBMDiskTier", "module_path": MODULE, "path": os.path.join(d, "ours"),
-                  "bytes_to_use": (args.repeat + 1) * args.chunks * chunk, "direct_io": args.direct_io}
-                 | ({"threads": args.threads} if args.threads else {}),
-                 {"type": "fs", "root_dir": os.path.join(d, "fs")}]
+        if remote_url:
+            tiers = [{"type": "KVBMRemoteTier", "module_path": MODULE, "url": remote_url}]
+        else:
+            tiers = [{"type": "KVBMDiskTier", "module_path": MODULE, "path": os.path.join(d, "ours"),
+                      "bytes_to_use": (args.repeat + 1) * args.chunks * chunk, "direct_io": args.direct_io}
+                     | ({"threads": args.threads} if args.threads else {}),
+                     {"type": "fs", "root_dir": os.path.join(d, "fs")}]
         spec, m = tiering_manager(tiers, args.chunks, chunk, engine_id=f"kvbm-bench-{uuid.uuid4().hex[:8]}")
         rows = primary_rows(m)
         rows[:] = np.random.default_rng(0).integers(0, 256, rows.shape, dtype=np.uint8)
         expected = rows.copy()
         job_id = iter(range(1 << 30))
+        if remote_url:
+            contenders = [(m.secondary_tiers[0], "ours"), (RawRedis(remote_url, rows), "raw")]
+        else:
+            contenders = list(zip(m.secondary_tiers, ("ours", "fs")))
         try:
             times = {}
             for phase in ("write", "read", "promote"):
                 # promote: one load job of a disk hit's chunks (a 1856-token prompt has 58 of 32 tokens)
                 count, step = (args.promote, args.promote) if phase == "promote" else (args.chunks, args.job)
                 for rep in range(args.repeat):  # the two tiers take turns: the same machine noise
-                    for tier, name in zip(m.secondary_tiers, ("ours", "fs")):
+                    for tier, name in contenders:
                         keys = [chunk_key(f"{name}-{rep}-{i}") for i in range(count)]
                         if phase != "write":  # the keys this rep wrote
                             rows[:] = 0
@@ -101,9 +114,63 @@ def tier_io(args) -> dict:
             out = times
 
         finally:
+            tier = None  # nothing may keep a view of the primary tier's memory past its shutdown
+            contenders.clear()
             del rows
             m.shutdown()
     return out
+
+
+class RawRedis:
+    """The baseline of KVBMRemoteTier's I/O: what any remote tier has to do, one redis-py pipeline
+    of SETs or GETs per job of the chunks' bytes (no format, no checksum, no verification), on one
+    thread, driven through the same verbs as a secondary tier."""
+
+    def __init__(self, url: str, rows):
+        import concurrent.futures
+
+        import redis
+
+        self.client, self.rows = redis.Redis.from_url(url), rows
+        self.thread = concurrent.futures.ThreadPoolExecutor(1)
+        self.jobs: dict = {}
+
+    def on_new_request(self, ctx) -> None:
+        pass
+
+    def on_request_finished(self, ctx) -> None:
+        pass
+
+    def submit_store(self, job) -> None:
+        def store():
+            pipe = self.client.pipeline(transaction=False)
+            for key, row in zip(job.keys, job.chunk_ids):
+                pipe.set(b"raw:" + bytes(key), memoryview(self.rows[row]))
+            return all(pipe.execute())
+
+        self.jobs[job.job_id] = self.thread.submit(store)
+
+    def submit_load(self, job) -> None:
+        import numpy as np
+
+        def load():
+            pipe = self.client.pipeline(transaction=False)
+            for key in job.keys:
+                pipe.get(b"raw:" + bytes(key))
+            for row, value in zip(job.chunk_ids, pipe.execute()):
+                self.rows[row] = np.frombuffer(value, dtype=np.uint8)
+            return True
+
+        self.jobs[job.job_id] = self.thread.submit(load)
+
+    def get_finished_jobs(self) -> list:
+        from vllm.v1.kv_offload.tiering.base import JobResult
+
+        done = [j for j, f in self.jobs.items() if f.done()]
+        return [JobResult(j, success=self.jobs.pop(j).result()) for j in done]
+
+    def __del__(self):
+        self.thread.shutdown()
 
 
 # ---- 2. TTFT through the connectors -----------------------------------------------------------------
@@ -191,6 +258,26 @@ def run_phase(kind: str, phase: str, disk: str, args) -> dict:
         return json.load(open(f.name))
 
 
+def print_io(args, io: dict, labels: tuple, hit: str) -> None:
+    """GB/s of the best rep and speed ratios of "ours" against the other contender of `tier_io`."""
+    ours_label, other_label, other = labels
+    gb = args.chunks * (args.chunk_kib << 10) / 1e9
+    print(f"Secondary-tier I/O, {args.chunks} chunks of {args.chunk_kib} KiB in jobs of {args.job}, "
+          f"{args.repeat} reps taking turns, GB/s (best rep) and ours/{other} speed ratios:")
+    for phase in ("write", "read"):
+        ours, them = io["ours_" + phase], io[f"{other}_{phase}"]
+        per_rep = sorted(t / o for o, t in zip(ours, them))  # the rep's other time / ours: > 1 means ours is faster
+        print(f"  {phase:5}  {ours_label} {gb / min(ours):6.2f}   {other_label} {gb / min(them):6.2f}   "
+              f"ours/{other}: best-of {min(them) / min(ours):.2f}x, per rep median {statistics.median(per_rep):.2f}x "
+              f"(range {per_rep[0]:.2f}-{per_rep[-1]:.2f})")
+    ours, them = io["ours_promote"], io[f"{other}_promote"]
+    per_rep = sorted(o / t for o, t in zip(ours, them))  # < 1: ours is faster
+    print(f"  promotion of one {hit} ({args.promote} chunks in one job, the tier's part of a {hit} TTFT): "
+          f"{ours_label} {statistics.median(ours) * 1e3:.1f} ms, {other_label} {statistics.median(them) * 1e3:.1f} ms "
+          f"(medians); ours/{other} time: per rep median {statistics.median(per_rep):.2f}x "
+          f"(range {per_rep[0]:.2f}-{per_rep[-1]:.2f}), best {min(ours) / min(them):.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chunks", type=int, default=256)
@@ -205,6 +292,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1856)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--disk-rounds", type=int, default=4, help="new processes per tier for the disk hit")
+    ap.add_argument("--remote", action="store_true", help="only the tier I/O of KVBMRemoteTier against raw "
+                                                          "redis-py, on a redis-server of its own")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-io", action="store_true", help="only the TTFT part")
     ap.add_argument("--phase", choices=["store", "disk"])
@@ -216,24 +305,17 @@ def main() -> None:
         json.dump(engine_phase(args), open(args.out, "w"))
         os._exit(0)
 
-    io = {} if args.skip_io else tier_io(args)
-    gb = args.chunks * (args.chunk_kib << 10) / 1e9
-    if io:
-        print(f"Secondary-tier I/O, {args.chunks} chunks of {args.chunk_kib} KiB in jobs of {args.job}, "
-              f"{args.repeat} reps taking turns, GB/s (best rep) and ours/fs speed ratios:")
-    for phase in ("write", "read") if io else ():
-        ours, fs = io["ours_" + phase], io["fs_" + phase]
-        per_rep = sorted(f / o for o, f in zip(ours, fs))  # the rep's fs time / ours: > 1 means ours is faster
-        print(f"  {phase:5}  KVBMDiskTier {gb / min(ours):6.2f}   vLLM fs {gb / min(fs):6.2f}   "
-              f"ours/fs: best-of {min(fs) / min(ours):.2f}x, per rep median {statistics.median(per_rep):.2f}x "
-              f"(range {per_rep[0]:.2f}-{per_rep[-1]:.2f})")
-    if io:
-        ours, fs = io["ours_promote"], io["fs_promote"]
-        per_rep = sorted(o / f for o, f in zip(ours, fs))  # < 1: ours is faster
-        print(f"  promotion of one disk hit ({args.promote} chunks in one job, the tier's part of a disk-hit TTFT): "
-              f"KVBMDiskTier {statistics.median(ours) * 1e3:.1f} ms, vLLM fs {statistics.median(fs) * 1e3:.1f} ms "
-              f"(medians); ours/fs time: per rep median {statistics.median(per_rep):.2f}x "
-              f"(range {per_rep[0]:.2f}-{per_rep[-1]:.2f}), best {min(ours) / min(fs):.2f}x")
+    if args.remote:
+        from vllm_kvbm_plugin.testing.redis_server import RedisServer
+
+        server = RedisServer(maxmemory=f"{3 * args.repeat * args.chunks * args.chunk_kib // 1024 + 256}mb").start()
+        try:
+            print_io(args, tier_io(args, server.url), ("KVBMRemoteTier", "raw redis-py", "raw"), "remote hit")
+        finally:
+            server.stop()
+        return
+    if not args.skip_io:
+        print_io(args, tier_io(args), ("KVBMDiskTier", "vLLM fs", "fs"), "disk hit")
     if args.skip_engine:
         return
     med, tokens, disk = {}, {}, {"ours": ([], [], []), "fs": ([], [], [])}
