@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 
 
@@ -8,3 +10,18 @@ def plugin_patches():
 
     plugin.register()
     yield
+
+
+@pytest.fixture
+def tiered(request):
+    """The test module's `Tiered(...)` (a drive.Tiered on one of our tiers) as a maker; every
+    manager it made is closed after the test, whatever the test left behind."""
+    made = []
+
+    def make(*args, **kw):
+        made.append(request.module.Tiered(*args, **kw))
+        return made[-1]
+    yield make
+    for t in made:
+        with contextlib.suppress(Exception):
+            t.close()

@@ -24,20 +24,6 @@ def Tiered(path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_polic
                          "bytes_to_use": bytes_to_use, "eviction_policy": policy, **opts}, cpu_chunks, CHUNK, cpu_policy)
 
 
-@pytest.fixture
-def tiered():
-    made = []
-
-    def make(*args, **kw):
-        t = Tiered(*args, **kw)
-        made.append(t)
-        return t
-    yield make
-    for t in made:
-        with contextlib.suppress(Exception):
-            t.close()
-
-
 def keys_of(name, n):
     return [chunk_key(f"{name}{i}") for i in range(n)]
 

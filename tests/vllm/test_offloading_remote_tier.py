@@ -3,7 +3,6 @@
 hits are promoted back through it; missing, damaged, truncated or foreign values are misses, never
 bytes; a server that is down is a miss, never an exception."""
 
-import contextlib
 import time
 
 import numpy as np
@@ -23,20 +22,6 @@ pytestmark = pytest.mark.skipif(server_binary() is None,
 def Tiered(url) -> drive.Tiered:
     """vLLM's tiering manager with our remote tier on `url`, and the calls the connector makes."""
     return drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": url})
-
-
-@pytest.fixture
-def tiered():
-    made = []
-
-    def make(*args, **kw):
-        t = Tiered(*args, **kw)
-        made.append(t)
-        return t
-    yield make
-    for t in made:
-        with contextlib.suppress(Exception):
-            t.close()
 
 
 def keys_of(name, n):
