@@ -49,8 +49,9 @@ class BlendPlan:
     keep: torch.Tensor | None = None  # per row: selected (keeps its fresh KV)
 
     def _find_rows(self, slot_mapping: torch.Tensor, layer_name: str) -> None:
-        """The batch rows whose cache slot is a loaded one (a chunk's tail may not be computed
-        this step: its tokens are computed fresh next step, never blended)."""
+        """The batch rows whose cache slot is a loaded one (the scheduler loads only the tokens a
+        step computes, a chunked prefill's chunk by chunk; a loaded slot not in the batch is left
+        alone)."""
         sm = slot_mapping.long().cpu()
         order = torch.argsort(sm)
         at = torch.searchsorted(sm[order], self.slots).clamp(max=max(len(sm) - 1, 0))
