@@ -16,9 +16,12 @@ Target: <= 1.05x best for 2176/64.
 `--tracker` measures the plugin's own bookkeeping alone, with little noise: the calls into the
 sub-block event tracker (`UnitTracker`) of one plugin run are recorded, then replayed on fresh
 trackers with the garbage collector off; printed is the best replay against the scheduler CPU
-time of an unrecorded plugin run. Use it to judge a change to the tracker in seconds.
+time of an unrecorded plugin run. Use it to judge a change to the tracker in seconds: `--against
+OLD.py` (e.g. `git show HEAD:vllm_kvbm_plugin/patches/sub_block_events.py > /tmp/old.py`) replays
+that copy's tracker on the same calls, the two taking turns, and checks both build the same events.
 
-    python benchmarks/bench_scheduler_overhead.py [--requests 1000] [--reps 5] [--lockstep-reps 3] [--tracker]
+    python benchmarks/bench_scheduler_overhead.py [--requests 1000] [--reps 5] [--lockstep-reps 3]
+                                                  [--tracker [--against OLD.py]]
 """
 
 import argparse
@@ -108,8 +111,10 @@ class _BlockSnapshot:
         self.block_id, self.is_null = block.block_id, block.is_null
 
 
-def tracker_replay(block: int, unit: int, prompts, reps: int) -> tuple[float, float, int]:
-    """(best replay seconds, a plugin run's scheduler CPU seconds, calls) of UnitTracker."""
+def tracker_replay(block: int, unit: int, prompts, reps: int, against=None) -> tuple[dict, float, int]:
+    """({"ours": best replay seconds[, "against": ...]}, a plugin run's scheduler CPU seconds,
+    calls) of UnitTracker; with `against` (another UnitTracker class, e.g. an older version) both
+    replay the same calls alternately, the order swapped every round, and must build the same events."""
     from vllm_kvbm_plugin.patches.sub_block_events import UnitTracker
 
     scheduler = sum(run_once(block, unit, prompts, True)[0])  # not recorded: recording costs
@@ -141,9 +146,9 @@ def tracker_replay(block: int, unit: int, prompts, reps: int) -> tuple[float, fl
             setattr(UnitTracker, name, f)
     recorded = recorded[0]
     pool = recorded.pool
-    best = float("inf")
-    for _ in range(reps):
-        t = UnitTracker(pool, recorded.units_per_block, recorded.coarse)
+
+    def replay(cls) -> tuple[float, list]:
+        t = cls(pool, recorded.units_per_block, recorded.coarse)
         pool.kv_event_queue = []
         gc.disable()
         t0 = time.process_time()
@@ -155,9 +160,29 @@ def tracker_replay(block: int, unit: int, prompts, reps: int) -> tuple[float, fl
                 t.flush_removed()
             else:
                 t.release(args)
-        best = min(best, time.process_time() - t0)
+        seconds = time.process_time() - t0
         gc.enable()
+        return seconds, pool.kv_event_queue
+
+    contenders = {"ours": UnitTracker} | ({"against": against} if against is not None else {})
+    if against is not None:
+        ours, theirs = replay(UnitTracker)[1], replay(against)[1]
+        assert ours == theirs, "the two trackers build different events"
+    best = dict.fromkeys(contenders, float("inf"))
+    for i in range(reps):
+        for name, cls in list(contenders.items())[:: 1 if i % 2 else -1]:
+            best[name] = min(best[name], replay(cls)[0])
     return best, scheduler, len(calls)
+
+
+def load_tracker(path: str):
+    """The UnitTracker class of another copy of patches/sub_block_events.py (e.g. from git show)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvbm_sub_block_events_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.UnitTracker
 
 
 def main() -> None:
@@ -166,13 +191,20 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lockstep-reps", type=int, default=3)
     ap.add_argument("--tracker", action="store_true", help="only replay the tracker's recorded calls")
+    ap.add_argument("--against", metavar="FILE", help="with --tracker: also replay the UnitTracker of this copy "
+                    "of patches/sub_block_events.py, alternately, and check both build the same events")
     args = ap.parse_args()
     prompts = workload(args.requests)
-    if args.tracker:
+    if args.tracker or args.against:
+        against = load_tracker(args.against) if args.against else None
+        reps = max(args.reps, 5)
         for name, (block, unit) in GEOMETRIES.items():
-            best, sched, n = tracker_replay(block, unit, prompts, max(args.reps, 5))
-            print(f"{name}: UnitTracker alone {best * 1e3:.1f} ms (best of {max(args.reps, 5)} replays of {n} calls) = "
-                  f"{best / sched:.1%} of a plugin run's scheduler CPU time ({sched * 1e3:.0f} ms)")
+            best, sched, n = tracker_replay(block, unit, prompts, reps, against)
+            print(f"{name}: UnitTracker alone {best['ours'] * 1e3:.1f} ms (best of {reps} replays of {n} calls) = "
+                  f"{best['ours'] / sched:.1%} of a plugin run's scheduler CPU time ({sched * 1e3:.0f} ms)")
+            if against is not None:
+                print(f"{name}: against {args.against}: {best['against'] * 1e3:.1f} ms, same events; "
+                      f"ours/against {best['ours'] / best['against']:.3f}x")
         return
     print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each; "
           f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f} (other processes make ratios noisy)")
