@@ -175,6 +175,10 @@ class _Segment:
     old_position: int
     new_position: int
 
+    def after(self, n: int) -> "_Segment":
+        """The segment without its first n tokens."""
+        return _Segment(self.key, self.src_offset + n, self.count - n, self.old_position + n, self.new_position + n)
+
 
 @dataclasses.dataclass
 class _PicClaim:
@@ -311,9 +315,11 @@ class PicPlanner:
             return
         end = claim.computed + max(num_external_tokens, 0)
         if self.recompute:  # vLLM computes every token past the exact hit
-            taken = [s for s in claim.segments if s.new_position >= end]
+            taken = []
             for s in claim.segments:
-                if s.new_position < end:
+                if s.new_position >= end:
+                    taken.append(s)
+                else:
                     self.cpu.complete_load(s.key)
             if taken:
                 self.blending[request.request_id] = taken
@@ -345,15 +351,15 @@ class PicPlanner:
             if s.new_position >= end:
                 rest.append(s)
                 continue
-            skip = max(start - s.new_position, 0)  # computed already without its load (never planned)
-            n = min(s.count, end - s.new_position) - skip
+            if s.new_position < start:  # computed already without its load (never planned)
+                s = s.after(start - s.new_position)
+            n = min(s.count, end - s.new_position)
             if n > 0:
-                s = _Segment(s.key, s.src_offset + skip, s.count - skip, s.old_position + skip, s.new_position + skip)
                 self.cpu.touch(s.key)
                 self._load(meta, block_ids, s, n)
                 served += n
                 if n < s.count:  # the rest is computed next step
-                    rest.append(_Segment(s.key, s.src_offset + n, s.count - n, s.old_position + n, s.new_position + n))
+                    rest.append(s.after(n))
                     continue
             loads_pinned.append(s.key)  # unpinned once the metadata is built
         if rest:
