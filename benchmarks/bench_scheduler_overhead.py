@@ -119,26 +119,24 @@ def tracker_replay(block: int, unit: int, prompts, reps: int, against=None) -> t
 
     scheduler = sum(run_once(block, unit, prompts, True)[0])  # not recorded: recording costs
 
-    calls, recorded = [], []  # recorded: the tracker the calls went to
-    originals = {name: UnitTracker.__dict__[name] for name in ("cache", "release", "flush_removed")}
+    calls, recorded = [], []  # calls: (tracker.recent_tokens, method name, args); recorded: the tracker
+    names = ("cache", "cache_partial", "release", "flush_removed")
+    originals = {name: UnitTracker.__dict__[name] for name in names}
 
-    def cache(self, request, group, blocks, start, end, n_last=None, mask=None):
-        snap = ([_BlockSnapshot(b) for b in blocks] if type(blocks) is list
-                else {i: _BlockSnapshot(b) for i, b in blocks.items()})
-        calls.append((self.recent_tokens, (request, group, snap, start, end, n_last, mask)))
-        recorded[:] = [self]
-        return originals["cache"](self, request, group, blocks, start, end, n_last, mask)
+    def recorder(name):
+        def record(self, *args, **kwargs):
+            args += tuple(kwargs.values())  # the tracker's methods take their arguments in order
+            if name == "cache":  # the blocks as they were at the call
+                args = (*args[:2], [_BlockSnapshot(b) for b in args[2]], *args[3:])
+            elif name == "cache_partial":
+                args = (*args[:2], _BlockSnapshot(args[2]), *args[3:])
+            calls.append((self.recent_tokens, name, args))
+            recorded[:] = [self]
+            return originals[name](self, *args)
+        return record
 
-    def release(self, block_id):
-        calls.append((None, block_id))
-        return originals["release"](self, block_id)
-
-    def flush_removed(self):
-        calls.append((None, None))
-        return originals["flush_removed"](self)
-
-    for name, f in (("cache", cache), ("release", release), ("flush_removed", flush_removed)):
-        setattr(UnitTracker, name, f)
+    for name in names:
+        setattr(UnitTracker, name, recorder(name))
     try:
         run_once(block, unit, prompts, True)
     finally:
@@ -149,17 +147,13 @@ def tracker_replay(block: int, unit: int, prompts, reps: int, against=None) -> t
 
     def replay(cls) -> tuple[float, list]:
         t = cls(pool, recorded.units_per_block, recorded.coarse)
+        methods = {name: getattr(t, name) for name in names}
         pool.kv_event_queue = []
         gc.disable()
         t0 = time.process_time()
-        for recent, args in calls:
-            if type(args) is tuple:
-                t.recent_tokens = recent
-                t.cache(*args)
-            elif args is None:
-                t.flush_removed()
-            else:
-                t.release(args)
+        for recent, name, args in calls:
+            t.recent_tokens = recent
+            methods[name](*args)
         seconds = time.process_time() - t0
         gc.enable()
         return seconds, pool.kv_event_queue

@@ -69,16 +69,19 @@ class UnitTracker:
         self.removed_coarse: dict[int, list] = {}
         self.removed_units: dict[int, list] = {}
 
-    def cache(self, request, group: int, blocks, start: int, end: int, n_last: int | None = None,
-              mask=None) -> None:
-        """blocks[start:end] of the request now hold all their units (the last one only n_last).
+    def cache(self, request, group: int, blocks: list, start: int, end: int, mask=None) -> None:
+        """blocks[start:end] of the request now hold all their units.
 
-        Hashes are converted for the whole range at once; per block only its slice is kept.
+        Hashes are converted for the whole range at once, but for the units the first block already
+        holds (vLLM cached it partly at the previous chunk's end); per block only its slice is kept.
         """
-        r = self.units_per_block[group]
-        conv = self.to_event_hashes(
-            request.block_hashes[start * r : (end - 1) * r + (r if n_last is None else n_last)])
-        heads, by_block, n, coarse = self.heads[group], self.by_block, len(conv), self.coarse
+        r, by_block = self.units_per_block[group], self.by_block
+        first = by_block.get(blocks[start].block_id)
+        known = first[1][: r - 1] if first is not None else ()
+        conv = self.to_event_hashes(request.block_hashes[start * r + len(known) : end * r])
+        if known:
+            conv = known + conv
+        heads, n, coarse = self.heads[group], len(conv), self.coarse
         unit_runs: list[list] = []  # [first unit, end unit, index in conv] of fresh units
         block_runs: list[list] = []  # [first block, end block, index in conv] of fresh full blocks
         for bi in range(start, end):
@@ -87,10 +90,6 @@ class UnitTracker:
                 continue
             a = (bi - start) * r
             b = a + r
-            if b > n:
-                b = n
-                if a >= b:
-                    continue
             entry = by_block.get(block.block_id)
             if entry is None:
                 held = conv[a:b]
@@ -135,21 +134,65 @@ class UnitTracker:
         # converted once for the coarse and the unit events; the previous block usually holds it.
         parent = None
         if start and ((unit_runs and unit_runs[0][2] == 0) or (block_runs and block_runs[0][2] < r)):
-            prev = by_block.get(blocks[start - 1].block_id) if type(blocks) is list else None
+            prev = by_block.get(blocks[start - 1].block_id)
             if prev is not None and len(prev[1]) == r:
                 parent = prev[1][-1]
             else:
                 parent = self.to_event_hashes([request.block_hashes[start * r - 1]])[0]
-        if request is not self.fields[0]:  # a request is cached in several calls (chunked prefill)
+        self._before_announce(request)
+        if block_runs:
+            self._announce(request, group, r, block_runs, conv, r, tokens, parent)
+        if unit_runs:
+            self._announce(request, group, 1, unit_runs, conv, 1, tokens, parent)
+
+    def cache_partial(self, request, group: int, block, index: int, n: int) -> None:
+        """Block `index` of the request now holds its first n units (vLLM's partial-block caching
+        at a chunk's end, 0 < n < units per block): the common extension of an entry converts and
+        announces only the units it did not hold yet."""
+        r = self.units_per_block[group]
+        hashes, first = request.block_hashes, index * r
+        entry = self.by_block.get(block.block_id)
+        heads = self.heads[group]
+        if entry is None:
+            held = self.to_event_hashes(hashes[first : first + n])
+            entry = self.by_block[block.block_id] = (group, held)
+            holders = heads.get(held[0])
+            if holders is None:
+                heads[held[0]] = entry
+                k = 0
+            else:
+                if type(holders) is tuple:
+                    holders = heads[held[0]] = [holders]
+                k = _shared(held, holders)
+                holders.append(entry)
+        else:
+            held = entry[1]
+            had = len(held)
+            if had >= n:
+                return
+            held += self.to_event_hashes(hashes[first + had : first + n])
+            holders = heads[held[0]]
+            k = had if holders is entry else max(had, _shared(held, holders, entry))
+        if k >= n:
+            return
+        if k:
+            parent = held[k - 1]
+        elif index:
+            parent = self.to_event_hashes([hashes[first - 1]])[0]
+        else:
+            parent = None
+        self._before_announce(request)
+        self._announce(request, group, 1, [[first + k, first + n, 0]], held[k:], 1, {}, parent)
+
+    def _before_announce(self, request) -> None:
+        """Look up the request's event fields once per request (it is cached in several calls
+        during a chunked prefill) and send pending removals first."""
+        if request is not self.fields[0]:
             lora = request.lora_request
             self.fields = (request, compat.has_extra_keys(request), lora.adapter_id if lora else None,
                            lora.name if lora else None, request.session_id)
         if self.removed_units or self.removed_coarse:
             self.flush_removed()
-        if block_runs:
-            self._announce(request, group, r, block_runs, conv, r, tokens, parent)
-        if unit_runs:
-            self._announce(request, group, 1, unit_runs, conv, 1, tokens, parent)
 
     def release(self, block_id: int) -> None:
         entry = self.by_block.pop(block_id, None)
@@ -381,8 +424,8 @@ def _wrap_cache_partial_block(orig):
             self.enable_kv_cache_events = True
         if key is not None:
             block_idx = num_tokens // block_size
-            t.cache(request, kv_cache_group_id, {block_idx: block}, block_idx, block_idx + 1,
-                    n_last=(num_tokens - block_idx * block_size) // t.unit)
+            t.cache_partial(request, kv_cache_group_id, block, block_idx,
+                            (num_tokens - block_idx * block_size) // t.unit)
         return key
 
     return cache_partial_block
