@@ -93,8 +93,10 @@ def lockstep_once(block: int, unit: int, prompts) -> float:
         for p in prompts:
             h.add(p, max_tokens=2)
     total = {False: 0.0, True: 0.0}
+    order = (False, True)
     while runs[False].scheduler.has_unfinished_requests():
-        for with_plugin in (False, True):
+        order = order[::-1]  # the second of a pair runs ~4% faster (warm caches): take turns
+        for with_plugin in order:
             use_plugin(with_plugin)
             t0 = time.process_time()
             runs[with_plugin].step()
