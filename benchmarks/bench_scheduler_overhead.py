@@ -9,8 +9,9 @@ the best of a few whole runs cannot remove); "median" is the median run. The spr
 runs is printed. Published batches are counted and dropped,
 as vLLM's publisher thread does (retaining them would bill garbage-collector work to the run with
 more events). Then a lockstep measure: a vanilla and a plugin scheduler on the same workload,
-stepped alternately (patches switched between steps), so load from other processes on a shared
-machine hits both alike; its ratio is the sum of plugin step times over the sum of vanilla ones.
+stepped alternately (patches switched between steps, which of the two goes first swapped every
+step: the second of a pair runs ~4% faster), so load from other processes on a shared machine
+hits both alike; its ratio is the sum of plugin step times over the sum of vanilla ones.
 Target: <= 1.05x best for 2176/64.
 
 `--tracker` measures the plugin's own bookkeeping alone, with little noise: the calls into the

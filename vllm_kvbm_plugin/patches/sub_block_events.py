@@ -93,16 +93,7 @@ class UnitTracker:
             entry = by_block.get(block.block_id)
             if entry is None:
                 held = conv[a:b]
-                entry = by_block[block.block_id] = (group, held)
-                holders = heads.get(held[0])
-                if holders is None:
-                    heads[held[0]] = entry
-                    k = 0
-                else:
-                    if type(holders) is tuple:  # a second holder
-                        holders = heads[held[0]] = [holders]
-                    k = _shared(held, holders)
-                    holders.append(entry)
+                k = self._hold(heads, block.block_id, group, held)
             else:
                 held = entry[1]
                 had = len(held)
@@ -155,16 +146,7 @@ class UnitTracker:
         heads = self.heads[group]
         if entry is None:
             held = self.to_event_hashes(hashes[first : first + n])
-            entry = self.by_block[block.block_id] = (group, held)
-            holders = heads.get(held[0])
-            if holders is None:
-                heads[held[0]] = entry
-                k = 0
-            else:
-                if type(holders) is tuple:
-                    holders = heads[held[0]] = [holders]
-                k = _shared(held, holders)
-                holders.append(entry)
+            k = self._hold(heads, block.block_id, group, held)
         else:
             held = entry[1]
             had = len(held)
@@ -183,6 +165,20 @@ class UnitTracker:
             parent = None
         self._before_announce(request)
         self._announce(request, group, 1, [[first + k, first + n, 0]], held[k:], 1, {}, parent)
+
+    def _hold(self, heads: dict, block_id: int, group: int, held: list) -> int:
+        """Record a block holding `held` (its first units); returns how many of them other
+        blocks hold."""
+        entry = self.by_block[block_id] = (group, held)
+        holders = heads.get(held[0])
+        if holders is None:
+            heads[held[0]] = entry
+            return 0
+        if type(holders) is tuple:  # a second holder
+            holders = heads[held[0]] = [holders]
+        k = _shared(held, holders)
+        holders.append(entry)
+        return k
 
     def _before_announce(self, request) -> None:
         """Look up the request's event fields once per request (it is cached in several calls
