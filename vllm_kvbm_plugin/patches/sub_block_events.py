@@ -81,7 +81,7 @@ class UnitTracker:
         conv = self.to_event_hashes(request.block_hashes[start * r + len(known) : end * r])
         if known:
             conv = known + conv
-        heads, n, coarse = self.heads[group], len(conv), self.coarse
+        heads, coarse = self.heads[group], self.coarse
         unit_runs: list[list] = []  # [first unit, end unit, index in conv] of fresh units
         block_runs: list[list] = []  # [first block, end block, index in conv] of fresh full blocks
         for bi in range(start, end):
@@ -140,6 +140,8 @@ class UnitTracker:
         """Block `index` of the request now holds its first n units (vLLM's partial-block caching
         at a chunk's end, 0 < n < units per block): the common extension of an entry converts and
         announces only the units it did not hold yet."""
+        if n <= 0:  # vLLM registers no partial key at a block boundary; an empty entry has no head
+            return
         r = self.units_per_block[group]
         hashes, first = request.block_hashes, index * r
         entry = self.by_block.get(block.block_id)
