@@ -21,7 +21,7 @@ time of an unrecorded plugin run. Use it to judge a change to the tracker in sec
 OLD.py` (e.g. `git show HEAD:vllm_kvbm_plugin/patches/sub_block_events.py > /tmp/old.py`) replays
 that copy's tracker on the same calls, the two taking turns, and checks both build the same events;
 then it steps two plugin schedulers in lockstep, one with each tracker (`--lockstep-reps` times):
-in place the tracker costs ~1.5x its replay (cache misses), and an A/A run reads 0.995-0.997x.
+in place the tracker costs ~1.5x its replay (cache misses); A/A reads 0.996-1.000x (2176/64), 0.97-0.99x (160/32).
 
     python benchmarks/bench_scheduler_overhead.py [--requests 1000] [--reps 5] [--lockstep-reps 3]
                                                   [--tracker [--against OLD.py]]
