@@ -233,8 +233,9 @@ def main() -> None:
                 print(f"{name}: against {args.against}: {best['against'] * 1e3:.1f} ms, same events; "
                       f"ours/against {best['ours'] / best['against']:.3f}x")
                 ratios = [tracker_in_place(block, unit, prompts, against) for _ in range(args.lockstep_reps)]
-                print(f"{name}: in place (scheduler CPU time, two plugin schedulers in lockstep), ours/against "
-                      + " ".join(f"{r:.3f}x" for r in ratios))
+                if ratios:
+                        print(f"{name}: in place (scheduler CPU time, two plugin schedulers in lockstep), "
+                          "ours/against " + " ".join(f"{r:.3f}x" for r in ratios))
         return
     print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each; "
           f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f} (other processes make ratios noisy)")

@@ -255,6 +255,25 @@ def test_shared_prefix_of_holders_matches_a_unit_by_unit_count():
         assert _shared(units, holders, skip) == expected
 
 
+def test_a_partial_block_extended_at_a_later_boundary_announces_only_its_new_units():
+    """vLLM's real BlockPool given a block's partial key at 64 tokens, then at 128 (a longer prompt
+    tail of the same block), then at 128 again (as at every later step): units 0..1, then only
+    units 2..3 chained to unit 1, then nothing."""
+    from vllm.distributed.kv_events import BlockStored as VllmStored
+
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32))
+    pool = h.scheduler.kv_cache_manager.block_pool
+    prompt = list(range(300, 500))
+    request = h.scheduler.requests[h.add(prompt)]
+    block = pool.get_new_blocks(1)[0]
+    for num_tokens in (64, 128, 128):
+        pool.cache_partial_block(request, block, num_tokens, ATTN, 160)
+    stored = [e for e in pool.take_events() if isinstance(e, VllmStored)]
+    units = h.unit_hashes(prompt)
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in stored] == [
+        (units[0:2], None, prompt[0:64]), (units[2:4], units[1], prompt[64:128])]
+
+
 def test_chunked_prefill_chains_each_chunk_to_the_unit_before_it():
     """A prompt cached over several steps: each chunk's first coarse and unit events take their
     parent from the block the previous chunk cached (converted once, not again per event)."""

@@ -73,11 +73,12 @@ class UnitTracker:
         """blocks[start:end] of the request now hold all their units.
 
         Hashes are converted for the whole range at once, but for the units the first block already
-        holds (vLLM cached it partly at the previous chunk's end); per block only its slice is kept.
+        holds (vLLM cached its prompt tail, and decoding then filled it); per block only its slice
+        is kept.
         """
         r, by_block = self.units_per_block[group], self.by_block
         first = by_block.get(blocks[start].block_id)
-        known = first[1][: r - 1] if first is not None else ()
+        known = first[1] if first is not None else ()
         conv = self.to_event_hashes(request.block_hashes[start * r + len(known) : end * r])
         if known:
             conv = known + conv
@@ -99,9 +100,7 @@ class UnitTracker:
                 had = len(held)
                 if had >= b - a:
                     continue
-                held += conv[a + had : b]
-                holders = heads[held[0]]
-                k = had if holders is entry else max(had, _shared(held, holders, entry))
+                k = self._extend(heads, entry, conv[a + had : b])
             # runs of consecutive fresh keys (the last run grows while contiguous)
             if k < b - a:
                 u = bi * r
@@ -137,9 +136,10 @@ class UnitTracker:
             self._announce(request, group, 1, unit_runs, conv, 1, tokens, parent)
 
     def cache_partial(self, request, group: int, block, index: int, n: int) -> None:
-        """Block `index` of the request now holds its first n units (vLLM's partial-block caching
-        at a chunk's end, 0 < n < units per block): the common extension of an entry converts and
-        announces only the units it did not hold yet."""
+        """Block `index` of the request now holds its first n units (vLLM's partial key at the
+        prompt's last hash boundary, 0 < n < units per block). Only units the block did not hold
+        yet are converted and announced: vLLM registers that boundary again at every later step
+        of the request, which then costs a lookup and a comparison."""
         if n <= 0:  # vLLM registers no partial key at a block boundary; an empty entry has no head
             return
         r = self.units_per_block[group]
@@ -152,11 +152,9 @@ class UnitTracker:
         else:
             held = entry[1]
             had = len(held)
-            if had >= n:
+            if had >= n:  # vLLM registers the prompt's last boundary again at every later step
                 return
-            held += self.to_event_hashes(hashes[first + had : first + n])
-            holders = heads[held[0]]
-            k = had if holders is entry else max(had, _shared(held, holders, entry))
+            k = self._extend(heads, entry, self.to_event_hashes(hashes[first + had : first + n]))
         if k >= n:
             return
         if k:
@@ -181,6 +179,16 @@ class UnitTracker:
         k = _shared(held, holders)
         holders.append(entry)
         return k
+
+    @staticmethod
+    def _extend(heads: dict, entry: tuple, units: list) -> int:
+        """Add units to a block's entry; returns how many of its units other blocks hold (at
+        least those it held before)."""
+        held = entry[1]
+        had = len(held)
+        held += units
+        holders = heads[held[0]]
+        return had if holders is entry else max(had, _shared(held, holders, entry))
 
     def _before_announce(self, request) -> None:
         """Look up the request's event fields once per request (it is cached in several calls
