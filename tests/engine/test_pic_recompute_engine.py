@@ -9,7 +9,11 @@ same reordered prompt with a salt of its own (nothing can hit: a full prefill) i
   computed, up to the first gap (400-token documents do not line up with 32-token blocks);
 - ratio 0.15: every document's whole stored blocks are loaded (gaps do not stop a recompute),
   15% of them (and each run's first tokens) recomputed; the first-token KL against the full
-  prefill is printed next to ratio 0's.
+  prefill is printed next to ratio 0's;
+- on llama-local (layer 0 attends only to the last 16 tokens, the top layer to all), whose reused
+  documents' KV deviates only near their starts, ratio 0.15 cuts ratio 0's KL to a quarter or less
+  (the issue asks for half; a random choice of 15% gives half): the selection found the tokens that matter (uniform random weights spread the deviation over every
+  token, so no 15% can; docs/reuse.md).
 """
 
 import math
@@ -40,10 +44,10 @@ STEPS = [{"prompt": FIRST, "max_tokens": 1}, {"reset": True},
          {"prompt": REORDERED, "salt": "full", "logprobs": True, "max_tokens": 4}]
 
 
-def engine(tmp_path, ratio, **llm):
-    name = f"ratio-{ratio}" + "".join(f"-{k}-{v}" for k, v in llm.items())
+def engine(tmp_path, ratio, model="llama-big", **llm):
+    name = f"{model}-ratio-{ratio}" + "".join(f"-{k}-{v}" for k, v in llm.items())
     result, _ = run(tmp_path, STEPS, ratio=ratio, name=name, max_model_len=2048, max_logprobs=-1,
-                    model="llama-big", cpu_bytes=64 << 20, disable_log_stats=False, **llm)
+                    model=model, cpu_bytes=64 << 20, disable_log_stats=False, **llm)
     _, _, loaded, _, full = result["steps"]
     return result, loaded, full
 
@@ -115,3 +119,19 @@ def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
           f"loads alone (ratio 0, {CONTIGUOUS} tokens loaded) {kl(full0, loaded0):.3e}, ratio 0.15 "
           f"({REUSABLE} loaded, {recomputed} recomputed) {kl(full, loaded):.3e}; greedy tokens "
           f"{loaded0['tokens']} / {loaded['tokens']} vs {full['tokens']}")
+
+
+def test_recompute_halves_the_kl_where_deviation_is_local(tmp):
+    # documents 0 and 2 were stored block-aligned: their first 16 tokens saw other tokens before
+    # them (their layer-0 window), every other reused token saw the same ones as now
+    result0, loaded0, full0 = engine(tmp, 0, model="llama-local")
+    result, loaded, full = engine(tmp, 0.15, model="llama-local")
+    assert result0["pic"]["tokens"] == CONTIGUOUS and result["pic"]["blended"] == REUSABLE
+    assert full0["logprobs"] == full["logprobs"]
+    before, after = kl(full0, loaded0), kl(full, loaded)
+    print(f"\nllama-local, RAG shape: first-token KL vs a full prefill: loads alone {before:.3e}, "
+          f"ratio 0.15 {after:.3e} ({after / before:.2f}x)")
+    assert before > 1e-3  # the reused documents' first tokens moved the first token ...
+    # ... and recomputing the most deviating 15% undid most of it (measured 0.12x; the issue asks
+    # for 0.5x, but a random 15% already gives 0.52x here, so a quarter tells the selection apart)
+    assert after <= 0.25 * before

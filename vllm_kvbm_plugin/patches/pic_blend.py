@@ -80,7 +80,7 @@ class BlendPlan:
         k = key.view(key.shape[0], heads, -1)
         v = value.view(value.shape[0], heads, -1)
         if self.keep is None:  # the selection layer
-            # K only: V's deviation or both (each relative) and random choices select no better
+            # K only: V's deviation or both (each relative) select no better (a random choice: worse)
             deviation = (k[self.rows].float() - loaded_k.float()).square().sum(dim=(1, 2))
             self.keep = self.head.clone()
             for r in torch.unique(self.request):

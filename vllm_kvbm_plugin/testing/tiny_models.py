@@ -13,7 +13,7 @@ import pathlib
 import random
 
 SPEC_VERSION = 1
-KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "qwen2vl", "llava", "granite-hybrid")
+KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "llama-local", "qwen2vl", "llava", "granite-hybrid")
 # Qwen2-VL placeholders, in the tokenizer of the qwen2vl kind
 VISION_SPECIAL = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 LLAVA_IMAGE_TOKENS = 16  # a 56x56 CLIP input in 14-pixel patches, CLS dropped
@@ -78,6 +78,13 @@ def _config(kind: str):
             pad_token_id=3,
             tie_word_embeddings=False,
         )
+    if kind == "llama-local":  # see _make_local
+        from transformers import LlamaConfig
+
+        return LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                           max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                           tie_word_embeddings=False, attention_bias=True)
     if kind == "qwen3next":
         from transformers import Qwen3NextConfig
 
@@ -170,6 +177,62 @@ def _config(kind: str):
     raise ValueError(f"unknown tiny model kind {kind!r}; valid kinds: {', '.join(KINDS)}")
 
 
+LOCAL_WINDOW = 16  # llama-local: layer 0 attends to the last 16 tokens
+
+
+def _make_local(model, window: int) -> None:
+    """llama-local's weights: layer 0 attends only to the last `window` tokens (whatever they are),
+    the top layer to everything. That is the structure selective recompute relies on (trained
+    models attend mostly nearby in lower layers), so a document reused at another position has KV
+    that deviates only in its first `window` tokens: uniform random weights spread the deviation
+    over every token, and no choice of 15% can remove half of it (docs/reuse.md).
+
+    Layer 0's q and k are constant vectors (zero weights, biases only): after RoPE their product
+    depends on the distance d alone, sum_i Re(z_i e^{i d theta_i}) over the rotary frequencies.
+    The z_i are a ridge fit of that sum to 0 for d < window and -1 beyond, scaled so the softmax
+    leaves less than 1e-6 of the attention outside the window. Larger V, O and LM-head weights
+    than the 0.02 default make that context matter to the logits (KL well above rounding).
+    """
+    import numpy as np
+    import torch
+
+    cfg = model.config
+    hd, sharp = cfg.head_dim, 40.0
+    theta = 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    d = np.arange(4096)
+    basis = np.concatenate([np.cos(np.outer(d, theta)), np.sin(np.outer(d, theta))], 1)
+    weight = np.where(d < 4 * window, 10.0, 1.0)[:, None]
+    a = basis * weight
+    target = np.where(d < window, 0.0, -1.0)[:, None] * weight
+    coef = np.linalg.solve(a.T @ a + 1e-2 * len(d) * np.eye(hd), a.T @ target)[:, 0]
+    # pair i of q and k (dims i and i + hd/2) as complex numbers Q, K: the score term is
+    # Re(Q conj(K) e^{i d theta}) / sqrt(hd), so Q conj(K) = (cos coef - i sin coef) * sharp * sqrt(hd)
+    z = (coef[: hd // 2] - 1j * coef[hd // 2 :]) * sharp * np.sqrt(hd)
+    kappa = np.sqrt(np.abs(z).max())
+    q = np.concatenate([z.real, z.imag]) / kappa
+    k = np.concatenate([np.full(hd // 2, kappa), np.zeros(hd // 2)])
+    heads = cfg.num_attention_heads
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                proj.bias.zero_()
+            if i == 0:
+                attn.q_proj.weight.zero_()
+                attn.k_proj.weight.zero_()
+                attn.q_proj.bias.copy_(torch.tensor(np.tile(q, heads)))
+                attn.k_proj.bias.copy_(torch.tensor(np.tile(k, cfg.num_key_value_heads)))
+                attn.v_proj.weight.normal_(0, 0.3)
+                attn.o_proj.weight.normal_(0, 0.3)
+            else:
+                attn.q_proj.weight.normal_(0, 0.1)
+                attn.k_proj.weight.normal_(0, 0.1)
+                attn.v_proj.weight.normal_(0, 0.2)
+                attn.o_proj.weight.normal_(0, 0.2)
+        model.lm_head.weight.normal_(0, 0.5)
+
+
 def default_cache_dir() -> pathlib.Path:
     root = os.environ.get("KVBM_TINY_MODELS") or os.path.join(
         os.path.expanduser("~"), ".cache", "vllm-kvbm", "tiny-models"
@@ -216,6 +279,11 @@ def build(kind: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path
                                                              crop_size={"height": 56, "width": 56}),
                        tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
                        num_additional_image_tokens=1).save_pretrained(tmp)
+    elif kind == "llama-local":
+        _build_tokenizer(tmp, config.vocab_size)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _make_local(model, LOCAL_WINDOW)
+        model.to(torch.bfloat16).save_pretrained(tmp)
     else:
         _build_tokenizer(tmp, config.vocab_size)
         AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp)
