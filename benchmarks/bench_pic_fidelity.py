@@ -126,7 +126,7 @@ def child(args) -> None:
     os._exit(0)
 
 
-def reference(args, model: str) -> None:
+def reference(args, kind: str) -> None:
     """CacheBlend computed exactly in float32 outside vLLM (see the module docstring)."""
     import math
 
@@ -135,7 +135,7 @@ def reference(args, model: str) -> None:
 
     from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, SELECTION_LAYER
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir(model, args.init), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir(kind, args.init), dtype=torch.float32).eval()
     state = {"capture": None, "replace": None}
 
     def hook(name):
@@ -191,7 +191,7 @@ def reference(args, model: str) -> None:
             lp = last_logprobs(reordered, replace=(swapped, src[swapped]))
             rows[r] += kl(full, lp) / args.prompts
     print(f"reference (Hugging Face, float32, outside vLLM): {args.prompts} reordered RAG prompts, "
-          f"{describe(model, args.init)}")
+          f"{describe(kind, args.init)}")
     for r, v in rows.items():
         label = "0.15 chosen at random" if r == "random" else f"{r}"
         print(f"  ratio {label:<22} mean KL {v:.3e} nats" + (f"   {v / rows[0.0]:.2f}x of ratio 0" if rows.get(0.0) else ""))
