@@ -12,8 +12,8 @@ same reordered prompt with a salt of its own (nothing can hit: a full prefill) i
   prefill is printed next to ratio 0's;
 - on llama-local (layer 0 attends only to the last 16 tokens, the top layer to all), whose reused
   documents' KV deviates only near their starts, ratio 0.15 cuts ratio 0's KL to a quarter or less
-  (the issue asks for half; a random choice of 15% gives half): the selection found the tokens that matter (uniform random weights spread the deviation over every
-  token, so no 15% can; docs/reuse.md).
+  (the issue asks for half; a random choice of 15% gives half): the selection finds the tokens
+  that matter (uniform random weights spread the deviation over every token, so no 15% can).
 """
 
 import math
@@ -121,7 +121,7 @@ def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
           f"{loaded0['tokens']} / {loaded['tokens']} vs {full['tokens']}")
 
 
-def test_recompute_halves_the_kl_where_deviation_is_local(tmp):
+def test_recompute_removes_most_of_the_kl_where_deviation_is_local(tmp):
     # documents 0 and 2 were stored block-aligned: their first 16 tokens saw other tokens before
     # them (their layer-0 window), every other reused token saw the same ones as now
     result0, loaded0, full0 = engine(tmp, 0, model="llama-local")

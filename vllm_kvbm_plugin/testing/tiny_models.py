@@ -182,10 +182,10 @@ LOCAL_WINDOW = 16  # llama-local: layer 0 attends to the last 16 tokens
 
 def _make_local(model, window: int) -> None:
     """llama-local's weights: layer 0 attends only to the last `window` tokens (whatever they are),
-    the top layer to everything. That is the structure selective recompute relies on (trained
-    models attend mostly nearby in lower layers), so a document reused at another position has KV
-    that deviates only in its first `window` tokens: uniform random weights spread the deviation
-    over every token, and no choice of 15% can remove half of it (docs/reuse.md).
+    the top layer to everything. That is the structure selective recompute relies on (CacheBlend's
+    premise: a reused chunk's KV deviates in a few tokens), here exactly: a document reused at
+    another position has KV that deviates only in its first `window` tokens. Uniform random weights
+    spread the deviation over every token, and no choice of 15% can remove half of it (docs/reuse.md).
 
     Layer 0's q and k are constant vectors (zero weights, biases only): after RoPE their product
     depends on the distance d alone, sum_i Re(z_i e^{i d theta_i}) over the rotary frequencies.
@@ -205,8 +205,9 @@ def _make_local(model, window: int) -> None:
     a = basis * weight
     target = np.where(d < window, 0.0, -1.0)[:, None] * weight
     coef = np.linalg.solve(a.T @ a + 1e-2 * len(d) * np.eye(hd), a.T @ target)[:, 0]
-    # pair i of q and k (dims i and i + hd/2) as complex numbers Q, K: the score term is
-    # Re(Q conj(K) e^{i d theta}) / sqrt(hd), so Q conj(K) = (cos coef - i sin coef) * sharp * sqrt(hd)
+    # pair i of q and k (dims i and i + hd/2) as complex numbers Q, K: its score term is
+    # Re(Z e^{i d theta_i}) / sqrt(hd) with Z = Q conj(K), that is Re Z cos - Im Z sin: for the fitted
+    # cos and sin coefficients a and b, Z = (a - i b) * sharp * sqrt(hd); K is real, Q = Z / K
     z = (coef[: hd // 2] - 1j * coef[hd // 2 :]) * sharp * np.sqrt(hd)
     kappa = np.sqrt(np.abs(z).max())
     q = np.concatenate([z.real, z.imag]) / kappa
