@@ -306,3 +306,28 @@ def test_event_hashes_match_vllms_conversion(size):
     for n in (0, 1, 3, 40, 40, 128, 300):  # past compat._UNPACK_MAX: unpacked in pieces
         hashes = [rng.randbytes(size) for _ in range(n)]
         assert convert(hashes) == [maybe_convert_block_hash(x) for x in hashes]
+
+
+@pytest.mark.parametrize("coarse", ["1", "0"])
+def test_a_full_report_reannounces_a_hit_per_unit(monkeypatch, coarse):
+    # kv_cache_report_mode "full" (sampling extra_args): vLLM announces again the blocks a request
+    # hit in the prefix cache. The hit here ends inside block 2 (the first prompt's last boundary,
+    # 384 tokens): vLLM alone would index the Mamba group's hash of block 2, which the new prompt
+    # (440 tokens) does not have (IndexError in the scheduler).
+    monkeypatch.setenv("KVBM_COARSE_EVENTS", coarse)
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32))
+    prompt = list(range(1000, 1400))
+    h.add(prompt, max_tokens=1)
+    h.run()
+    before = len(h.batches)
+    rid = h.add(prompt + [7] * 40, max_tokens=1)
+    h.scheduler.requests[rid].kv_cache_report_mode = "full"
+    h.step()
+    units = h.unit_hashes(prompt)
+    stored = [e for b in h.batches[before:] for e in b.events if isinstance(e, BlockStored)]
+    again = [(e.group_idx, e.block_size, e.block_hashes, e.parent_block_hash) for e in stored
+             if e.parent_block_hash is None]  # the hit, from the first block; new blocks chain to it
+    mamba = [(0, 160, [units[4], units[9]], None)]  # vLLM's, for the 2 whole blocks hit
+    coarse_units = [(ATTN, 160, [units[4], units[9]], None)] if coarse == "1" else []
+    assert again == mamba + coarse_units + [(ATTN, 32, units[:12], None)]
+    assert stored[len(again)].parent_block_hash is not None  # then what the request computes

@@ -11,6 +11,8 @@ than `hash_block_size` B we announce every B-token unit that vLLM caches instead
 - when vLLM evicts or reuses the block (`_maybe_evict_cached_block`) its units are released and
   the last holder's release becomes a BlockRemoved; `reset_prefix_cache` forgets everything (vLLM
   already emits AllBlocksCleared); `move_block_hashes` moves them with vLLM's keys;
+- a request with `kv_cache_report_mode` "full" has its prefix-cache hit announced again, per unit
+  up to the hit (vLLM would announce every group's hit blocks as whole, even one the hit ends in);
 - for these groups vLLM's own Stored/Removed events are replaced (the pool's emission is switched
   off around vLLM's caching calls): the partial-tail ones are dropped (our units cover them) and
   the coarse P-sized ones are re-emitted by the same announce-once bookkeeping, so a recomputed
@@ -165,6 +167,18 @@ class UnitTracker:
             parent = None
         self._before_announce(request)
         self._announce(request, group, 1, [[first + k, first + n, 0]], held[k:], 1, {}, parent)
+
+    def cache_hit(self, request, group: int, n: int) -> None:
+        """The request's first n units are a prefix-cache hit, to be announced again (vLLM's
+        `kv_cache_report_mode` "full", for gateways that learn about hits): one unit event from
+        the first unit, and coarse keys for the whole blocks among them."""
+        r = self.units_per_block[group]
+        conv = self.to_event_hashes(request.block_hashes[:n])
+        self._before_announce(request)
+        tokens: dict = {}
+        if self.coarse and n >= r:
+            self._announce(request, group, r, [[0, n // r, r - 1]], conv, r, tokens, None)
+        self._announce(request, group, 1, [[0, n, 0]], conv, 1, tokens, None)
 
     def _hold(self, heads: dict, block_id: int, group: int, held: list) -> int:
         """Record a block holding `held` (its first units); returns how many of them other
@@ -361,6 +375,7 @@ def _attach(manager: KVCacheManager) -> None:
 
 def apply() -> bool:
     changed = wrap_method(KVCacheManager, "__init__", _wrap_manager_init)
+    changed |= wrap_method(KVCacheManager, "get_computed_blocks", _wrap_get_computed_blocks)
     changed |= wrap_method(BlockPool, "cache_full_blocks", _wrap_cache_full_blocks)
     changed |= wrap_method(BlockPool, "cache_partial_block", _wrap_cache_partial_block)
     changed |= wrap_method(BlockPool, "_maybe_evict_cached_block", _wrap_evict)
@@ -435,6 +450,35 @@ def _wrap_cache_partial_block(orig):
         return key
 
     return cache_partial_block
+
+
+def _wrap_get_computed_blocks(orig):
+    """A request with `kv_cache_report_mode` "full" has its prefix-cache hit announced again. vLLM
+    announces every group's hit blocks as whole blocks, counting a block the hit ends inside
+    (a partial key: hash unit < block) as whole; for a Mamba group that block's full hash may not
+    exist yet (IndexError) or is not cached. Here: tracked groups per unit up to the hit, the
+    others by vLLM for their whole hit blocks only."""
+
+    def get_computed_blocks(self, request, *args, **kwargs):
+        t = self.block_pool.__dict__.get("_kvbm_units")
+        if t is None or getattr(request, "kv_cache_report_mode", None) != "full":
+            return orig(self, request, *args, **kwargs)
+        request.kv_cache_report_mode = "incremental"
+        try:
+            result = orig(self, request, *args, **kwargs)
+        finally:
+            request.kv_cache_report_mode = "full"
+        hit = result[1]
+        if hit:
+            for g, group in enumerate(self.kv_cache_config.kv_cache_groups):
+                if g in t.units_per_block:
+                    t.cache_hit(request, g, hit // t.unit)
+                else:
+                    size = group.kv_cache_spec.block_size
+                    self.block_pool.emit_cached_block_events(request, hit // size, size, g)
+        return result
+
+    return get_computed_blocks
 
 
 def _wrap_evict(orig):
