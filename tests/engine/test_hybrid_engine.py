@@ -107,3 +107,16 @@ def test_without_plugin_vllm_hashes_per_inflated_block(without_plugin):
     first_seq_events = batches(r)[0][1].events
     assert all(e.block_size == 160 for e in first_seq_events if isinstance(e, BlockStored))
     assert not fine(flat(r))
+
+
+def test_a_full_report_reannounces_the_hit_per_unit(run_engine):
+    # kv_cache_report_mode "full" (sampling extra_args): A's second request hits its first 384
+    # tokens (A's last hash boundary, inside block 2); vLLM alone would crash the engine core here
+    again = A + [7] * 40
+    result = run_engine({"model": "qwen3next", "llm": SCENARIO["llm"], "steps": [
+        {"prompts": [A]}, {"prompts": [again], "extra_args": {"kv_cache_report_mode": "full"}}]})
+    assert result["steps"][1]["outputs"][0]["num_cached_tokens"] == 384
+    events = flat(result)
+    heads = [e for e in fine(events) if e.parent_block_hash is None]
+    assert [len(e.block_hashes) for e in heads] == [10, 12]  # A's full blocks, then the hit again
+    assert chain_tokens(events, heads[1].block_hashes[-1]) == A[:384]

@@ -131,7 +131,8 @@ def run(spec: dict) -> dict:
                          use_tqdm=False)  # a step publishes the AllBlocksCleared batch
             steps.append({"reset": ok})
         else:
-            sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True)
+            sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
+                                extra_args=step.get("extra_args"))
             outs = llm.generate([_prompt(p) for p in step["prompts"]], sp, use_tqdm=False)
             steps.append({"outputs": [
                 {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
