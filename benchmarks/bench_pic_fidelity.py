@@ -14,8 +14,8 @@ how many tokens were loaded / recomputed. Target of issue 12: KL(0.15) <= 0.5 * 
 Random-weight tiny models: this measures the mechanism, not task quality. Two models by default:
 llama-big (uniform random weights: every reused token's KV deviates a little, so no 15% can remove
 half of the KL; the reference below shows the same) and llama-local (layer 0 attends only to the
-last 16 tokens, the top layer to all: what CacheBlend assumes of trained models, a reused document's KV deviates near
-its start, which is what the selection must find; a random 15% does not).
+last 16 tokens, the top layer to all: as CacheBlend assumes of trained models, a reused document's
+KV deviates near its start, which the selection must find; a random 15% does not).
 
 `--reference` computes the same figures outside vLLM instead: the Hugging Face model in float32,
 the stored KV of the first prompt put in place of the reordered prompt's own K/V projections from

@@ -234,7 +234,7 @@ def main() -> None:
                       f"ours/against {best['ours'] / best['against']:.3f}x")
                 ratios = [tracker_in_place(block, unit, prompts, against) for _ in range(args.lockstep_reps)]
                 if ratios:
-                        print(f"{name}: in place (scheduler CPU time, two plugin schedulers in lockstep), "
+                    print(f"{name}: in place (scheduler CPU time, two plugin schedulers in lockstep), "
                           "ours/against " + " ".join(f"{r:.3f}x" for r in ratios))
         return
     print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.1f}M prompt tokens, 2 output tokens each; "

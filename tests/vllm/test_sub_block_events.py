@@ -320,8 +320,7 @@ def test_a_full_report_reannounces_a_hit_per_unit(monkeypatch, coarse):
     h.add(prompt, max_tokens=1)
     h.run()
     before = len(h.batches)
-    rid = h.add(prompt + [7] * 40, max_tokens=1)
-    h.scheduler.requests[rid].kv_cache_report_mode = "full"
+    h.add(prompt + [7] * 40, max_tokens=1, extra_args={"kv_cache_report_mode": "full"})
     h.step()
     units = h.unit_hashes(prompt)
     stored = [e for b in h.batches[before:] for e in b.events if isinstance(e, BlockStored)]

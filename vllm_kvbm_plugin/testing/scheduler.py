@@ -151,11 +151,13 @@ class SchedulerHarness:
         enc = msgspec.msgpack.Encoder()
         return [ev.decode_batch(enc.encode(b)) for b in self._published]
 
-    def add(self, prompt: list[int], max_tokens: int = 4, **request_kwargs) -> str:
-        """Queue a request; request_kwargs go to vLLM's Request (e.g. cache_salt, mm_features)."""
+    def add(self, prompt: list[int], max_tokens: int = 4, extra_args: dict | None = None,
+            **request_kwargs) -> str:
+        """Queue a request; extra_args go to its SamplingParams (e.g. kv_cache_report_mode),
+        request_kwargs to vLLM's Request (e.g. cache_salt, mm_features)."""
         rid = f"r{next(self._ids)}"
         self.scheduler.add_request(Request(
-            rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra_args),
             None, block_hasher=self._hasher, **request_kwargs))
         return rid
 

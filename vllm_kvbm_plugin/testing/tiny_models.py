@@ -198,7 +198,7 @@ def _make_local(model, window: int) -> None:
 
     cfg = model.config
     hd, sharp = cfg.head_dim, 40.0
-    theta = 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    theta = cfg.rope_parameters["rope_theta"] ** (-np.arange(0, hd, 2) / hd)
     d = np.arange(4096)
     basis = np.concatenate([np.cos(np.outer(d, theta)), np.sin(np.outer(d, theta))], 1)
     weight = np.where(d < 4 * window, 10.0, 1.0)[:, None]
