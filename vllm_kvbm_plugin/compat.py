@@ -162,6 +162,8 @@ def struct_event_hash_converter():
         size, n = len(hashes[0]), len(hashes)
         if size < 8:
             return [from_bytes(h, "big") & mask for h in hashes]
+        if n == 1:  # a parent: cheaper than joining and unpacking
+            return [from_bytes(hashes[0][-8:], "big")]
         if n <= _UNPACK_MAX:
             unpack = unpackers.get((size, n)) or unpacker(size, n)
             return list(unpack(b"".join(hashes)))

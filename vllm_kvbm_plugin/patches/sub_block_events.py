@@ -91,30 +91,28 @@ class UnitTracker:
             block = blocks[bi]
             if block.is_null or (mask is not None and not mask[bi - start]):
                 continue
-            a = (bi - start) * r
-            b = a + r
+            a = (bi - start) * r  # the block's units in conv
             entry = by_block.get(block.block_id)
             if entry is None:
-                held = conv[a:b]
-                k = self._hold(heads, block.block_id, group, held)
+                k = self._hold(heads, block.block_id, group, conv[a : a + r])
             else:
-                held = entry[1]
-                had = len(held)
-                if had >= b - a:
+                had = len(entry[1])
+                if had >= r:
                     continue
-                k = self._extend(heads, entry, conv[a + had : b])
+                k = self._extend(heads, entry, conv[a + had : a + r])
+            if k == r:  # other blocks hold all its units
+                continue
             # runs of consecutive fresh keys (the last run grows while contiguous)
-            if k < b - a:
-                u = bi * r
-                if unit_runs and unit_runs[-1][1] == u + k:
-                    unit_runs[-1][1] = u + b - a
-                else:
-                    unit_runs.append([u + k, u + b - a, a + k])
-            if coarse and b - a == r and k < r:
+            u = bi * r
+            if unit_runs and unit_runs[-1][1] == u + k:
+                unit_runs[-1][1] = u + r
+            else:
+                unit_runs.append([u + k, u + r, a + k])
+            if coarse:
                 if block_runs and block_runs[-1][1] == bi:
                     block_runs[-1][1] = bi + 1
                 else:
-                    block_runs.append([bi, bi + 1, b - 1])
+                    block_runs.append([bi, bi + 1, a + r - 1])
         tokens: dict = {}  # token slices shared by coarse and unit events over the same range
         recent = self.recent_tokens
         if recent is not None and recent[0] is request:
@@ -241,8 +239,8 @@ class UnitTracker:
                 coarse.append(held[-1])
         if k < len(held):
             units = self.removed_units.get(group)
-            if units is None:
-                self.removed_units[group] = held[k:]
+            if units is None:  # the entry is gone: its list (no event holds it) can be the batch
+                self.removed_units[group] = held[k:] if k else held
             else:
                 units += held[k:] if k else held
 
