@@ -5,7 +5,8 @@
 Importing torch and vLLM takes ~10 s of every engine scenario; a child forked after the imports
 starts with them done (vLLM forks its own engine-core and worker processes the same way). Each child
 is still a fresh engine and plugin: nothing of ours is imported here (numba imported before vLLM
-builds an engine crashes it), no engine is built, no plugin is loaded.
+builds an engine crashes it), no engine is built, no plugin is loaded, and each child gets exactly
+the environment its job names (engine_run sets its own defaults).
 
 One JSON line per job on stdin: {"spec": path, "out": path, "log": path, "env": {...}}. Answers on
 stdout: {"pid": N} once the child runs (its own session: kill its group to stop it), then
@@ -22,7 +23,6 @@ import traceback
 
 def _child(job: dict) -> None:
     """Become the scenario's process: own session, output to the log, the job's environment."""
-    rc = 1
     try:
         os.setsid()
         log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -37,18 +37,16 @@ def _child(job: dict) -> None:
         sys.argv = ["engine_run", job["spec"], job["out"]]
         from vllm_kvbm_plugin.testing import engine_run
 
-        engine_run.main()  # ends the process itself
+        engine_run.main()  # exits with 0 itself
     except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(rc)
+        os._exit(1)  # reached only when the scenario failed
 
 
 def main() -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine_run's defaults
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch  # noqa: F401  the slow imports, done once
     import vllm  # noqa: F401
     import vllm.v1.engine.llm_engine  # noqa: F401
