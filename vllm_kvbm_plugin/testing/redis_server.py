@@ -37,10 +37,17 @@ def valkey_binary() -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct loopback ports, free now: all held open while choosing, so none comes twice (a
+    cluster node's bus port chosen alone once became another node's client port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class RedisServer:
@@ -49,7 +56,7 @@ class RedisServer:
         self.binary = binary or server_binary()
         if self.binary is None:
             raise RuntimeError("no redis-server or valkey-server on PATH (scripts/setup.sh installs Debian's)")
-        self.port = port or _free_port()
+        self.port = port or _free_ports(1)[0]
         self.maxmemory = maxmemory
         self.extra_args = list(extra_args)
         self.proc: subprocess.Popen | None = None
@@ -72,6 +79,7 @@ class RedisServer:
                     return self
             except Exception:
                 time.sleep(0.02)
+        self.kill()
         raise RuntimeError(f"{self.binary} did not answer on port {self.port}")
 
     def client(self):
@@ -107,11 +115,11 @@ class RedisClusterServers:
             raise RuntimeError("no redis-cli or valkey-cli on PATH (Debian's redis-server brings redis-cli)")
         self.dir = tempfile.mkdtemp(prefix="kvbm-cluster-")
         self.nodes = []
-        for _ in range(n):
-            port = _free_port()
+        ports = _free_ports(2 * n)  # a client and a cluster bus port per node
+        for port, bus in zip(ports[::2], ports[1::2]):
             self.nodes.append(RedisServer(maxmemory, port, ("--cluster-enabled", "yes", "--dir", self.dir,
                                                             "--cluster-config-file", f"nodes-{port}.conf",
-                                                            "--cluster-port", str(_free_port()),  # bus
+                                                            "--cluster-port", str(bus),
                                                             "--cluster-node-timeout", "2000")))
 
     @property
@@ -119,12 +127,16 @@ class RedisClusterServers:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.nodes)
 
     def start(self) -> "RedisClusterServers":
-        for s in self.nodes:
-            s.start()
-        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.nodes),
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
-        self.wait_ok()
+        try:
+            for s in self.nodes:
+                s.start()
+            subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.nodes),
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
+            self.wait_ok()
+        except BaseException:
+            self.stop()  # no node outlives a cluster that did not start
+            raise
         return self
 
     def wait_ok(self, timeout: float = 20) -> None:
