@@ -2,12 +2,10 @@ import importlib.metadata
 import json
 import os
 import pathlib
-import select
-import signal
-import subprocess
-import sys
 
 import pytest
+
+from vllm_kvbm_plugin.testing.engine_forkserver import ForkServer, kill_group  # noqa: F401 - tests import kill_group
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("KVBM_TINY_MODELS", str(ROOT / ".cache" / "tiny-models"))
@@ -56,54 +54,6 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = [item for item in items if item not in drop]
-
-
-def kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-class ForkServer:
-    """vllm_kvbm_plugin.testing.engine_forkserver: engine scenarios forked from one process that
-    imported torch and vLLM once (~10 s saved per scenario)."""
-
-    def __init__(self, log_path):
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_kvbm_plugin.testing.engine_forkserver"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=self.log, bufsize=0, cwd=ROOT, start_new_session=True)
-
-    def _answer(self, timeout: float) -> dict | None:
-        """The next answer line, or None after `timeout` seconds (unbuffered: select sees it all)."""
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            pytest.fail(f"the engine fork server died; its log: {self.log.name}")
-        return json.loads(line)
-
-    def run(self, job: dict, timeout: float) -> int | None:
-        """Run one scenario; its exit code, or None if it ran out of time (then killed)."""
-        self.proc.stdin.write((json.dumps(job) + "\n").encode())
-        started = self._answer(120)  # the first job waits for the server's imports
-        if started is None:
-            pytest.fail(f"the engine fork server did not start a scenario; its log: {self.log.name}")
-        ended = self._answer(timeout)
-        kill_group(started["pid"])  # the scenario's leftovers, or the scenario itself on a timeout
-        if ended is None:
-            self._answer(60)
-            return None
-        return ended["rc"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            kill_group(self.proc.pid)
-        self.log.close()
 
 
 @pytest.fixture(scope="session")

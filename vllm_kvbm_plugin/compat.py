@@ -92,28 +92,6 @@ def has_extra_keys(request) -> bool:
     )
 
 
-def event_hash_converter():
-    """A list-at-a-time `maybe_convert_block_hash` (vllm/v1/core/kv_cache_utils.py): event hashes
-    are the low 64 bits of the digest as an int, or the raw bytes when
-    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0. The env lookup is done once, not per hash, and long
-    lists go through numpy (the low 64 bits are the digest's last 8 bytes, big-endian)."""
-    import numpy as np
-    import vllm.envs as envs
-
-    if not envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
-        return list
-    mask = (1 << 64) - 1
-    from_bytes = int.from_bytes
-
-    def convert(hashes) -> list[int]:
-        if len(hashes) < 16 or len(hashes[0]) % 8:
-            return [from_bytes(h, "big") & mask for h in hashes]
-        words = len(hashes[0]) // 8
-        return np.frombuffer(b"".join(hashes), dtype=">u8")[words - 1 :: words].tolist()
-
-    return convert
-
-
 def offload_key_positions(req_context) -> dict:
     """OffloadKey -> end-token position of every offload key the OffloadingConnector named for a
     request (ReqContext._offload_key_positions, the same on 0.32 and 0.33; only per-key getters are
@@ -136,12 +114,14 @@ _UNPACKERS: dict = {}  # (hash length, list length) -> Struct.unpack, shared by 
 _UNPACK_MAX = 128  # longest list unpacked at once: longer ones go in pieces (bounded formats)
 
 
-def struct_event_hash_converter():
-    """`event_hash_converter` with one `struct` unpack per list instead of numpy: the low 64 bits
-    of a digest are its last 8 bytes, so each hash costs one unpacked int and nothing else (no
-    array, no big int). Unpackers are built once per process and (hash length, list length up to
-    _UNPACK_MAX): building one costs as much as converting thousands of hashes, and a format per
-    length of any list would grow with the context length."""
+def event_hash_converter():
+    """A list-at-a-time `maybe_convert_block_hash` (vllm/v1/core/kv_cache_utils.py): event hashes
+    are the low 64 bits of the digest as an int, or the raw bytes when
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (the env lookup is done once, not per hash). The low 64
+    bits of a digest are its last 8 bytes, so one `struct` unpack per list makes each hash one int
+    and nothing else (no array, no big int). Unpackers are built once per process and (hash length,
+    list length up to _UNPACK_MAX): building one costs as much as converting thousands of hashes,
+    and a format per length of any list would grow with the context length."""
     import struct
 
     import vllm.envs as envs

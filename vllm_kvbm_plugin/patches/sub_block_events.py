@@ -60,7 +60,7 @@ class UnitTracker:
         # group -> first unit hash -> its only holder's by_block entry, or, when blocks share it,
         # the list of their entries
         self.heads: dict[int, dict] = {g: {} for g in units_per_block}
-        self.to_event_hashes = compat.struct_event_hash_converter()
+        self.to_event_hashes = compat.event_hash_converter()
         # (request, first token, end token, token_ids) of the last BlockStored vLLM built for an
         # untracked group (e.g. Mamba, cached just before): the same token list serves our events
         self.recent_tokens: tuple | None = None

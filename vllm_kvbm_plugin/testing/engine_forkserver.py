@@ -10,13 +10,16 @@ the environment its job names (engine_run sets its own defaults).
 
 One JSON line per job on stdin: {"spec": path, "out": path, "log": path, "env": {...}}. Answers on
 stdout: {"pid": N} once the child runs (its own session: kill its group to stop it), then
-{"pid": N, "rc": N} when it has ended. Jobs run one at a time.
+{"pid": N, "rc": N} when it has ended. Jobs run one at a time. `ForkServer` is the client.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import signal
+import subprocess
 import sys
 import traceback
 
@@ -60,6 +63,54 @@ def main() -> None:
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"pid": pid, "rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+class ForkServer:
+    """The client: starts the server (own session, stderr to `log_path`) and runs jobs on it."""
+
+    def __init__(self, log_path):
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, bufsize=0, start_new_session=True)
+
+    def _answer(self, timeout: float) -> dict | None:
+        """The next answer line, or None after `timeout` seconds (unbuffered: select sees it all)."""
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the engine fork server died; its log: {self.log.name}")
+        return json.loads(line)
+
+    def run(self, job: dict, timeout: float) -> int | None:
+        """Run one scenario; its exit code, or None if it ran out of time (then killed)."""
+        self.proc.stdin.write((json.dumps(job) + "\n").encode())
+        started = self._answer(120)  # the first job waits for the server's imports
+        if started is None:
+            raise RuntimeError(f"the engine fork server did not start a scenario; its log: {self.log.name}")
+        ended = self._answer(timeout)
+        kill_group(started["pid"])  # the scenario's leftovers, or the scenario itself on a timeout
+        if ended is None:
+            self._answer(60)  # the server reports the killed child
+            return None
+        return ended["rc"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc.pid)
+        self.log.close()
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL a process's whole session (its engine children too), if it still exists."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":
