@@ -65,8 +65,10 @@ def harness(block: int, unit: int) -> SchedulerHarness:
                                           max_num_seqs=32))
 
 
-def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[list[float], int]:
-    """CPU time of each scheduler step, and the number of KV events published."""
+def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[list[float], int, float]:
+    """CPU time of each scheduler step, the number of KV events published, and the CPU time of
+    adding the requests (vLLM hashes them then; with the plugin their hashes are also converted to
+    event form, which an engine does in its input thread, outside the step)."""
     use_plugin(with_plugin)
     h = harness(block, unit)
     n_events = 0
@@ -76,14 +78,16 @@ def run_once(block: int, unit: int, prompts, with_plugin: bool) -> tuple[list[fl
         n_events += len(batch.events)
 
     h.scheduler.kv_event_publisher.publish = publish
+    t0 = time.process_time()
     for p in prompts:
         h.add(p, max_tokens=2)
+    adding = time.process_time() - t0
     times = []
     while h.scheduler.has_unfinished_requests():
         t0 = time.process_time()
         h.step()
         times.append(time.process_time() - t0)
-    return times, n_events
+    return times, n_events, adding
 
 
 def lockstep(harnesses: dict, before_step=lambda key: None) -> dict:
@@ -241,13 +245,15 @@ def main() -> None:
           f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f} (other processes make ratios noisy)")
     for name, (block, unit) in GEOMETRIES.items():
         runs = {False: [], True: []}  # per run: each step's CPU time
+        adding = {False: [], True: []}  # per run: CPU time of adding the requests
         info = {}
         for with_plugin in (False, True):  # warm-up
             run_once(block, unit, prompts[:100], with_plugin)
         for _ in range(args.reps):
             for with_plugin in (False, True):
-                times, n_events = run_once(block, unit, prompts, with_plugin)
+                times, n_events, added = run_once(block, unit, prompts, with_plugin)
                 runs[with_plugin].append(times)
+                adding[with_plugin].append(added)
                 info[with_plugin] = (len(times), n_events)
         assert len({len(t) for r in runs.values() for t in r}) == 1, "runs took different steps"
         steps = info[False][0]
@@ -261,6 +267,8 @@ def main() -> None:
         print(f"{name}: spread (noise from other processes): vanilla runs "
               f"{min(mean[False]) * 1e3:.3f}-{max(mean[False]) * 1e3:.3f} ms/step, paired ratios "
               f"{min(paired):.3f}-{max(paired):.3f}x")
+        print(f"{name}: adding the requests (vLLM hashes them) {min(adding[False]) * 1e3:.0f} ms vanilla, "
+              f"{min(adding[True]) * 1e3:.0f} ms plugin (best of {args.reps})")
         if args.lockstep_reps:
             ratios = [lockstep_once(block, unit, prompts) for _ in range(args.lockstep_reps)]
             print(f"{name}: lockstep ratio {min(ratios):.3f}x best, {statistics.median(ratios):.3f}x median "

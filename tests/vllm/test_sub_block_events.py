@@ -330,3 +330,31 @@ def test_a_full_report_reannounces_a_hit_per_unit(monkeypatch, coarse):
     coarse_units = [(ATTN, 160, [units[4], units[9]], None)] if coarse == "1" else []
     assert again == mamba + coarse_units + [(ATTN, 32, units[:12], None)]
     assert stored[len(again)].parent_block_hash is not None  # then what the request computes
+
+
+def test_requests_keep_their_hashes_in_event_form_through_truncation():
+    """Hashes are converted as vLLM computes them; when vLLM truncates a request's hashes
+    (streaming input sessions, resets) the tracker converts afresh until vLLM hashes again, and
+    the kept list then follows."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from vllm_kvbm_plugin.patches.sub_block_events import EVENT_HASHES
+
+    h = SchedulerHarness(HarnessConfig(block_size=160, hash_block_size=32))
+    tracker = h.scheduler.kv_cache_manager.block_pool._kvbm_units
+    prompt = list(range(1000, 1000 + 32 * 7 + 5))
+    req = h.scheduler.requests[h.add(prompt, max_tokens=40)]
+
+    def vllms():
+        return [maybe_convert_block_hash(x) for x in req.block_hashes]
+
+    kept = req.__dict__[EVENT_HASHES]
+    assert len(kept) == 7 and kept == vllms()
+    del req.block_hashes[3:]
+    assert tracker.event_hashes(req, 0, 3) == vllms() and len(kept) == 7  # converted afresh
+    req.append_output_token_ids(list(range(5000, 5000 + 32)))  # vLLM hashes units 3..7 again
+    assert req.__dict__[EVENT_HASHES] is kept and kept == vllms() and len(kept) == 8
+    assert tracker.event_hashes(req, 2, 8) == kept[2:8]
+    req.block_hashes.clear()
+    req.update_block_hashes()
+    assert kept == vllms() and len(kept) == 8

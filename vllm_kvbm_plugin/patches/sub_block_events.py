@@ -27,6 +27,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+from vllm.v1.request import Request
 
 from vllm_kvbm_plugin import compat, config
 from vllm_kvbm_plugin.patches import logger, wrap_method
@@ -50,8 +51,14 @@ class UnitTracker:
     are the longest prefix any of them shares with the block (`_shared`, usually one comparison).
     """
 
+    # Set once a tracker exists in this process (and event hashes are ints): each request then keeps
+    # its hashes in event form too (`EVENT_HASHES`), converted as vLLM computes them, when the new
+    # digests are still in the CPU cache and, in an engine, in its input thread rather than its step.
+    convert_on_hashing = None
+
     def __init__(self, pool: BlockPool, units_per_block: dict[int, int], coarse: bool):
         self.pool = pool
+        self.medium = pool.medium
         self.unit = pool.hash_block_size
         self.units_per_block = units_per_block  # group id -> P // B
         self.coarse = coarse
@@ -81,7 +88,7 @@ class UnitTracker:
         r, by_block = self.units_per_block[group], self.by_block
         first = by_block.get(blocks[start].block_id)
         known = first[1] if first is not None else ()
-        conv = self.to_event_hashes(request.block_hashes[start * r + len(known) : end * r])
+        conv = self.event_hashes(request, start * r + len(known), end * r)
         if known:
             conv = known + conv
         heads, coarse = self.heads[group], self.coarse
@@ -128,7 +135,7 @@ class UnitTracker:
             if prev is not None and len(prev[1]) == r:
                 parent = prev[1][-1]
             else:
-                parent = self.to_event_hashes([request.block_hashes[start * r - 1]])[0]
+                parent = self.event_hashes(request, start * r - 1, start * r)[0]
         self._before_announce(request)
         if block_runs:
             self._announce(request, group, r, block_runs, conv, r, tokens, parent)
@@ -143,24 +150,24 @@ class UnitTracker:
         if n <= 0:  # vLLM registers no partial key at a block boundary; an empty entry has no head
             return
         r = self.units_per_block[group]
-        hashes, first = request.block_hashes, index * r
+        first = index * r
         entry = self.by_block.get(block.block_id)
         heads = self.heads[group]
         if entry is None:
-            held = self.to_event_hashes(hashes[first : first + n])
+            held = self.event_hashes(request, first, first + n)
             k = self._hold(heads, block.block_id, group, held)
         else:
             held = entry[1]
             had = len(held)
             if had >= n:  # vLLM registers the prompt's last boundary again at every later step
                 return
-            k = self._extend(heads, entry, self.to_event_hashes(hashes[first + had : first + n]))
+            k = self._extend(heads, entry, self.event_hashes(request, first + had, first + n))
         if k >= n:
             return
         if k:
             parent = held[k - 1]
         elif index:
-            parent = self.to_event_hashes([hashes[first - 1]])[0]
+            parent = self.event_hashes(request, first - 1, first)[0]
         else:
             parent = None
         self._before_announce(request)
@@ -171,12 +178,21 @@ class UnitTracker:
         `kv_cache_report_mode` "full", for gateways that learn about hits): one unit event from
         the first unit, and coarse keys for the whole blocks among them."""
         r = self.units_per_block[group]
-        conv = self.to_event_hashes(request.block_hashes[:n])
+        conv = self.event_hashes(request, 0, n)
         self._before_announce(request)
         tokens: dict = {}
         if self.coarse and n >= r:
             self._announce(request, group, r, [[0, n // r, r - 1]], conv, r, tokens, None)
         self._announce(request, group, 1, [[0, n, 0]], conv, 1, tokens, None)
+
+    def event_hashes(self, request, lo: int, hi: int) -> list:
+        """The request's unit hashes [lo, hi) in event form: a slice of those converted as vLLM
+        computed them, or converted now (a request hashed before the tracker existed, or whose
+        hashes vLLM truncated since)."""
+        converted = request.__dict__.get(EVENT_HASHES)
+        if converted is not None and len(converted) == len(request.block_hashes):
+            return converted[lo:hi]
+        return self.to_event_hashes(request.block_hashes[lo:hi])
 
     def _hold(self, heads: dict, block_id: int, group: int, held: list) -> int:
         """Record a block holding `held` (its first units); returns how many of them other
@@ -259,7 +275,7 @@ class UnitTracker:
     def flush_removed(self) -> None:
         """One BlockRemoved per group for its coarse keys, one for its units, in removal order
         (coarse first, as a block's coarse key ends its last unit)."""
-        queue, medium = self.pool.kv_event_queue, self.pool.medium
+        queue, medium = self.pool.kv_event_queue, self.medium
         for pending in (self.removed_coarse, self.removed_units):
             for group, hashes in pending.items():
                 queue.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
@@ -276,7 +292,7 @@ class UnitTracker:
         `compat.block_stored_event` fills them, with the request's fields looked up once.
         """
         n = units_per_key * self.unit
-        queue, medium = self.pool.kv_event_queue, self.pool.medium
+        queue, medium = self.pool.kv_event_queue, self.medium
         _, with_extra, lora_id, lora_name, session_id = self.fields
         for first, end, lo in runs:
             if with_extra:
@@ -320,7 +336,9 @@ def _shared(units: list, holders: list, skip=None) -> int:
     k, size = 0, len(units)
     for entry in holders:
         other = entry[1]
-        n = min(size, len(other))
+        n = len(other)
+        if n > size:
+            n = size
         if n <= k or units[k] != other[k] or entry is skip:
             continue
         if units[n - 1] == other[n - 1]:
@@ -362,7 +380,9 @@ def _attach(manager: KVCacheManager) -> None:
         logger.warning("KVBM sub-block events are off: EAGLE hash lookahead is not supported yet")
         return
     coarse = config.coarse_events()
-    pool._kvbm_units = UnitTracker(pool, units_per_block, coarse)
+    tracker = pool._kvbm_units = UnitTracker(pool, units_per_block, coarse)
+    convert = tracker.to_event_hashes  # `list` when event hashes are vLLM's bytes: nothing to keep
+    UnitTracker.convert_on_hashing = None if convert is list else convert
     logger.info(
         "KVBM: KV events per %d-token hash unit for groups %s (coarse block events %s)",
         B,
@@ -380,7 +400,35 @@ def apply() -> bool:
     changed |= wrap_method(BlockPool, "move_block_hashes", _wrap_move)
     changed |= wrap_method(BlockPool, "reset_prefix_cache", _wrap_reset)
     changed |= wrap_method(BlockPool, "take_events", _wrap_take_events)
+    changed |= wrap_method(Request, "update_block_hashes", _wrap_update_block_hashes)
     return changed
+
+
+EVENT_HASHES = "_kvbm_event_hashes"  # Request attribute: its block_hashes in event form
+
+
+def _wrap_update_block_hashes(orig):
+    """vLLM only appends to a request's hashes here; elsewhere it truncates them (streaming input
+    sessions, resets), which the converted list follows at the next call (and
+    `UnitTracker.event_hashes` ignores until then: the lengths differ)."""
+
+    def update_block_hashes(self):
+        convert = UnitTracker.convert_on_hashing
+        if convert is None:
+            return orig(self)
+        hashes = self.block_hashes
+        n = len(hashes)
+        orig(self)
+        converted = self.__dict__.get(EVENT_HASHES)
+        if converted is None or len(converted) < n:
+            setattr(self, EVENT_HASHES, convert(hashes))
+            return
+        if len(converted) > n:
+            del converted[n:]
+        if len(hashes) > n:
+            converted += convert(hashes[n:])
+
+    return update_block_hashes
 
 
 def _wrap_manager_init(orig):
