@@ -72,19 +72,18 @@ def _in_flight(accounting: dict) -> bool:
                                                      for t in tiers))
 
 
-def _settle(llm, side, timeout_s: float = 20.0) -> dict:
-    """Step the engine (one-token requests that store nothing) until the connector has nothing in
-    flight: writes behind (disk, remote) finish and are announced in a later step, and an idle
-    engine takes no steps, so a run that ends right after its last request would otherwise race
-    them. Returns the final accounting; a leak shows there after the timeout."""
+def _step_while(llm, busy, timeout_s: float = 20.0) -> None:
+    """Step the engine (one-token requests that store nothing) while busy(): writes behind (disk,
+    remote) finish and are announced in a later step. An engine core's busy loop keeps stepping
+    while its connector has pending work, but an in-process `LLM.generate` returns as soon as its
+    outputs are done, so a run that ends right after its last request would otherwise race them."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     deadline = time.monotonic() + timeout_s
-    while _in_flight(acc := side.accounting()) and time.monotonic() < deadline:
+    while busy() and time.monotonic() < deadline:
         llm.generate([TokensPrompt(prompt_token_ids=[5])], SamplingParams(max_tokens=1), use_tqdm=False)
         time.sleep(0.01)
-    return acc
 
 
 def start_engine(spec: dict):
@@ -146,9 +145,13 @@ def run(spec: dict) -> dict:
         metadata = engine_core.get_kv_cache_group_metadata()
         sched = engine_core.scheduler
         hbs, bs = sched.hash_block_size, sched.block_size
-        side = getattr(getattr(sched, "connector", None), "_sched", None)
+        kv_connector = getattr(sched, "connector", None)
+        side = getattr(kv_connector, "_sched", None)
         if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
-            connector = _settle(llm, side)
+            _step_while(llm, lambda: _in_flight(side.accounting()))
+            connector = side.accounting()  # a leak shows here after the timeout
+        elif kv_connector is not None:  # e.g. vLLM's OffloadingConnector with our secondary tiers
+            _step_while(llm, kv_connector.has_pending_push_work)
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = connector = None
