@@ -350,11 +350,13 @@ def test_requests_keep_their_hashes_in_event_form_through_truncation():
 
     kept = req.__dict__[EVENT_HASHES]
     assert len(kept) == 7 and kept == vllms()
+    assert all(x is y for x, y in zip(tracker.event_hashes(req, 2, 7), kept[2:7]))  # a slice, not converted
     del req.block_hashes[3:]
-    assert tracker.event_hashes(req, 0, 3) == vllms() and len(kept) == 7  # converted afresh
+    fresh = tracker.event_hashes(req, 0, 3)
+    assert fresh == vllms() and fresh[0] is not kept[0] and len(kept) == 7  # converted afresh
     req.append_output_token_ids(list(range(5000, 5000 + 32)))  # vLLM hashes units 3..7 again
     assert req.__dict__[EVENT_HASHES] is kept and kept == vllms() and len(kept) == 8
-    assert tracker.event_hashes(req, 2, 8) == kept[2:8]
+    assert all(x is y for x, y in zip(tracker.event_hashes(req, 2, 8), kept[2:8]))
     req.block_hashes.clear()
     req.update_block_hashes()
     assert kept == vllms() and len(kept) == 8
