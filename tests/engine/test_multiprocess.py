@@ -1,5 +1,7 @@
 """Multi-process engine (EngineCore and worker in their own processes)."""
 
+import random
+
 import pytest
 
 from .test_hybrid_engine import P100, fine, flat
@@ -19,14 +21,29 @@ def test_hybrid_hash_granularity_across_processes(run_engine):
 
 def test_tiers_across_processes(run_engine, tmp_path):
     """KVBMConnector with EngineCore and the worker in their own processes: the scheduler side
-    plans, the worker copies, a second engine process hits on disk; outputs identical."""
-    from .helpers import outputs
+    plans, the worker copies, a second engine process hits on disk; outputs identical.
+
+    The last request's blocks are written to disk behind it (fsynced: slower than the one step
+    vLLM's engine core takes after a request ends) and no request follows: the engine core keeps
+    stepping while KVBMConnector.has_pending_push_work, so their STORAGE events still go out."""
+    from vllm_kvbm_plugin.events.types import MEDIUM_STORAGE, BlockStored
+
+    from .helpers import batches, outputs, validate
     from .test_tiers_engine import HIT, PROMPT, REPEAT, spec
 
+    last = [random.Random(5).randrange(10, 2000) for _ in range(1000)]  # 31 blocks, in one step
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    r = run_engine(spec(REPEAT, cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)), env=env)
-    first, again = outputs(r)
+    r = run_engine(spec(REPEAT + [{"prompts": [last], "max_tokens": 1}], events=True, cpu_bytes_to_use=4 << 20,
+                        disk_path=str(tmp_path), disk_fsync=True), env=env)
+    first, again, _ = outputs(r)
     assert again["num_cached_tokens"] == HIT and again["tokens"] == first["tokens"]
+    stored = [ev for _, b in batches(r) for ev in b.events
+              if isinstance(ev, BlockStored) and ev.medium == MEDIUM_STORAGE]
+    written = {tuple(ev.token_ids[i:i + 32]) for ev in stored for i in range(0, len(ev.token_ids), 32)}
+    missing = [i for i in range(len(last) // 32) if tuple(last[i * 32:(i + 1) * 32]) not in written]
+    assert not missing, f"STORAGE BlockStored never published for blocks {missing} of the last request"
+    v = validate(r)
+    assert v.errors == 0, v.report()["first_problems"]
     r2 = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)), env=env)
     (o,) = outputs(r2)
     assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]

@@ -5,6 +5,7 @@ written, in the right blocks (testing.scheduler.SimulatedWorker). Runs on vLLM 0
 
 import os
 import random
+import time
 
 import pytest
 
@@ -122,6 +123,42 @@ def test_recording_of_hybrid_unit_events_and_tier_events_validates(tmp_path):
     assert any(ev.block_size == 32 for ev in events(h) if ev.medium == "GPU" and isinstance(ev, BlockStored))
     assert v.errors == 0, v.report()
     assert idle(h)
+
+
+def test_pending_push_work_keeps_an_idle_engine_stepping_only_while_work_is_in_flight(tmp_path):
+    """vLLM's engine core steps while Scheduler.has_requests(), which past the last request asks
+    the connector's has_pending_push_work. Disk writes that end after the last request keep it
+    stepping until their STORAGE events are out; blocks the tiers merely hold, or hold open for
+    a waiting request, must not (an idle engine would spin)."""
+    def busy_loop(h: SchedulerHarness) -> None:  # EngineCoreProc.run_busy_loop, nothing to receive
+        deadline = time.monotonic() + 30
+        while h.scheduler.has_requests():
+            assert time.monotonic() < deadline, "the engine never became idle"
+            h.step()
+            time.sleep(0.001)  # as vLLM's engine core yields after a step without a forward
+
+    first = harness(False, disk_path=str(tmp_path))
+    first.add(PROMPT, max_tokens=1)  # its six blocks are stored and written in its only step
+    first.run(timeout=30)
+    assert not first.scheduler.has_unfinished_requests()
+    assert first.scheduler.connector.has_pending_push_work()  # the writes are not reported yet
+    assert not any(ev.medium == MEDIUM_STORAGE for ev in events(first))
+    busy_loop(first)
+    stored = [ev for ev in events(first) if isinstance(ev, BlockStored) and ev.medium == MEDIUM_STORAGE]
+    assert sum(len(ev.block_hashes) for ev in stored) == 6
+    assert idle(first) and len(first.connector.cpu) == len(first.connector.disk) == 6  # cached, not work
+    assert not first.scheduler.connector.has_pending_push_work()
+
+    # a new engine without a CPU tier: the request waits a step while the workers verify its six
+    # files, then they stay open for it (pinned) until its direct loads have run
+    second = harness(False, disk_path=str(tmp_path), cpu_bytes_to_use=1)
+    second.add(PROMPT, max_tokens=2)
+    assert second.step() == 0 and second.connector.accounting()["direct"] == 6
+    assert all(h.ready for h in second.connector.disk.held.values())
+    assert not second.scheduler.connector.has_pending_push_work()
+    busy_loop(second)
+    assert second.cached_tokens == {"r0": 192} and idle(second)
+    assert not second.scheduler.connector.has_pending_push_work()
 
 
 def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_path):

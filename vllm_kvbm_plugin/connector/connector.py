@@ -130,6 +130,11 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def take_events(self):
         return self._sched.take_events()
 
+    def has_pending_push_work(self) -> bool:
+        """Keeps an engine core stepping while tier writes, fetches or worker reports are in
+        flight (see SchedulerSide.has_pending_push_work); False on the worker side."""
+        return self._sched is not None and self._sched.has_pending_push_work()
+
 
 def _tensor_parallel_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

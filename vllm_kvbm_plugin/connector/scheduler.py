@@ -144,6 +144,20 @@ class SchedulerSide:
             out["remote"] = {"fetching": len(self.remote.fetching), "writing": len(self.remote.writing)}
         return out
 
+    def has_pending_push_work(self) -> bool:
+        """Whether work is in flight that completes by itself and then needs an engine step to be
+        settled and announced: stores, disk writes, prefetches, remote fetches and writes whose
+        reports the workers owe (every worker's, `quorum`), and files to close. vLLM's engine
+        core keeps stepping while this holds (Scheduler.has_requests), so a write that ends after
+        the last request is announced then, not when the next request comes (or never).
+
+        Entries pinned for a running or waiting request, and what the tiers merely hold, are no
+        such work: an idle engine would spin. Called every loop iteration of an idle engine core,
+        so only emptiness checks (and the few files held open)."""
+        return bool(self.quorum.pending or self.cpu.has_pending_work()
+                    or (self.disk is not None and self.disk.has_pending_work())
+                    or (self.remote is not None and self.remote.has_pending_work()))
+
     # ---- keys --------------------------------------------------------------------------------
     def _keys(self, request) -> RequestKeys:
         st = self.requests.get(request.request_id)

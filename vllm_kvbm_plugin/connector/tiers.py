@@ -62,6 +62,7 @@ class TierManager:
         self.index = TierIndex(capacity, make_policy(policy))
         self.parent_pins: dict = {}  # key -> its parent, pinned until the key is stored or dropped
         self.waiting: dict = {}  # key -> children stored before it was announced (announced after it)
+        self.storing: set = set()  # keys prepared for a store whose outcome the workers owe
         self.events: list = []
 
     def __len__(self) -> int:
@@ -108,12 +109,15 @@ class TierManager:
         if entry is None:
             if parent is not None:
                 self.index.unpin(parent)
-        elif parent is not None:
+            return None
+        self.storing.add(key)
+        if parent is not None:
             self.parent_pins[key] = parent
         return entry
 
     def complete_store(self, key, ok: bool) -> None:
         """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
+        self.storing.discard(key)
         parent = self.parent_pins.pop(key, None)
         if parent is not None:
             self.index.unpin(parent)
@@ -127,6 +131,7 @@ class TierManager:
 
     def remove(self, key) -> None:
         """`key` is gone (found corrupt or missing): drop it and announce the removal."""
+        self.storing.discard(key)
         self._evicted([(key, self.index.remove(key))])
 
     def take_events(self) -> list:
@@ -135,6 +140,10 @@ class TierManager:
 
     def busy(self) -> int:
         return self.index.busy()
+
+    def has_pending_work(self) -> bool:
+        """Stores the workers have yet to report (see SchedulerSide.has_pending_push_work)."""
+        return bool(self.storing)
 
     def _announce(self, entry: Entry) -> None:
         a = entry.meta
@@ -287,6 +296,13 @@ class DiskTier(TierManager):
             self.complete_load(key)
             self.closes.append(key)
 
+    def has_pending_work(self) -> bool:
+        """Writes, prefetches or opens the workers have yet to report, and files to close (held
+        open for requests that are gone: closed with the next step's metadata). Not the files
+        held for a request that still waits for them, nor what the tier merely holds."""
+        return bool(self.storing or self.prefetching or self.closes
+                    or any(not h.ready or not h.requests for h in self.held.values()))
+
     def take_file_ops(self) -> tuple[list, list]:
         """(opens, closes) for this step's metadata."""
         ops = self.opens, self.closes
@@ -414,6 +430,10 @@ class RemoteTier:
 
     def busy(self) -> int:
         return len(self.fetching) + len(self.writing)
+
+    def has_pending_work(self) -> bool:
+        """Fetches or writes behind the workers have yet to report."""
+        return bool(self.fetching or self.writing)
 
     # ---- lookups -------------------------------------------------------------------------
     def lookup(self, key) -> bool:

@@ -66,17 +66,12 @@ def metric_totals(prefix: str = "vllm:kvbm_") -> dict:
     return out
 
 
-def _in_flight(accounting: dict) -> bool:
-    tiers = [v for v in accounting.values() if isinstance(v, dict)]
-    return bool(accounting["reports_pending"] or any(t.get("busy") or t.get("fetching") or t.get("writing")
-                                                     for t in tiers))
-
-
 def _step_while(llm, busy, timeout_s: float = 20.0) -> None:
-    """Step the engine (one-token requests that store nothing) while busy(): writes behind (disk,
-    remote) finish and are announced in a later step. An engine core's busy loop keeps stepping
-    while its connector has pending work, but an in-process `LLM.generate` returns as soon as its
-    outputs are done, so a run that ends right after its last request would otherwise race them."""
+    """Step the engine (one-token requests that store nothing) while busy(), the connector's
+    `has_pending_push_work`: writes behind (disk, remote) finish and are announced in a later
+    step. An engine core's busy loop keeps stepping while that holds, but an in-process
+    `LLM.generate` returns as soon as its outputs are done, so a run that ends right after its
+    last request would otherwise race them."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -146,12 +141,11 @@ def run(spec: dict) -> dict:
         sched = engine_core.scheduler
         hbs, bs = sched.hash_block_size, sched.block_size
         kv_connector = getattr(sched, "connector", None)
+        if kv_connector is not None:  # KVBMConnector, or vLLM's OffloadingConnector with our tiers
+            _step_while(llm, kv_connector.has_pending_push_work)
         side = getattr(kv_connector, "_sched", None)
         if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
-            _step_while(llm, lambda: _in_flight(side.accounting()))
             connector = side.accounting()  # a leak shows here after the timeout
-        elif kv_connector is not None:  # e.g. vLLM's OffloadingConnector with our secondary tiers
-            _step_while(llm, kv_connector.has_pending_push_work)
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = connector = None
