@@ -36,6 +36,19 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> b
     return True
 
 
+def add_class_default(cls: type, name: str, value) -> bool:
+    """Give `cls` a class attribute `name`, once: the default of per-instance state that our
+    wrappers then read as `self.name`. Never read a vLLM object's `__dict__` instead: on CPython
+    3.11 that turns the instance's inline attribute values into a dict for good, and every
+    attribute access of vLLM's on it gets slower (a BlockPool's: 4.8 -> 16.8 ns, 2.5% of a
+    scheduler step)."""
+    if name in cls.__dict__:
+        return False
+    _APPLIED.append((cls, name, None, False))
+    setattr(cls, name, value)
+    return True
+
+
 def remove_all() -> None:
     """Restore every patched attribute (benchmarks compare against vanilla in one process)."""
     while _APPLIED:

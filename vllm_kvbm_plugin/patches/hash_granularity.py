@@ -38,7 +38,7 @@ def _wrap_update(orig):
         cc = vllm_config.cache_config
         before = cc.block_size
         orig(cls, vllm_config)
-        if cc.user_specified_block_size and cc.block_size != before and _RECORD not in cc.__dict__:
+        if cc.user_specified_block_size and cc.block_size != before and getattr(cc, _RECORD, None) is None:
             setattr(cc, _RECORD, before)
 
     return update_block_size_for_backend
@@ -88,7 +88,7 @@ def _preferred_unit(engine_core, vllm_config) -> int | None:
         return None
     unit = kvbm.hash_block_size if kvbm is not None else None
     if unit is None and cc.user_specified_block_size:
-        unit = cc.__dict__.get(_RECORD, cc.block_size)
+        unit = getattr(cc, _RECORD, cc.block_size)
     if unit is None:
         return None
     sizes = {

@@ -30,7 +30,7 @@ from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 from vllm.v1.request import Request
 
 from vllm_kvbm_plugin import compat, config
-from vllm_kvbm_plugin.patches import logger, wrap_method
+from vllm_kvbm_plugin.patches import add_class_default, logger, wrap_method
 
 NAME = "sub_block_events"
 _FULL_ATTENTION_KINDS = ("full_attention", "mla_attention")
@@ -51,9 +51,10 @@ class UnitTracker:
     are the longest prefix any of them shares with the block (`_shared`, usually one comparison).
     """
 
-    # Set once a tracker exists in this process (and event hashes are ints): each request then keeps
-    # its hashes in event form too (`EVENT_HASHES`), converted as vLLM computes them, when the new
-    # digests are still in the CPU cache and, in an engine, in its input thread rather than its step.
+    # Set once a tracker exists in this process (and event hashes are ints): each request then
+    # keeps its hashes in event form too (`_kvbm_event_hashes`), converted as vLLM computes them,
+    # when the new digests are still in the CPU cache and, in an engine, in its input thread
+    # rather than its step.
     convert_on_hashing = None
 
     def __init__(self, pool: BlockPool, units_per_block: dict[int, int], coarse: bool):
@@ -189,7 +190,7 @@ class UnitTracker:
         """The request's unit hashes [lo, hi) in event form: a slice of those converted as vLLM
         computed them, or converted now (a request hashed before the tracker existed, or whose
         hashes vLLM truncated since)."""
-        converted = request.__dict__.get(EVENT_HASHES)
+        converted = request._kvbm_event_hashes
         if converted is not None and len(converted) == len(request.block_hashes):
             return converted[lo:hi]
         return self.to_event_hashes(request.block_hashes[lo:hi])
@@ -357,10 +358,6 @@ def _shared(units: list, holders: list, skip=None) -> int:
     return k
 
 
-def _tracker(pool: BlockPool) -> UnitTracker | None:
-    return pool.__dict__.get("_kvbm_units")
-
-
 def _attach(manager: KVCacheManager) -> None:
     """Attach a UnitTracker to the manager's pool when some group needs sub-block events."""
     pool = manager.block_pool
@@ -392,7 +389,10 @@ def _attach(manager: KVCacheManager) -> None:
 
 
 def apply() -> bool:
-    changed = wrap_method(KVCacheManager, "__init__", _wrap_manager_init)
+    # Per-instance state, None unless set: a pool's tracker; a request's hashes in event form
+    changed = add_class_default(BlockPool, "_kvbm_units", None)
+    changed |= add_class_default(Request, "_kvbm_event_hashes", None)
+    changed |= wrap_method(KVCacheManager, "__init__", _wrap_manager_init)
     changed |= wrap_method(KVCacheManager, "get_computed_blocks", _wrap_get_computed_blocks)
     changed |= wrap_method(BlockPool, "cache_full_blocks", _wrap_cache_full_blocks)
     changed |= wrap_method(BlockPool, "cache_partial_block", _wrap_cache_partial_block)
@@ -402,9 +402,6 @@ def apply() -> bool:
     changed |= wrap_method(BlockPool, "take_events", _wrap_take_events)
     changed |= wrap_method(Request, "update_block_hashes", _wrap_update_block_hashes)
     return changed
-
-
-EVENT_HASHES = "_kvbm_event_hashes"  # Request attribute: its block_hashes in event form
 
 
 def _wrap_update_block_hashes(orig):
@@ -419,9 +416,9 @@ def _wrap_update_block_hashes(orig):
         hashes = self.block_hashes
         n = len(hashes)
         orig(self)
-        converted = self.__dict__.get(EVENT_HASHES)
+        converted = self._kvbm_event_hashes
         if converted is None or len(converted) < n:
-            setattr(self, EVENT_HASHES, convert(hashes))
+            self._kvbm_event_hashes = convert(hashes)
             return
         if len(converted) > n:
             del converted[n:]
@@ -446,7 +443,7 @@ def _wrap_manager_init(orig):
 def _wrap_cache_full_blocks(orig):
     def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                           kv_cache_group_id, block_mask=None):
-        t = self.__dict__.get("_kvbm_units")
+        t = self._kvbm_units
         if t is None:
             return orig(self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                         kv_cache_group_id, block_mask)
@@ -477,7 +474,7 @@ def _wrap_cache_full_blocks(orig):
 def _wrap_cache_partial_block(orig):
     def cache_partial_block(self, request, block, num_tokens, kv_cache_group_id, block_size,
                             replace_existing_hashes=False):
-        t = self.__dict__.get("_kvbm_units")
+        t = self._kvbm_units
         if t is None or kv_cache_group_id not in t.units_per_block:
             return orig(self, request, block, num_tokens, kv_cache_group_id, block_size,
                         replace_existing_hashes)
@@ -506,7 +503,7 @@ def _wrap_get_computed_blocks(orig):
     others by vLLM for their whole hit blocks only."""
 
     def get_computed_blocks(self, request, *args, **kwargs):
-        t = self.block_pool.__dict__.get("_kvbm_units")
+        t = self.block_pool._kvbm_units
         if t is None or getattr(request, "kv_cache_report_mode", None) != "full":
             return orig(self, request, *args, **kwargs)
         request.kv_cache_report_mode = "incremental"
@@ -529,7 +526,7 @@ def _wrap_get_computed_blocks(orig):
 
 def _wrap_evict(orig):
     def _maybe_evict_cached_block(self, block):
-        t = self.__dict__.get("_kvbm_units")
+        t = self._kvbm_units
         if t is None or block.block_id not in t.by_block:
             return orig(self, block)
         self.enable_kv_cache_events = False
@@ -546,7 +543,7 @@ def _wrap_evict(orig):
 def _wrap_move(orig):
     def move_block_hashes(self, src_block, dst_block):
         orig(self, src_block, dst_block)
-        t = _tracker(self)
+        t = self._kvbm_units
         if t is not None:
             t.move(src_block.block_id, dst_block.block_id)
 
@@ -556,7 +553,7 @@ def _wrap_move(orig):
 def _wrap_reset(orig):
     def reset_prefix_cache(self):
         ok = orig(self)
-        t = _tracker(self)
+        t = self._kvbm_units
         if ok and t is not None:
             t.clear()
         return ok
@@ -566,7 +563,7 @@ def _wrap_reset(orig):
 
 def _wrap_take_events(orig):
     def take_events(self):
-        t = self.__dict__.get("_kvbm_units")
+        t = self._kvbm_units
         if t is not None and (t.removed_units or t.removed_coarse):
             t.flush_removed()
         return orig(self)
