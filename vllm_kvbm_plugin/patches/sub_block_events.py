@@ -101,8 +101,10 @@ class UnitTracker:
                 continue
             a = (bi - start) * r  # the block's units in conv
             entry = by_block.get(block.block_id)
-            if entry is None:
-                k = self._hold(heads, block.block_id, group, conv[a : a + r])
+            if entry is None:  # usually the first holder of its first unit: no call (see `_join`)
+                entry = by_block[block.block_id] = (group, conv[a : a + r])
+                holders = heads.setdefault(conv[a], entry)
+                k = 0 if holders is entry else self._join(heads, holders, entry)
             else:
                 had = len(entry[1])
                 if had >= r:
@@ -137,11 +139,7 @@ class UnitTracker:
                 parent = prev[1][-1]
             else:
                 parent = self.event_hashes(request, start * r - 1, start * r)[0]
-        self._before_announce(request)
-        if block_runs:
-            self._announce(request, group, r, block_runs, conv, r, tokens, parent)
-        if unit_runs:
-            self._announce(request, group, 1, unit_runs, conv, 1, tokens, parent)
+        self._announce(request, group, r, block_runs, unit_runs, conv, tokens, parent)
 
     def cache_partial(self, request, group: int, block, index: int, n: int) -> None:
         """Block `index` of the request now holds its first n units (vLLM's partial key at the
@@ -155,8 +153,15 @@ class UnitTracker:
         entry = self.by_block.get(block.block_id)
         heads = self.heads[group]
         if entry is None:
-            held = self.event_hashes(request, first, first + n)
-            k = self._hold(heads, block.block_id, group, held)
+            if first:  # with the unit before, the parent of the event (one call, not two)
+                held = self.event_hashes(request, first - 1, first + n)
+                before = held[0]
+                del held[0]
+            else:
+                held, before = self.event_hashes(request, 0, n), None
+            entry = self.by_block[block.block_id] = (group, held)
+            holders = heads.setdefault(held[0], entry)
+            k = 0 if holders is entry else self._join(heads, holders, entry)
         else:
             held = entry[1]
             had = len(held)
@@ -165,26 +170,17 @@ class UnitTracker:
             k = self._extend(heads, entry, self.event_hashes(request, first + had, first + n))
         if k >= n:
             return
-        if k:
-            parent = held[k - 1]
-        elif index:
-            parent = self.event_hashes(request, first - 1, first)[0]
-        else:
-            parent = None
-        self._before_announce(request)
-        self._announce(request, group, 1, [[first + k, first + n, 0]], held[k:], 1, {}, parent)
+        parent = held[k - 1] if k else before
+        self._announce(request, group, r, (), [[first + k, first + n, 0]], held[k:], {}, parent)
 
     def cache_hit(self, request, group: int, n: int) -> None:
         """The request's first n units are a prefix-cache hit, to be announced again (vLLM's
         `kv_cache_report_mode` "full", for gateways that learn about hits): one unit event from
         the first unit, and coarse keys for the whole blocks among them."""
         r = self.units_per_block[group]
+        block_runs = [[0, n // r, r - 1]] if self.coarse and n >= r else ()
         conv = self.event_hashes(request, 0, n)
-        self._before_announce(request)
-        tokens: dict = {}
-        if self.coarse and n >= r:
-            self._announce(request, group, r, [[0, n // r, r - 1]], conv, r, tokens, None)
-        self._announce(request, group, 1, [[0, n, 0]], conv, 1, tokens, None)
+        self._announce(request, group, r, block_runs, [[0, n, 0]], conv, {}, None)
 
     def event_hashes(self, request, lo: int, hi: int) -> list:
         """The request's unit hashes [lo, hi) in event form: a slice of those converted as vLLM
@@ -195,14 +191,12 @@ class UnitTracker:
             return converted[lo:hi]
         return self.to_event_hashes(request.block_hashes[lo:hi])
 
-    def _hold(self, heads: dict, block_id: int, group: int, held: list) -> int:
-        """Record a block holding `held` (its first units); returns how many of them other
-        blocks hold."""
-        entry = self.by_block[block_id] = (group, held)
-        holders = heads.get(held[0])
-        if holders is None:
-            heads[held[0]] = entry
-            return 0
+    @staticmethod
+    def _join(heads: dict, holders, entry: tuple) -> int:
+        """Add a block's new entry to the other holders of its first unit; returns how many of
+        its units they hold. The callers record a block alone at its first unit (the usual case)
+        themselves, saving a call per cached block."""
+        held = entry[1]
         if type(holders) is tuple:  # a second holder
             holders = heads[held[0]] = [holders]
         k = _shared(held, holders)
@@ -218,16 +212,6 @@ class UnitTracker:
         held += units
         holders = heads[held[0]]
         return had if holders is entry else max(had, _shared(held, holders, entry))
-
-    def _before_announce(self, request) -> None:
-        """Look up the request's event fields once per request (it is cached in several calls
-        during a chunked prefill) and send pending removals first."""
-        if request is not self.fields[0]:
-            lora = request.lora_request
-            self.fields = (request, compat.has_extra_keys(request), lora.adapter_id if lora else None,
-                           lora.name if lora else None, request.session_id)
-        if self.removed_units or self.removed_coarse:
-            self.flush_removed()
 
     def release(self, block_id: int) -> None:
         entry = self.by_block.pop(block_id, None)
@@ -282,52 +266,62 @@ class UnitTracker:
                 queue.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))
             pending.clear()
 
-    def _announce(self, request, group: int, units_per_key: int, runs: list, conv: list,
-                  step: int, tokens: dict, parent_before) -> None:
-        """One BlockStored per run of consecutive fresh keys, chained to the key before.
+    def _announce(self, request, group: int, r: int, block_runs, unit_runs, conv: list, tokens: dict,
+                  parent_before) -> None:
+        """One BlockStored per run of consecutive fresh keys, chained to the key before: first the
+        runs of whole blocks (coarse keys of r units), then the runs of units. Pending removals
+        are sent before.
 
-        Key i covers tokens [i*n, (i+1)*n) with n = units_per_key * hash_block_size; its hash
-        (event form) is the chained unit hash at its last unit, which is what vLLM announces for
-        a block of n tokens. A run's hashes are conv[lo :: step], one per key; a run starting
-        at conv's first key has parent `parent_before`. Events are filled like
-        `compat.block_stored_event` fills them, with the request's fields looked up once.
+        Key i of n units covers tokens [i*n*B, (i+1)*n*B) with B = hash_block_size; its hash (event
+        form) is the chained unit hash at its last unit, which is what vLLM announces for a block
+        of n*B tokens. A run (first key, end key, lo) has the hashes conv[lo :: n], one per key; a
+        run starting at conv's first key has parent `parent_before`. Events are filled like
+        `compat.block_stored_event` fills them, with the request's fields looked up once per
+        request (it is cached in several calls during a chunked prefill).
         """
-        n = units_per_key * self.unit
+        if request is not self.fields[0]:
+            lora = request.lora_request
+            self.fields = (request, compat.has_extra_keys(request), lora.adapter_id if lora else None,
+                           lora.name if lora else None, request.session_id)
+        if self.removed_units or self.removed_coarse:
+            self.flush_removed()
         queue, medium = self.pool.kv_event_queue, self.medium
         _, with_extra, lora_id, lora_name, session_id = self.fields
-        for first, end, lo in runs:
-            if with_extra:
-                extra, mm_idx = [], 0
-                for k in range(first, end):
-                    e, mm_idx = compat.block_extra_keys(self.pool, request, k * n, (k + 1) * n, mm_idx)
-                    extra.append(e)
-                extra = to_event_extra_keys(extra)
-            else:
-                extra = [None] * (end - first)
-            if step == 1:
-                key_hashes = conv if lo == 0 and end - first == len(conv) else conv[lo : lo + end - first]
-            else:
-                key_hashes = conv[lo : lo + (end - first - 1) * step + 1 : step]
-            parent = conv[lo - step] if lo >= step else parent_before
-            span = (first * n, end * n)
-            token_ids = tokens.get(span)
-            if token_ids is None:
-                token_ids = tokens[span] = request.all_token_ids[span[0] : span[1]]
-            queue.append(
-                BlockStored(
-                    block_hashes=key_hashes,
-                    parent_block_hash=parent,
-                    token_ids=token_ids,
-                    block_size=n,
-                    lora_id=lora_id,
-                    medium=medium,
-                    lora_name=lora_name,
-                    extra_keys=extra,
-                    group_idx=group,
-                    session_id=session_id,
+        for units, runs in ((r, block_runs), (1, unit_runs)):
+            size = units * self.unit
+            for first, end, lo in runs:
+                if with_extra:
+                    extra, mm_idx = [], 0
+                    for k in range(first, end):
+                        e, mm_idx = compat.block_extra_keys(self.pool, request, k * size, (k + 1) * size,
+                                                            mm_idx)
+                        extra.append(e)
+                    extra = to_event_extra_keys(extra)
+                else:
+                    extra = [None] * (end - first)
+                if units == 1:
+                    key_hashes = conv if lo == 0 and end - first == len(conv) else conv[lo : lo + end - first]
+                else:
+                    key_hashes = conv[lo : lo + (end - first - 1) * units + 1 : units]
+                parent = conv[lo - units] if lo >= units else parent_before
+                span = (first * size, end * size)
+                token_ids = tokens.get(span)
+                if token_ids is None:
+                    token_ids = tokens[span] = request.all_token_ids[span[0] : span[1]]
+                queue.append(
+                    BlockStored(
+                        block_hashes=key_hashes,
+                        parent_block_hash=parent,
+                        token_ids=token_ids,
+                        block_size=size,
+                        lora_id=lora_id,
+                        medium=medium,
+                        lora_name=lora_name,
+                        extra_keys=extra,
+                        group_idx=group,
+                        session_id=session_id,
+                    )
                 )
-            )
-
 
 def _shared(units: list, holders: list, skip=None) -> int:
     """How many of `units` (a block's, from its first) other holders hold: the longest prefix
