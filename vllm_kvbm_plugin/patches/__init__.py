@@ -2,7 +2,9 @@
 
 Rules: patch methods on class objects (never module attributes, which other modules import by
 value); be idempotent (a second apply is a no-op); gate on the vLLM versions we read; each wrapper is
-inert unless its feature is configured, so an installed but unconfigured plugin changes nothing.
+inert unless its feature is configured, so an installed but unconfigured plugin changes nothing;
+state kept on vLLM's objects is read through a class default (`add_class_default`), never through
+the object's `__dict__`.
 """
 
 from __future__ import annotations
