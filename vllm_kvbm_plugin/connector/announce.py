@@ -10,7 +10,7 @@ from vllm_kvbm_plugin.connector.layout import EntryKind, Layout
 from vllm_kvbm_plugin.connector.tiers import Announce, Announcer
 from vllm_kvbm_plugin.events.types import Tier
 
-NOTHING: Announcer = lambda name: Announce([])  # noqa: E731 - an internal entry, never announced
+NOTHING: Announcer = lambda name: Announce(())  # noqa: E731 - an internal entry, never announced
 
 
 class EventBuilder:
@@ -27,20 +27,22 @@ class EventBuilder:
     def _announce(self, request, start: int, end: int, kind: EntryKind, name: Tier) -> Announce:
         hashes, unit = request.block_hashes, self.layout.hash_unit
         if len(hashes) < end // unit:
-            return Announce([])
+            return Announce(())
         conv = self.to_event_hashes
         vhash = conv([hashes[end // unit - 1]])[0]
         parent = conv([hashes[start // unit - 1]])[0] if start else None
         extra = None
         if compat.has_extra_keys(request):
             extra = to_event_extra_keys([compat.block_extra_keys(self.pool, request, start, end, 0)[0]])
+        # tuples, not lists: the events are kept with the tier entry (see tiers.compact)
+        extra = tuple(extra) if extra else (None,)
+        token_ids = tuple(request.all_token_ids[start:end])
         events = []
         for g in self.layout.groups[kind]:
             event = compat.block_stored_event(
-                self.pool, request, block_hashes=[vhash], parent_block_hash=parent,
-                token_ids=request.all_token_ids[start:end], block_size=end - start, group_idx=g,
-                extra_keys=extra or [None], medium=name.medium)
+                self.pool, request, block_hashes=(vhash,), parent_block_hash=parent, token_ids=token_ids,
+                block_size=end - start, group_idx=g, extra_keys=extra, medium=name.medium)
             event.locality, event.ownership = name.locality, name.ownership
             event.kv_cache_spec_kind = self.layout.spec_kinds[g]
             events.append(event)
-        return Announce(events, vhash)
+        return Announce(tuple(events), vhash)

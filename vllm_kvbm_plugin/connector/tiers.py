@@ -39,21 +39,29 @@ _ENCODE = msgspec.msgpack.Encoder().encode
 _DECODE_STORED = msgspec.msgpack.Decoder(BlockStored).decode
 
 
-@dataclasses.dataclass
-class Announce:
+class Announce(msgspec.Struct, gc=False):
     """The BlockStored events of one tier entry (one per group), published once its bytes are in
-    place; no events: an internal entry, never announced."""
-    events: list
+    place; no events: an internal entry, never announced. Kept as long as the entry, so like the
+    entry untracked by the garbage collector, with events whose fields are tuples (`compact`)."""
+    events: tuple
     vhash: object = None  # vLLM's event hash of the entry, for BlockRemoved
     announced: bool = False
+
+
+def compact(event: BlockStored) -> BlockStored:
+    """An event to keep with a tier entry: its lists as tuples, which (holding only atoms) the
+    garbage collector stops tracking, where a list stays tracked, and walked, for good."""
+    extra = event.extra_keys
+    return msgspec.structs.replace(event, block_hashes=tuple(event.block_hashes), token_ids=tuple(event.token_ids),
+                                   extra_keys=None if extra is None else tuple(extra))
 
 
 Announcer = Callable[[Tier], Announce]  # the events of an entry, named for a tier
 
 
-def _renamed(events: list, name: Tier) -> list:
-    return [msgspec.structs.replace(ev, medium=name.medium, locality=name.locality, ownership=name.ownership)
-            for ev in events]
+def _renamed(events, name: Tier) -> tuple:
+    return tuple(msgspec.structs.replace(ev, medium=name.medium, locality=name.locality, ownership=name.ownership)
+                 for ev in events)
 
 
 class TierManager:
@@ -87,7 +95,7 @@ class TierManager:
 
         def announce(name: Tier) -> Announce:
             if meta is None or not meta.events:
-                return Announce([])
+                return Announce(())
             return Announce(_renamed(meta.events, name), meta.vhash)
         return announce
 
@@ -345,7 +353,7 @@ class DiskTier(TierManager):
             self.index.complete(key)
             info = diskfmt.decode_meta(meta)
             try:
-                events = _renamed([_DECODE_STORED(ev) for ev in info[1]], self.name) if info else None
+                events = _renamed([compact(_DECODE_STORED(ev)) for ev in info[1]], self.name) if info else None
             except (msgspec.DecodeError, msgspec.ValidationError):
                 events = None
             if events and events[0].block_hashes:

@@ -488,7 +488,9 @@ class SubseqIndex:
         self.slot_of: dict[Hashable, int] = {}
         self.pending: dict[Hashable, dict] = {}  # key -> {holder: stores counted before its tokens}
         self.excluded: set = set()  # held keys that must never be found (see `add`)
-        self.children: dict[Hashable, set[int]] = {}  # parent key -> slots naming it as parent
+        # parent key -> slots naming it as parent; tuples (usually of one), which the garbage
+        # collector stops tracking, where a set per stored unit would be walked by every collection
+        self.children: dict[Hashable, tuple[int, ...]] = {}
         self.free = list(range(cap - 1, -1, -1))
         self._new_table(2 * cap)
         self.stats = {"stored": 0, "removed": 0, "unknown_removals": 0, "requests": 0,
@@ -537,7 +539,7 @@ class SubseqIndex:
         self.holders[slot] = held
         self.slot_of[key] = slot
         if parent is not None:
-            self.children.setdefault(parent, set()).add(slot)
+            self.children[parent] = self.children.get(parent, ()) + (slot,)
             self._set_child(parent)
         self._set_child(key)
         self._link(slot, parent)
@@ -603,8 +605,10 @@ class SubseqIndex:
         if parent is not None:
             kids = self.children.get(parent)
             if kids is not None:
-                kids.discard(slot)
-                if not kids:
+                kids = tuple(c for c in kids if c != slot)
+                if kids:
+                    self.children[parent] = kids
+                else:
                     del self.children[parent]
                 self._set_child(parent)
         self.gen[slot] += 1  # children's links to this slot die with it
@@ -619,7 +623,7 @@ class SubseqIndex:
         ps = self.slot_of.get(key)
         if ps is not None:
             kids = self.children.get(key)
-            self.child[ps] = next(iter(kids)) if kids is not None and len(kids) == 1 else -1
+            self.child[ps] = kids[0] if kids is not None and len(kids) == 1 else -1
 
     def _link(self, slot: int, parent: Hashable | None) -> None:
         ps = self.slot_of.get(parent) if parent is not None else None

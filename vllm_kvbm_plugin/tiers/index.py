@@ -6,15 +6,20 @@ Invariants: a key is `ready` only after its bytes are complete where the slot sa
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Hashable
 from typing import Any
+
+import msgspec
 
 from vllm_kvbm_plugin.tiers.policies import EvictionPolicy
 
 
-@dataclasses.dataclass
-class Entry:
+class Entry(msgspec.Struct, gc=False):
+    """One block the tier holds. Not tracked by Python's garbage collector: a tier holds up to
+    millions of entries, which every full collection would walk (a pause in the scheduler's
+    process that grows with the tier), so an entry and its `meta` must never be part of a
+    reference cycle."""
+
     slot: int
     ready: bool = False
     pins: int = 0
