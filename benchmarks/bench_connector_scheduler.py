@@ -27,12 +27,13 @@ Nemotron-like hybrid (a Mamba group and an attention group, block 2176, hash uni
 import argparse
 import gc
 import os
-import random
 import time
 
 import vllm
 
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
+
+from timing import shared_prefix_workload
 
 GEOMETRIES = {
     "llama-like (32)": dict(hybrid=False, block_size=32, hash_block_size=None, num_blocks=4000),
@@ -41,13 +42,8 @@ GEOMETRIES = {
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    systems = [[rng.randrange(50000) for _ in range(rng.randrange(300, 2000))] for _ in range(4)]
-    out = []
-    for _ in range(n):
-        body = [rng.randrange(50000) for _ in range(rng.randrange(200, 6000))]
-        out.append((rng.choice(systems) + body if rng.random() < 0.6 else body)[:8000])
-    return out
+    return shared_prefix_workload(n, systems=4, system_len=(300, 2000), body_len=(200, 6000), max_len=8000,
+                                  seed=seed)
 
 
 def run(geometry: dict, prompts, with_connector: bool) -> dict:

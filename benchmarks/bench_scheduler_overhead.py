@@ -30,7 +30,6 @@ in place the tracker costs ~1.5x its replay (cache misses); A/A reads 0.996-1.00
 import argparse
 import gc
 import os
-import random
 import statistics
 import time
 
@@ -39,17 +38,14 @@ import vllm
 from vllm_kvbm_plugin import patches, plugin
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
+from timing import shared_prefix_workload
+
 GEOMETRIES = {"nemotron-like (2176/64)": (2176, 64), "tiny qwen3-next (160/32)": (160, 32)}
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    systems = [[rng.randrange(50000) for _ in range(rng.randrange(500, 3000))] for _ in range(8)]
-    out = []
-    for _ in range(n):
-        body = [rng.randrange(50000) for _ in range(rng.randrange(1000, 16000))]
-        out.append(rng.choice(systems) + body if rng.random() < 0.6 else body)
-    return [p[:16000] for p in out]
+    return shared_prefix_workload(n, systems=8, system_len=(500, 3000), body_len=(1000, 16000), max_len=16000,
+                                  seed=seed)
 
 
 def use_plugin(with_plugin: bool) -> None:
