@@ -169,9 +169,13 @@ class SchedulerSide:
         return unit_keys(st, n_units, self.hash_unit, self.layout.root, self.pool, self.layout.keyer)
 
     def _block_key(self, st: RequestKeys, i: int):
-        """Key of block i: the key of its last unit."""
-        r = self.layout.units_per_block
-        return self._unit_keys(st, (i + 1) * r)[(i + 1) * r - 1]
+        """Key of block i: the key of its last unit (computed once per request; this is called for
+        every block a step stores, touches or plans, so the usual case makes no further call)."""
+        u = (i + 1) * self.layout.units_per_block
+        keys = st.unit_keys
+        if u > len(keys):
+            keys = self._unit_keys(st, u)
+        return keys[u - 1]
 
     # ---- hits --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
