@@ -10,12 +10,16 @@ import sys
 from vllm_kvbm_plugin.testing.tiny_models import KINDS
 
 
+REUSE_REPORTS_HELP = ('requests use kv_cache_report_mode "full": hashes announced again while held are '
+                      'reuse reports, not duplicate_store')
+
+
 def _subscribe(args) -> int:
     from vllm_kvbm_plugin.events import recording
     from vllm_kvbm_plugin.events.subscriber import Subscriber
     from vllm_kvbm_plugin.events.validator import Validator
 
-    validator = Validator(prompts=_prompts(args.prompts)) if args.validate else None
+    validator = Validator(prompts=_prompts(args.prompts), reuse_reports=args.reuse_reports) if args.validate else None
     out = open(args.out, "w") if args.out else sys.stdout
     tiers: dict[str, dict[str, int]] = {}
     stop = []
@@ -65,7 +69,7 @@ def _validate(args) -> int:
     from vllm_kvbm_plugin.events import recording
     from vllm_kvbm_plugin.events.validator import Validator
 
-    v = Validator(prompts=_prompts(args.prompts))
+    v = Validator(prompts=_prompts(args.prompts), reuse_reports=args.reuse_reports)
     files = [open(f) for f in args.file]
     try:  # several recordings: one stream each (a publisher), merged by batch time
         def stream(i, fp):
@@ -166,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--quiet", action="store_true", help="do not print batches")
     s.add_argument("--validate", action="store_true", help="check the stream like a router would")
     s.add_argument("--prompts", help="with --validate: JSON lines of the requests' prompts, to check extra_keys")
+    s.add_argument("--reuse-reports", action="store_true", help=REUSE_REPORTS_HELP)
     s.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
     s.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     s.set_defaults(func=_subscribe)
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("file", nargs="+")
     v.add_argument("--prompts", help='JSON lines, one per request: {"token_ids": [...], "images": '
                    '[{"offset": N, "length": N, "identifier": optional}]}; checks each prompt block\'s extra_keys')
+    v.add_argument("--reuse-reports", action="store_true", help=REUSE_REPORTS_HELP)
     v.set_defaults(func=_validate)
 
     a = sub.add_parser("announce", help="publish the remote tier's KV events once per tier (vLLM's wire "

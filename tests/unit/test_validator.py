@@ -245,3 +245,20 @@ def test_cli_validate_names_the_tier_of_each_problem(tmp_path, capsys):
     assert report["first_problems"][0]["tier"] == "STORAGE:LOCAL:tier-b"
     assert report["tiers"]["STORAGE:LOCAL:tier-a"] == {"stored": 2, "removed": 1, "held": 1}
     assert "#1 unknown_removal [STORAGE:LOCAL:tier-b]" in captured.err
+
+
+def test_cli_validate_counts_reuse_reports_when_told(tmp_path, capsys):
+    """Requests with kv_cache_report_mode "full" announce their hits again: duplicates for a plain
+    check, reuse reports with --reuse-reports; a hash repeated within one event stays a problem."""
+    events = tmp_path / "events.jsonl"
+    recording.write(open(events, "w"), [
+        (0, KVEventBatch(ts=0.0, events=[stored([1, 2])])),
+        (1, KVEventBatch(ts=0.0, events=[stored([1, 2])])),  # the hit, reported again
+    ])
+    assert cli.main(["validate", str(events)]) == 1
+    assert json.loads(capsys.readouterr().out)["by_rule"]["duplicate_store"] == 2
+    assert cli.main(["validate", str(events), "--reuse-reports"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["errors"] == 0 and report["reuse_reports"] == 2
+    recording.write(open(events, "a"), [(2, KVEventBatch(ts=0.0, events=[stored([3, 3], parent=2)]))])
+    assert cli.main(["validate", str(events), "--reuse-reports"]) == 1

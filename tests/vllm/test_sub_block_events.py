@@ -344,6 +344,15 @@ def test_a_full_report_reannounces_a_hit_per_unit(monkeypatch, coarse):
     coarse_units = [(ATTN, 160, [units[4], units[9]], None)] if coarse == "1" else []
     assert again == mamba + coarse_units + [(ATTN, 32, units[:12], None)]
     assert stored[len(again)].parent_block_hash is not None  # then what the request computes
+    # a router-like check sees the hit announced again: duplicates, unless told to expect reports
+    plain, reports = Validator(), Validator(reuse_reports=True)
+    for b in h.batches:
+        plain.apply(b)
+        reports.apply(b)
+    dups = plain.counts["duplicate_store"]
+    assert dups >= 12 and plain.errors == dups  # at least the hit's 12 units
+    assert reports.errors == 0 and reports.reuse_reports == dups
+    assert reports.report()["reuse_reports"] == dups and "reuse_reports" not in plain.report()
 
 
 def test_requests_keep_their_hashes_in_event_form_through_truncation():

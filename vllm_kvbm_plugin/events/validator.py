@@ -6,7 +6,8 @@ locality or ownership are separate indexes, and a BlockRemoved removes from the 
 Old recordings whose disk tier says medium `DISK` (our name before vLLM's vocabulary) validate with
 `DISK` as a medium of its own; it is never taken for STORAGE. Rules checked:
 - unknown_parent: a BlockStored whose parent hash is not held at the same block size;
-- duplicate_store: a hash stored again while still held at the same block size;
+- duplicate_store: a hash stored again while still held at the same block size (with
+  `reuse_reports`, a reuse report instead: see `Validator`);
 - unknown_removal: a BlockRemoved hash that is not held at any block size of its group;
 - token_count: len(token_ids) != len(block_hashes) * block_size;
 - extra_keys (only given the prompts, `Prompt`): a block whose token chain is a prefix of a prompt
@@ -118,7 +119,14 @@ def read_prompts(fp: IO[str]) -> list[Prompt]:
 
 
 class Validator:
-    def __init__(self, max_problems_kept: int = 1000, prompts: Iterable[Prompt] | None = None):
+    """reuse_reports: the stream comes from requests with vLLM's `kv_cache_report_mode` "full"
+    (sampling `extra_args`), which announce their prefix-cache hits again, for gateways that learn
+    from hits: a BlockStored of hashes already held is then counted as a reuse report
+    (`reuse_reports`), not as duplicate_store. Off by default: the same shape is how a real double
+    announcement looks (a block recomputed and announced twice)."""
+
+    def __init__(self, max_problems_kept: int = 1000, prompts: Iterable[Prompt] | None = None,
+                 reuse_reports: bool = False):
         # index key (dp, medium, locality, ownership, group, stream) -> its index; dp and stream are
         # None for REMOTE tiers (shared by every publisher)
         self._held: dict[tuple, _Index] = {}
@@ -135,6 +143,7 @@ class Validator:
         self._placed: dict[tuple, tuple[int, dict[int, tuple]]] = {}
         self.prompt_blocks: Counter[str] = Counter()  # "checked", "with_images"
         self._stream_tiers: dict = {}  # stream -> tiers it announced (for AllBlocksCleared)
+        self.reuse_reports: int | None = 0 if reuse_reports else None  # hashes announced again
 
     @property
     def errors(self) -> int:
@@ -197,8 +206,11 @@ class Validator:
         dup = held.intersection(hashes)
         before = len(held)
         held.update(hashes)
-        for h in dup:
-            self._problem("duplicate_store", seq, f"{_short(h)} already held in {_where(gkey)} at block size {ev.block_size}", gkey)
+        if self.reuse_reports is not None:
+            self.reuse_reports += len(dup)
+        else:
+            for h in dup:
+                self._problem("duplicate_store", seq, f"{_short(h)} already held in {_where(gkey)} at block size {ev.block_size}", gkey)
         if len(held) - before != len(hashes) - len(dup):
             self._problem("duplicate_store", seq, f"a hash repeats within one event in {_where(gkey)}", gkey)
         if self.prompts is not None and not sparse:
@@ -283,6 +295,8 @@ class Validator:
         }
         if self.prompts is not None:
             rep["prompt_blocks"] = {k: self.prompt_blocks[k] for k in ("checked", "with_images")}
+        if self.reuse_reports is not None:
+            rep["reuse_reports"] = self.reuse_reports
         return rep
 
     def _tiers_report(self) -> dict:
