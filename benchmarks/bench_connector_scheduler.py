@@ -52,6 +52,7 @@ def run(geometry: dict, prompts, with_connector: bool) -> dict:
     h = SchedulerHarness(HarnessConfig(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16,
                                        connector=connector, **geometry))
     sched, spent = h.scheduler, [0.0, 0]
+    sched.kv_event_publisher.publish = lambda batch: None  # as vLLM's publisher: sent, not kept
     gc.collect()
     gc.freeze()  # as vLLM's engine core does after startup: collections then skip what startup built
 

@@ -152,13 +152,14 @@ class UnitTracker:
         first = index * r
         entry = self.by_block.get(block.block_id)
         heads = self.heads[group]
+        before = None  # the unit before the block, when the event may need it as parent
         if entry is None:
-            if first:  # with the unit before, the parent of the event (one call, not two)
+            if first:  # fetched with the block's units (one call, not two)
                 held = self.event_hashes(request, first - 1, first + n)
                 before = held[0]
                 del held[0]
             else:
-                held, before = self.event_hashes(request, 0, n), None
+                held = self.event_hashes(request, 0, n)
             entry = self.by_block[block.block_id] = (group, held)
             holders = heads.setdefault(held[0], entry)
             k = 0 if holders is entry else self._join(heads, holders, entry)
@@ -322,6 +323,7 @@ class UnitTracker:
                         session_id=session_id,
                     )
                 )
+
 
 def _shared(units: list, holders: list, skip=None) -> int:
     """How many of `units` (a block's, from its first) other holders hold: the longest prefix

@@ -66,17 +66,17 @@ def metric_totals(prefix: str = "vllm:kvbm_") -> dict:
     return out
 
 
-def _step_while(llm, busy, timeout_s: float = 20.0) -> None:
-    """Step the engine (one-token requests that store nothing) while busy(), the connector's
-    `has_pending_push_work`: writes behind (disk, remote) finish and are announced in a later
-    step. An engine core's busy loop keeps stepping while that holds, but an in-process
-    `LLM.generate` returns as soon as its outputs are done, so a run that ends right after its
-    last request would otherwise race them."""
+def _settle(llm, connector, timeout_s: float = 20.0) -> None:
+    """Step the engine (one-token requests that store nothing) while the connector has pending
+    push work: writes behind (disk, remote) finish and are announced in a later step. An engine
+    core's busy loop keeps stepping while that holds, but an in-process `LLM.generate` returns as
+    soon as its outputs are done, so a run that ends right after its last request would otherwise
+    race them."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     deadline = time.monotonic() + timeout_s
-    while busy() and time.monotonic() < deadline:
+    while connector.has_pending_push_work() and time.monotonic() < deadline:
         llm.generate([TokensPrompt(prompt_token_ids=[5])], SamplingParams(max_tokens=1), use_tqdm=False)
         time.sleep(0.01)
 
@@ -142,10 +142,10 @@ def run(spec: dict) -> dict:
         hbs, bs = sched.hash_block_size, sched.block_size
         kv_connector = getattr(sched, "connector", None)
         if kv_connector is not None:  # KVBMConnector, or vLLM's OffloadingConnector with our tiers
-            _step_while(llm, kv_connector.has_pending_push_work)
+            _settle(llm, kv_connector)
         side = getattr(kv_connector, "_sched", None)
         if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
-            connector = side.accounting()  # a leak shows here after the timeout
+            connector = side.accounting()  # a leak (an entry still pinned) shows here
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = connector = None
