@@ -5,10 +5,13 @@
 Runs in its own process so each scenario gets a fresh vLLM (and plugin) state. SPEC:
     {"model": "qwen3next" | "llama" | "<dir>", "llm": {LLM kwargs}, "events": true,
      "steps": [{"prompts": [[token ids] | {"text": str, "image_rgb": [r, g, b]}, ...],
-                "max_tokens": 8} | {"reset": true}, ...]}
+                "max_tokens": 8, "logprobs": k} | {"reset": true} | {"scale_mamba_state": x}, ...]}
 An image prompt gets a 56x56 image of one colour. It may give "tokens" (ids with the model's image
 placeholders) instead of "text", several colours ("image_rgb": [[r, g, b], ...], one image each)
-and "image_size": [w, h]. Outputs carry "prompt_len", the prompt after placeholder expansion.
+and "image_size": [w, h]. Outputs carry "prompt_len", the prompt after placeholder expansion, and
+with "logprobs" the first generated token's top-k as [[token, logprob], ...]. "scale_mamba_state"
+multiplies every cached Mamba/linear-attention state page by x (in-process engines only): tests use
+it to show their oracle notices a wrong recurrent state.
 RESULT: {"steps": [...per-step outputs...], "events": [recorded batches], "subscriber": {...},
          "group_metadata": [...], "hash_block_size": int, "block_size": int}
 Events go through vLLM's real ZMQ publisher on ipc:// sockets and our Subscriber.
@@ -104,6 +107,30 @@ def start_engine(spec: dict):
     return llm, sub
 
 
+def _output(o) -> dict:
+    out = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+           "prompt_len": len(o.prompt_token_ids)}
+    if o.outputs[0].logprobs:
+        out["logprobs"] = [[t, lp.logprob] for t, lp in o.outputs[0].logprobs[0].items()]
+    return out
+
+
+def _scale_mamba_state(llm, factor: float) -> int:
+    """Multiply the state pages of every Mamba group's layers in place; returns the tensors touched."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    context = runner.compilation_config.static_forward_context
+    touched = 0
+    for group in runner.kv_cache_config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            for name in group.layer_names:
+                for state in context[name].kv_cache:
+                    state.mul_(factor)
+                    touched += 1
+    return touched
+
+
 def run(spec: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -124,14 +151,13 @@ def run(spec: dict) -> dict:
             llm.generate([TokensPrompt(prompt_token_ids=[5])], SamplingParams(max_tokens=1),
                          use_tqdm=False)  # a step publishes the AllBlocksCleared batch
             steps.append({"reset": ok})
+        elif "scale_mamba_state" in step:
+            steps.append({"scaled": _scale_mamba_state(llm, step["scale_mamba_state"])})
         else:
             sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
-                                extra_args=step.get("extra_args"))
+                                extra_args=step.get("extra_args"), logprobs=step.get("logprobs"))
             outs = llm.generate([_prompt(p) for p in step["prompts"]], sp, use_tqdm=False)
-            steps.append({"outputs": [
-                {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-                 "prompt_len": len(o.prompt_token_ids)}
-                for o in outs]})
+            steps.append({"outputs": [_output(o) for o in outs]})
         drain(300)
     core = llm.llm_engine.engine_core
     engine_core = getattr(core, "engine_core", None)
