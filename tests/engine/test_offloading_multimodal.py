@@ -1,0 +1,85 @@
+"""Image requests through vLLM's own OffloadingConnector with KVBMOffloadingSpec on tiny Qwen2-VL:
+the same images hit the CPU tier, the disk tier in a new process and the remote tier in a second
+process up to the last full block; other images of the same size (identical token ids) hit only up
+to the block holding the first image token; every output equals a run without offloading."""
+
+import pytest
+
+from .helpers import outputs, validate
+from .test_multimodal_engine import CASES, TEXT_ONLY, UNIT, image_prompt
+from .test_offloading_hybrid import offloading
+
+pytestmark = pytest.mark.engine
+MODEL = "qwen2vl"
+LLM = {"max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}
+
+
+def batch(rgb):  # every case and a text-only request in one batch
+    return [image_prompt(MODEL, c, rgb)[0] for c in CASES[MODEL]] + [TEXT_ONLY]
+
+
+RED, BLUE = batch([255, 0, 0]), batch([0, 0, 255])
+
+
+def expected_hits(same_image: bool) -> list[int]:
+    out = []
+    for case in [*CASES[MODEL], "text_only"]:
+        if case == "text_only":
+            image_at = length = len(TEXT_ONLY)
+        else:
+            _, image_at, length = image_prompt(MODEL, case, [0, 0, 0])
+        full = (length - 1) // UNIT * UNIT  # vLLM computes at least the last prompt token
+        out.append(full if same_image else min(full, image_at // UNIT * UNIT))
+    return out
+
+
+def run(run_engine, steps, **extra):
+    return run_engine({"model": MODEL, "steps": steps, "llm": {**LLM, "kv_transfer_config": offloading(**extra)}})
+
+
+@pytest.fixture(scope="module")
+def plain(run_engine):
+    r = run_engine({"model": MODEL, "llm": LLM, "events": False, "steps": [{"prompts": RED}, {"prompts": BLUE}]})
+    n = len(RED)
+    return [o["tokens"] for o in outputs(r)[:n]], [o["tokens"] for o in outputs(r)[n:]]
+
+
+def test_images_hit_cpu_then_disk_in_a_new_process(run_engine, plain, tmp_path):
+    red, blue = plain
+    assert red != blue  # the image reaches the output: a hit past an image token would show
+    r = run(run_engine, [{"prompts": RED}, {"reset": True}, {"prompts": RED}, {"reset": True}, {"prompts": BLUE}],
+            disk_path=str(tmp_path))
+    n = len(RED)
+    once, again, other = (outputs(r)[i * n:(i + 1) * n] for i in range(3))
+    assert [o["num_cached_tokens"] for o in once] == [0] * n
+    assert [o["num_cached_tokens"] for o in again] == expected_hits(True)
+    assert [o["num_cached_tokens"] for o in other] == expected_hits(False)
+    assert [o["tokens"] for o in once] == [o["tokens"] for o in again] == red
+    assert [o["tokens"] for o in other] == blue
+    rep = validate(r).report()
+    assert rep["errors"] == 0, rep["first_problems"]
+    r2 = run(run_engine, [{"prompts": RED}], disk_path=str(tmp_path))
+    assert [o["num_cached_tokens"] for o in outputs(r2)] == expected_hits(True)
+    assert [o["tokens"] for o in outputs(r2)] == red
+
+
+def test_images_hit_the_remote_tier_in_a_second_process(run_engine, plain):
+    pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
+    from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no redis-server on PATH: scripts/setup.sh installs Debian's as root")
+    red, blue = plain
+    server = RedisServer().start()
+    try:
+        remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": server.url}]
+        run(run_engine, [{"prompts": RED}], secondary_tiers=remote)
+        r2 = run(run_engine, [{"prompts": RED}, {"prompts": BLUE}], secondary_tiers=remote)
+        n = len(RED)
+        assert [o["num_cached_tokens"] for o in outputs(r2)[:n]] == expected_hits(True)
+        assert [o["num_cached_tokens"] for o in outputs(r2)[n:]] == expected_hits(False)
+        assert [o["tokens"] for o in outputs(r2)] == red + blue
+        rep = validate(r2).report()
+        assert rep["errors"] == 0, rep["first_problems"]
+    finally:
+        server.stop()
