@@ -7,8 +7,11 @@ import random
 
 import pytest
 
+from vllm_kvbm_plugin.tiers import disk
+
 from .helpers import outputs, validate
 from .test_hybrid_prefix_oracle import TOL, logprob_gap
+from .test_offloading_engine import flip_high_bytes
 
 pytestmark = pytest.mark.engine
 rng = random.Random(30)
@@ -68,6 +71,22 @@ def test_cpu_then_disk_in_a_new_process(run_engine, model, reference, tmp_path):
     assert 0 < o["num_cached_tokens"] <= again["num_cached_tokens"]
     same(o, reference["P"])
     assert validate(r2).errors == 0
+    # every file damaged (bytes flipped, truncated, or another file's entry): all misses, whether
+    # the restart scan or the load finds the damage
+    files = sorted(tmp_path.rglob("*.kvb"))
+    assert files
+    for i, f in enumerate(files):
+        if i % 3 == 0:
+            flip_high_bytes(str(f), disk.HEADER_SIZE)
+        elif i % 3 == 1:
+            f.write_bytes(f.read_bytes()[:-7])
+        else:
+            f.write_bytes(files[(i + 1) % len(files)].read_bytes() if len(files) > 1 else b"")
+    r3 = run_engine(spec(model, [step(P)], disk_path=str(tmp_path)))
+    (o,) = outputs(r3)
+    assert o["num_cached_tokens"] == 0
+    same(o, reference["P"])
+    assert validate(r3).errors == 0
 
 
 def test_remote_tier_hits_in_a_second_process(run_engine, model, reference):
