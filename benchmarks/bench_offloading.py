@@ -24,7 +24,10 @@
    (one pipeline of SETs or GETs per job, no format or checks) on a redis-server of its own
    (loopback, no persistence): what our value format, checksums and verification cost.
 
+   --model qwen3next gives the hybrid row (GDN state offloaded with the attention blocks).
+
     python benchmarks/bench_offloading.py [--skip-engine | --skip-io | --remote] [--tokens 1856] [--reps 3] [--direct-io]
+                                          [--model llama-big|qwen3next] [--dtype bfloat16|float32]
 """
 
 import argparse
@@ -43,6 +46,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 MODULE = "vllm_kvbm_plugin.offloading"
+HYBRID = ("qwen3next", "granite-hybrid")  # SSM state pinned to float32: the same block size on every CPU
 
 
 # ---- 1. tier I/O -------------------------------------------------------------------------------
@@ -174,7 +178,7 @@ class RawRedis:
 
 
 # ---- 2. TTFT through the connectors -----------------------------------------------------------------
-def engine(kind: str, disk: str):
+def engine(kind: str, disk: str, model: str = "llama-big", dtype: str = "bfloat16"):
     from vllm import LLM
 
     from vllm_kvbm_plugin.testing import tiny_models
@@ -189,8 +193,9 @@ def engine(kind: str, disk: str):
         else:
             extra["secondary_tiers"] = [{"type": "fs", "root_dir": disk}]
         kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    return LLM(model=str(tiny_models.build("llama-big")), dtype="bfloat16", max_model_len=2048, enforce_eager=True,
-               block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1, kv_transfer_config=kv)
+    hybrid = {"mamba_ssm_cache_dtype": "float32"} if model in HYBRID else {}
+    return LLM(model=str(tiny_models.build(model)), dtype=dtype, max_model_len=2048, enforce_eager=True,
+               block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1, kv_transfer_config=kv, **hybrid)
 
 
 def watch_scheduling(llm) -> list:
@@ -222,7 +227,7 @@ def ttft(llm, prompt, scheduled: list) -> tuple[float, float, int, list]:
 
 
 def engine_phase(args) -> dict:
-    llm = engine(args.kind, args.disk)
+    llm = engine(args.kind, args.disk, args.model, args.dtype)
     scheduled = watch_scheduling(llm)
     res = {"recompute": [], "cpu": [], "cpu_sched": [], "disk": [], "disk_sched": [], "tokens": [], "cached": []}
     for i, p in enumerate(prompts(args.tokens, args.reps)):
@@ -253,7 +258,8 @@ def engine_phase(args) -> dict:
 def run_phase(kind: str, phase: str, disk: str, args) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, __file__, "--phase", phase, "--kind", kind, "--disk", disk, "--out", f.name,
-                        "--tokens", str(args.tokens), "--reps", str(args.reps)],
+                        "--tokens", str(args.tokens), "--reps", str(args.reps), "--model", args.model,
+                        "--dtype", args.dtype],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.load(open(f.name))
 
@@ -290,6 +296,10 @@ def main() -> None:
                                                                "from the device, as fs's always do)")
     ap.add_argument("--dir", default=None, help="where the tier files go (default: the temp dir)")
     ap.add_argument("--tokens", type=int, default=1856)
+    ap.add_argument("--model", default="llama-big", help="tiny model of the TTFT part: llama-big, or qwen3next "
+                                                          "(GDN + attention) for the hybrid row")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 where the CPU lacks AVX-512 BF16 (qwen3next "
+                                                        "needs bfloat16: vLLM's CPU GDN kernel)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--disk-rounds", type=int, default=4, help="new processes per tier for the disk hit")
     ap.add_argument("--remote", action="store_true", help="only the tier I/O of KVBMRemoteTier against raw "
@@ -338,7 +348,7 @@ def main() -> None:
                 tokens[f"{kind}_disk{r}"] = hit["tokens"]
     for kind, (t, t_sched, _) in disk.items():
         med[kind + "_disk"], med[kind + "_disk_sched"] = statistics.median(t), statistics.median(t_sched)
-    print(f"TTFT, {args.tokens}-token prompts, llama-big (random weights), vllm-cpu, medians of {args.reps} "
+    print(f"TTFT, {args.tokens}-token prompts, {args.model} (random weights, {args.dtype}), vllm-cpu, medians of {args.reps} "
           f"(until first scheduled + rest):")
     print(f"  recompute (OffloadingConnector+KVBMOffloadingSpec) {med['ours_recompute'] * 1e3:8.1f} ms")
     print(f"  CPU-tier hit: OffloadingConnector+KVBMOffloadingSpec {med['ours_cpu'] * 1e3:7.1f} ms "
