@@ -112,7 +112,13 @@ def _announce(args) -> int:
     import threading
 
     from vllm_kvbm_plugin.events.announcer import RemoteAnnouncer, ServerRefused, publish_to, zmq_publisher
+    from vllm_kvbm_plugin.tiers.remote import check_url
 
+    try:
+        check_url(args.remote_url)
+    except (ValueError, ImportError) as e:
+        print(f"vllm-kvbm announce: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
