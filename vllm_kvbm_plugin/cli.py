@@ -173,6 +173,25 @@ def _route(args) -> int:
     return 0
 
 
+def _tiers_inspect(args) -> int:
+    from vllm_kvbm_plugin.tiers import inspector
+
+    def progress(n: int) -> None:
+        print(f"\r[inspect] {n:,} entries", end="", file=sys.stderr, flush=True)
+
+    tty = sys.stderr.isatty()
+    try:
+        report = inspector.inspect(args.target, args.verify, progress if tty else None)
+    except (OSError, ValueError, ImportError) as e:
+        print(f"vllm-kvbm tiers inspect: {args.target}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if tty:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+    print(json.dumps(report, indent=2) if args.json else inspector.summary(report))
+    return 1 if report["verify"] and report["verify"]["failed"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vllm-kvbm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -241,6 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--silence-warning", type=float, default=30.0, metavar="SECONDS",
                    help=SILENCE_HELP.format("after its worker served a request"))
     r.set_defaults(func=_route)
+
+    ti = sub.add_parser("tiers", help="look into a tier").add_subparsers(dest="tiers_cmd", required=True)
+    i = ti.add_parser("inspect", help="entries, bytes, layouts (model fingerprints) and ages of a disk tier's "
+                      "directory or a remote tier's server, read-only (no link followed, no special file opened)")
+    i.add_argument("target", metavar="DISK_PATH|REMOTE_URL", help="a disk_path, or a remote_url (redis://...)")
+    i.add_argument("--verify", action="store_true",
+                   help="read every entry as a load does and count those failing verification (exit 1 if any)")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.set_defaults(func=_tiers_inspect)
 
     args = p.parse_args(argv)
     return args.func(args)
