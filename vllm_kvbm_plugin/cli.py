@@ -7,13 +7,12 @@ import json
 import signal
 import sys
 
-from vllm_kvbm_plugin.events.subscriber import ENDPOINT_FORMS
 from vllm_kvbm_plugin.testing.tiny_models import KINDS
 
 
-SILENCE_HELP = "warn when the stream has delivered nothing for this many seconds {} (default %(default)s; 0: never)"
 REUSE_REPORTS_HELP = ('requests use kv_cache_report_mode "full": hashes announced again while held are '
                       'reuse reports, not duplicate_store')
+SILENCE_HELP = "warn when the stream has delivered nothing for this many seconds {} (default %(default)s; 0: never)"
 
 
 def _subscribe(args) -> int:
@@ -193,6 +192,8 @@ def _tiers_inspect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_kvbm_plugin.events.subscriber import ENDPOINT_FORMS
+
     p = argparse.ArgumentParser(prog="vllm-kvbm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 

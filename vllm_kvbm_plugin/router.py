@@ -65,8 +65,8 @@ class Router:
         self._rr = itertools.count()
         self._stop = threading.Event()
         self.watches = [SilenceWatch(w.url, w.events, silence_s) for w in workers]
-        self._threads = [threading.Thread(target=self._follow, args=(w, self.watches[i]), daemon=True, name=f"kv-events-{i}")
-                         for i, w in enumerate(workers)]
+        self._threads = [threading.Thread(target=self._follow, args=(w, sw), daemon=True, name=f"kv-events-{i}")
+                         for i, (w, sw) in enumerate(zip(workers, self.watches))]
 
     def start(self) -> None:
         for t in self._threads:

@@ -23,7 +23,8 @@ try:
 except ImportError as e:
     out["offloading"] = str(e)
 from vllm_kvbm_plugin import cli
-out["announce_rc"] = cli.main(["announce", "--remote-url", "redis://127.0.0.1:6379/0", "--endpoint", "ipc:///nonexistent/x"])
+out["announce_rc"] = cli.main(["announce", "--remote-url", "redis://127.0.0.1:6379/0",
+                              "--endpoint", "ipc:///nonexistent/x"])
 print(json.dumps(out))
 """
 

@@ -131,13 +131,16 @@ def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
     client = remotefmt.connect(url)
     rep = Report(url, "remote", "idle", verify, progress)
     names = []
-    for name in client.scan_iter(match=b"kvbm:*", count=1000):
-        names.append(name)
-        if len(names) == BATCH:
+    try:
+        for name in client.scan_iter(match=b"kvbm:*", count=1000):
+            names.append(name)
+            if len(names) == BATCH:
+                _remote_batch(client, names, rep, verify)
+                names = []
+        if names:
             _remote_batch(client, names, rep, verify)
-            names = []
-    if names:
-        _remote_batch(client, names, rep, verify)
+    finally:
+        client.close()
     return rep.out
 
 
