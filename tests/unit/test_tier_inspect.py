@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from vllm_kvbm_plugin import cli
-from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
 from vllm_kvbm_plugin.tiers import disk, inspector
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 
@@ -101,31 +100,26 @@ def test_a_symlinked_or_missing_disk_path_is_an_error(tmp_path, capsys):
     assert "symlink is not followed" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(server_binary() is None, reason="no redis-server on PATH (scripts/setup.sh installs Debian's)")
-def test_remote_report():
+def test_remote_report(server):  # redis-server and valkey-server (tests/conftest.py)
     pytest.importorskip("redis")
-    server = RedisServer().start()
-    try:
-        c = server.client()
-        for fp, rank, n in ((FP_A, 0, 5), (FP_B, 1, 3)):
-            for i in range(n):
-                key = (i << 8, i)
-                name = remotefmt.value_name(fp.hex().encode(), rank, disk.key_hex(key).encode())
-                value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, payload(i), b"m")))
-                if fp == FP_A and i == 0:
-                    value[disk.HEADER_SIZE + 5] ^= 0xFF  # damaged
-                c.set(name, bytes(value))
-        c.hset(remotefmt.value_name(FP_A.hex().encode(), 0, b"ab" * 16), "x", 1)  # not a value: skipped
-        c.set("kvbm:announcer:marker", b"1")  # ours, not a value: skipped
-        c.set("someone-else", b"x")  # not under kvbm: not looked at
-        snapshot = {k: c.dump(k) for k in c.keys("*")}
-        r = inspector.inspect(server.url, verify=True)
-        assert {k: c.dump(k) for k in c.keys("*")} == snapshot, "the inspection changed the server"
-        size = disk.HEADER_SIZE + SIZE + 1
-        assert r["kind"] == "remote" and r["entries"] == 8 and r["bytes"] == 8 * size
-        assert r["layouts"] == {FP_A.hex(): {"entries": 5, "bytes": 5 * size, "ranks": [0]},
-                                FP_B.hex(): {"entries": 3, "bytes": 3 * size, "ranks": [1]}}
-        assert r["age"]["basis"] == "idle" and r["age"]["histogram"]["<1m"] == 8
-        assert r["skipped"] == 2 and r["verify"] == {"checked": 8, "failed": 1}
-    finally:
-        server.stop()
+    c = server.client()
+    for fp, rank, n in ((FP_A, 0, 5), (FP_B, 1, 3)):
+        for i in range(n):
+            key = (i << 8, i)
+            name = remotefmt.value_name(fp.hex().encode(), rank, disk.key_hex(key).encode())
+            value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, payload(i), b"m")))
+            if fp == FP_A and i == 0:
+                value[disk.HEADER_SIZE + 5] ^= 0xFF  # damaged
+            c.set(name, bytes(value))
+    c.hset(remotefmt.value_name(FP_A.hex().encode(), 0, b"ab" * 16), "x", 1)  # not a value: skipped
+    c.set("kvbm:announcer:marker", b"1")  # ours, not a value: skipped
+    c.set("someone-else", b"x")  # not under kvbm: not looked at
+    snapshot = {k: c.dump(k) for k in c.keys("*")}
+    r = inspector.inspect(server.url, verify=True)
+    assert {k: c.dump(k) for k in c.keys("*")} == snapshot, "the inspection changed the server"
+    size = disk.HEADER_SIZE + SIZE + 1
+    assert r["kind"] == "remote" and r["entries"] == 8 and r["bytes"] == 8 * size
+    assert r["layouts"] == {FP_A.hex(): {"entries": 5, "bytes": 5 * size, "ranks": [0]},
+                            FP_B.hex(): {"entries": 3, "bytes": 3 * size, "ranks": [1]}}
+    assert r["age"]["basis"] == "idle" and r["age"]["histogram"]["<1m"] == 8
+    assert r["skipped"] == 2 and r["verify"] == {"checked": 8, "failed": 1}
