@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every test, in both vLLM environments that scripts/setup.sh builds:
+# The wheel smoke (scripts/wheel_smoke.sh), then every test, in both vLLM environments that
+# scripts/setup.sh builds:
 #   1. .venv-vllm033 (vLLM 0.33.0's CUDA wheel, VLLM_TARGET_DEVICE=cpu): the tests that need no model
 #      runner, i.e. tests/unit and tests/vllm (real Scheduler, KV cache manager, ZMQ publisher). That
 #      wheel has no CPU kernels, so tests/conftest.py collects nothing else there. Runs first.
@@ -13,6 +14,11 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 "$ROOT/scripts/setup.sh" || exit
 cd "$ROOT"
+# The release as a user installs it (wheel, fresh venv, smoke), first: a broken wheel fails fast.
+# KVBM_WHEEL_SMOKE=0 skips it (local runs of a few tests).
+if [ "${KVBM_WHEEL_SMOKE:-1}" != 0 ]; then
+  "$ROOT/scripts/wheel_smoke.sh" || { echo "[test] failed: the wheel smoke (scripts/wheel_smoke.sh)" >&2; exit 1; }
+fi
 if [ $# -eq 0 ]; then which=${KVBM_TEST_VLLM:-both}; else which=${KVBM_TEST_VLLM:-0.32}; fi
 case $which in
   both | 0.32 | 0.33) ;;

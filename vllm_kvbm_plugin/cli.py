@@ -12,11 +12,14 @@ from vllm_kvbm_plugin.testing.tiny_models import KINDS
 
 REUSE_REPORTS_HELP = ('requests use kv_cache_report_mode "full": hashes announced again while held are '
                       'reuse reports, not duplicate_store')
+SILENCE_HELP = "warn when the stream has delivered nothing for this many seconds {} (default %(default)s; 0: never)"
 
 
 def _subscribe(args) -> int:
+    import logging
+
     from vllm_kvbm_plugin.events import recording
-    from vllm_kvbm_plugin.events.subscriber import Subscriber
+    from vllm_kvbm_plugin.events.subscriber import SilenceWatch, Subscriber
     from vllm_kvbm_plugin.events.validator import Validator
 
     validator = Validator(prompts=_prompts(args.prompts), reuse_reports=args.reuse_reports) if args.validate else None
@@ -25,11 +28,17 @@ def _subscribe(args) -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     n = 0
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sub = Subscriber(args.endpoint, args.replay_endpoint, args.topic,
                      start_seq=None if args.from_now else 0)
+    watch = SilenceWatch(None, args.endpoint, args.silence_warning)
+    watch.expect()  # no request is seen from here: a stream silent since connecting is suspect
     try:
         while not stop and (args.max_batches is None or n < args.max_batches):
             got = sub.poll(int(args.idle_timeout * 1000) if args.idle_timeout else 500)
+            if watch.batches == 0:
+                watch.delivered(len(got))
+                watch.check("since connecting (none ever arrived)")
             if not got and args.idle_timeout:
                 break
             for seq, batch in got:
@@ -102,7 +111,13 @@ def _announce(args) -> int:
     import threading
 
     from vllm_kvbm_plugin.events.announcer import RemoteAnnouncer, ServerRefused, publish_to, zmq_publisher
+    from vllm_kvbm_plugin.tiers.remote import check_url
 
+    try:
+        check_url(args.remote_url)
+    except (ValueError, ImportError) as e:
+        print(f"vllm-kvbm announce: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -150,18 +165,42 @@ def _route(args) -> int:
         print(f"vllm-kvbm route: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed), policy=args.policy)
+    router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed), policy=args.policy,
+                    silence_s=args.silence_warning)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve(router, args.host, args.port)
     return 0
 
 
+def _tiers_inspect(args) -> int:
+    from vllm_kvbm_plugin.tiers import inspector
+
+    def progress(n: int) -> None:
+        print(f"\r[inspect] {n:,} entries", end="", file=sys.stderr, flush=True)
+
+    tty = sys.stderr.isatty()
+    try:
+        report = inspector.inspect(args.target, args.verify, progress if tty else None)
+    except (OSError, ValueError, ImportError) as e:
+        print(f"vllm-kvbm tiers inspect: {args.target}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if tty:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+    print(json.dumps(report, indent=2) if args.json else inspector.summary(report))
+    return 1 if report["verify"] and report["verify"]["failed"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from vllm_kvbm_plugin.events.subscriber import ENDPOINT_FORMS
+
     p = argparse.ArgumentParser(prog="vllm-kvbm", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("subscribe", help="print (and optionally validate) vLLM's KV event stream")
-    s.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="vLLM's KV events PUB endpoint")
+    s = sub.add_parser("subscribe", help="print (and optionally validate) vLLM's KV event stream",
+                       epilog=ENDPOINT_FORMS)
+    s.add_argument("--endpoint", default="tcp://127.0.0.1:5557",
+                   help="vLLM's KV events PUB endpoint (the worker binds tcp://*:PORT or ipc://; see below)")
     s.add_argument("--replay-endpoint", default=None, help="vLLM's replay endpoint, to recover gaps")
     s.add_argument("--topic", default="", help="topic prefix to subscribe to")
     s.add_argument("--from-now", action="store_true",
@@ -173,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--reuse-reports", action="store_true", help=REUSE_REPORTS_HELP)
     s.add_argument("--idle-timeout", type=float, default=None, help="stop after this many idle seconds")
     s.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    s.add_argument("--silence-warning", type=float, default=30.0, metavar="SECONDS",
+                   help=SILENCE_HELP.format("since connecting"))
     s.set_defaults(func=_subscribe)
 
     v = sub.add_parser("validate", help="check recorded streams (JSON lines from `subscribe`); several "
@@ -207,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     m.set_defaults(func=_match)
 
     r = sub.add_parser("route", help="route OpenAI completions to the worker holding most of the prompt "
-                       "(its KV event stream fed to events.index)")
+                       "(its KV event stream fed to events.index)", epilog=ENDPOINT_FORMS)
     r.add_argument("--worker", action="append", required=True, metavar="URL,EVENTS[,REPLAY]",
                    help="a `vllm serve` URL, its KV events endpoint and replay endpoint (repeat per worker)")
     r.add_argument("--port", type=int, default=8000)
@@ -217,7 +258,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="default policy (a request's X-KVBM-Policy header overrides it)")
     r.add_argument("--hash-algo", default="sha256", help="the workers' --prefix-caching-hash-algo")
     r.add_argument("--hash-seed", default=None, help="the workers' PYTHONHASHSEED, if set")
+    r.add_argument("--silence-warning", type=float, default=30.0, metavar="SECONDS",
+                   help=SILENCE_HELP.format("after its worker served a request"))
     r.set_defaults(func=_route)
+
+    ti = sub.add_parser("tiers", help="look into a tier").add_subparsers(dest="tiers_cmd", required=True)
+    i = ti.add_parser("inspect", help="entries, bytes, layouts (model fingerprints) and ages of a disk tier's "
+                      "directory or a remote tier's server, read-only (no link followed, no special file opened)")
+    i.add_argument("target", metavar="DISK_PATH|REMOTE_URL", help="a disk_path, or a remote_url (redis://...)")
+    i.add_argument("--verify", action="store_true",
+                   help="read every entry as a load does and count those failing verification (exit 1 if any)")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.set_defaults(func=_tiers_inspect)
 
     args = p.parse_args(argv)
     return args.func(args)

@@ -7,7 +7,8 @@ token ids, to the worker with the most servable tokens (ties: fewest requests in
 fewest routed). Each request is logged with what the index predicted and what the worker reports
 as served (`usage.prompt_tokens_details.cached_tokens`, needs `--enable-prompt-tokens-details`);
 `GET /router/stats` returns those records. The header `X-KVBM-Policy: round-robin` routes a request
-round-robin instead (for comparisons in the same run).
+round-robin instead (for comparisons in the same run). A worker whose stream stays silent after it
+served a request is warned about (log and stats): its publisher is likely connecting, not binding.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from vllm_kvbm_plugin.events.index import KVIndex, WorkerConfig
-from vllm_kvbm_plugin.events.subscriber import Subscriber
+from vllm_kvbm_plugin.events.subscriber import SilenceWatch, Subscriber
 from vllm_kvbm_plugin.log import get_logger
 
 logger = get_logger("router")
@@ -51,7 +52,7 @@ class Router:
     """The index, the subscriber threads and the routing decision (no HTTP here)."""
 
     def __init__(self, workers: list[Worker], topic: str = "", config: WorkerConfig | None = None,
-                 settle_s: float = 0.05, policy: str = "kv"):
+                 settle_s: float = 0.05, policy: str = "kv", silence_s: float = 30.0):
         if not workers:
             raise ValueError("the router needs at least one worker")
         if policy not in POLICIES:
@@ -63,8 +64,9 @@ class Router:
         self.records: list[dict] = []
         self._rr = itertools.count()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._follow, args=(w,), daemon=True, name=f"kv-events-{i}")
-                         for i, w in enumerate(workers)]
+        self.watches = [SilenceWatch(w.url, w.events, silence_s) for w in workers]
+        self._threads = [threading.Thread(target=self._follow, args=(w, sw), daemon=True, name=f"kv-events-{i}")
+                         for i, (w, sw) in enumerate(zip(workers, self.watches))]
 
     def start(self) -> None:
         for t in self._threads:
@@ -75,16 +77,18 @@ class Router:
         for t in self._threads:
             t.join(timeout=2)
 
-    def _follow(self, w: Worker) -> None:
+    def _follow(self, w: Worker, watch: SilenceWatch) -> None:
         """Apply one worker's stream to the index, from seq 0 (replay fills what came before)."""
         with Subscriber(w.events, w.replay, self.topic, start_seq=0) as sub:
             while not self._stop.is_set():
                 got = sub.poll(200)
-                if got:
-                    with self.lock:
-                        for seq, batch in got:
-                            self.index.apply(w.url, batch, seq)
+                with self.lock:
+                    for seq, batch in got:
+                        self.index.apply(w.url, batch, seq)
+                    if got:
                         w.last_event = time.monotonic()
+                    watch.delivered(len(got))
+                    watch.check("after it served a request")
 
     def _settle(self) -> None:
         """Wait (at most 0.5 s) until no worker published in the last `settle_s`: events of the
@@ -116,10 +120,13 @@ class Router:
             self.workers[i].routed += 1
         return i, scores
 
-    def done(self, i: int, record: dict) -> None:
+    def done(self, i: int, record: dict, answered: bool = True) -> None:
+        """The worker's request is over; an answered one makes its KV events due."""
         with self.lock:
             self.workers[i].in_flight -= 1
             self.records.append(record)
+            if answered:
+                self.watches[i].expect()
         logger.info("routed to worker %d (%s): prompt %d tokens, predicted %d, served %s, scores %s",
                     i, record["policy"], record["prompt_tokens"], record["predicted"], record["served"],
                     record["scores"])
@@ -127,6 +134,8 @@ class Router:
     def stats(self) -> dict:
         with self.lock:
             records = list(self.records)
+            streams = [{"worker": w.url, "events": w.events, "batches": sw.batches, "silent_s": sw.silent_s()}
+                       for w, sw in zip(self.workers, self.watches)]
         sums: dict[str, dict] = {}
         for r in records:
             s = sums.setdefault(r["policy"], {"requests": 0, "served": 0, "predicted": 0, "mispredicted": 0})
@@ -134,7 +143,8 @@ class Router:
             s["served"] += r["served"] or 0
             s["predicted"] += r["predicted"]
             s["mispredicted"] += r["served"] is not None and r["predicted"] != r["served"]
-        return {"workers": [w.url for w in self.workers], "by_policy": sums, "requests": records}
+        return {"workers": [w.url for w in self.workers], "by_policy": sums, "requests": records,
+                "streams": streams, "silent_streams": [s["worker"] for s in streams if s["silent_s"] is not None]}
 
 
 def _cached_tokens(response: dict) -> int | None:
@@ -190,10 +200,11 @@ class _Handler(BaseHTTPRequestHandler):
         if policy is not None and policy not in POLICIES:
             return self._error(400, f"X-KVBM-Policy: one of {', '.join(POLICIES)}")
         i, scores = self.router.choose(token_ids, policy)
-        worker, served = self.router.workers[i], None
+        worker, served, answered = self.router.workers[i], None, False
         try:
             body["prompt"] = token_ids
             with _post(worker.url + self.path, body) as r:
+                answered = True
                 if body.get("stream"):
                     served = self._relay_stream(r)
                     return
@@ -205,7 +216,7 @@ class _Handler(BaseHTTPRequestHandler):
             status, data = 502, json.dumps({"error": {"message": f"worker {worker.url}: {e}", "code": 502}}).encode()
         finally:
             self.router.done(i, {"worker": i, "policy": policy or self.router.policy, "prompt_tokens": len(token_ids),
-                                 "predicted": scores[i], "served": served, "scores": scores})
+                                 "predicted": scores[i], "served": served, "scores": scores}, answered)
         self._reply(status, data)
 
     def _relay_stream(self, r) -> int | None:

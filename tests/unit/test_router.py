@@ -2,6 +2,7 @@
 round-robin on request (the HTTP path runs end to end in tests/serve/test_router.py)."""
 
 import random
+import time
 
 import pytest
 
@@ -57,3 +58,18 @@ def test_round_robin_on_request(tmp_path):
     assert [router.choose(a, "round-robin")[0] for _ in range(3)] == [0, 1, 0]
     with pytest.raises(ValueError, match="unknown policy"):
         make_router(tmp_path, policy="random")
+
+
+def test_only_an_answered_request_makes_events_due(tmp_path):
+    router = make_router(tmp_path, silence_s=0.01)
+    record = {"policy": "kv", "prompt_tokens": 8, "predicted": 0, "served": None, "scores": [0, 0]}
+    router.done(0, record, answered=False)  # the worker was unreachable: it published nothing
+    router.done(1, record)
+    time.sleep(0.05)
+    assert router.stats()["silent_streams"] == [router.workers[1].url]
+    router.watches[1].delivered(1)  # a batch arrived: the stream works
+    assert router.stats()["silent_streams"] == []
+    never = make_router(tmp_path, silence_s=0)  # --silence-warning 0
+    never.done(0, record)
+    time.sleep(0.05)
+    assert never.stats()["silent_streams"] == []

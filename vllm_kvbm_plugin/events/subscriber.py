@@ -9,6 +9,7 @@ with seq >= start, then `[b"", b"", END_SEQ, b""]`.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator
 
 import zmq
@@ -18,6 +19,9 @@ from vllm_kvbm_plugin.log import get_logger
 
 logger = get_logger("subscriber")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ENDPOINT_FORMS = ("vLLM's KV events publisher binds only tcp://*:PORT, ipc:// and inproc:// endpoints and connects "
+                  "to any other: start the worker with tcp://*:PORT (or ipc://PATH) and subscribe to "
+                  "tcp://HOST:PORT (or the same ipc://PATH); with tcp://HOST:PORT on both sides nothing flows.")
 
 
 @dataclasses.dataclass
@@ -132,3 +136,42 @@ class Subscriber:
                 "" if self._replay_endpoint else " (no replay endpoint configured)",
             )
         return sorted(got.items())
+
+
+class SilenceWatch:
+    """Says when a stream delivered nothing for `after_s` while it should have: a worker given
+    `tcp://HOST:PORT` connects instead of binding, as its subscriber does, and nothing ever flows
+    (no error on either side). `expect()` starts the clock (a request served; or connecting, for a
+    stream that must say something eventually); a delivered batch stops it. Warns once per silence."""
+
+    def __init__(self, worker: str | None, endpoint: str, after_s: float):
+        self.worker, self.endpoint, self.after_s = worker, endpoint, after_s
+        self.batches = 0
+        self.since: float | None = None  # when events became due; None: not waiting for any
+        self.warned = False
+
+    def expect(self, now: float | None = None) -> None:
+        if self.since is None and self.after_s > 0:
+            self.since = time.monotonic() if now is None else now
+
+    def delivered(self, n: int) -> None:
+        if n:
+            self.batches += n
+            self.since, self.warned = None, False
+
+    def silent_s(self, now: float | None = None) -> float | None:
+        """Seconds the stream has been silent past due (None: not silent for `after_s` yet)."""
+        if self.since is None:
+            return None
+        s = (time.monotonic() if now is None else now) - self.since
+        return s if s >= self.after_s else None
+
+    def check(self, why: str, now: float | None = None) -> bool:
+        """True while silent past `after_s`; logs the warning the first time."""
+        s = self.silent_s(now)
+        if s is not None and not self.warned:
+            self.warned = True
+            logger.warning("%sno KV events from %s in %.1f s %s (%d batches so far). %s",
+                           f"worker {self.worker}: " if self.worker else "", self.endpoint, s, why, self.batches,
+                           ENDPOINT_FORMS)
+        return s is not None

@@ -369,17 +369,19 @@ def _write_error(path: str, status: int, err: int) -> OSError:
     return OSError(err, f"cannot {what} {path}: {os.strerror(err)}")
 
 
-def scan(base: str) -> list[tuple[tuple[int, int], int]]:
+def scan(base: str, tidy: bool = True, stats: dict | None = None) -> list[tuple[tuple[int, int], int]]:
     """(key, file size) of every regular file named like a block file in its key-prefix directory
     under `base`, found by lstat alone: symlinks, directories, FIFOs, sockets, devices and other
-    names are skipped and left alone. Temporary files whose writer is gone are removed."""
+    names are skipped and left alone. Temporary files whose writer is gone are removed (`tidy`;
+    off for a read-only look). `stats`, if given, gets the lstat result of each block file under
+    "st" and a count of the skipped entries under "skipped"."""
     out = []
     try:
         for sub, dfd in _prefix_dirs(base):
             try:
                 with os.scandir(dfd) as it:
                     for e in it:
-                        _scan_entry(e, sub, dfd, out)
+                        _scan_entry(e, sub, dfd, out, tidy, stats)
             except OSError:
                 pass  # this prefix directory only
     except OSError:
@@ -407,16 +409,23 @@ def _prefix_dirs(base: str):
         os.close(bfd)
 
 
-def _scan_entry(e: os.DirEntry, prefix: str, dfd: int, out: list) -> None:
+def _scan_entry(e: os.DirEntry, prefix: str, dfd: int, out: list, tidy: bool, stats: dict | None) -> None:
     try:
         if _KEY_NAME.fullmatch(e.name):
             st = e.stat(follow_symlinks=False)
             if e.name.startswith(prefix) and stat.S_ISREG(st.st_mode):
                 out.append((parse_key_hex(e.name), st.st_size))
+                if stats is not None:
+                    stats.setdefault("st", []).append(st)
+                return
         elif _TEMP_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False):
-            _remove_if_abandoned(e.name, dfd)
+            if tidy:
+                _remove_if_abandoned(e.name, dfd)
+            return
     except OSError:
-        pass  # gone meanwhile
+        return  # gone meanwhile
+    if stats is not None:
+        stats["skipped"] = stats.get("skipped", 0) + 1
 
 
 def _remove_if_abandoned(name: str, dfd: int) -> None:

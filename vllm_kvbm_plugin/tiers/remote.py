@@ -366,12 +366,17 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 
 def check_url(url) -> None:
-    """A clear startup error for anything but a URL `connect` takes."""
+    """A clear startup error for anything but a URL `connect` takes, or without redis-py."""
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES + CLUSTER_SCHEMES):
         raise ValueError(f"remote_url must start with one of {', '.join(URL_SCHEMES + CLUSTER_SCHEMES)}, "
                          f"got {url!r}")
     if url.startswith(CLUSTER_SCHEMES):
         cluster_seeds(url)
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ImportError("the remote tier (remote_url, KVBMRemoteTier, vllm-kvbm announce) needs redis-py, "
+                          "which is not installed: pip install 'vllm-kvbm-plugin[remote]'") from None
 
 
 def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:

@@ -1,0 +1,110 @@
+"""A worker given the wrong endpoint form (`tcp://127.0.0.1:PORT`: vLLM's real ZmqEventPublisher then
+connects instead of binding, as the router does) is warned about by `vllm-kvbm route` and
+`vllm-kvbm subscribe`; a worker given `tcp://*:PORT` is not."""
+
+import contextlib
+import logging
+import threading
+import time
+
+import pytest
+from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+from vllm_kvbm_plugin import cli
+from vllm_kvbm_plugin.router import Router, Worker
+from vllm_kvbm_plugin.testing.redis_server import _free_ports
+
+
+def batch(i):
+    return KVEventBatch(ts=float(i), events=[BlockStored(
+        block_hashes=[i], parent_block_hash=None, token_ids=[i] * 16, block_size=16,
+        lora_id=None, medium="GPU", lora_name=None)])
+
+
+@contextlib.contextmanager
+def warnings_of(name):
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.fixture
+def publishers(tmp_path):
+    made = []
+
+    def make(endpoint, i):
+        made.append(ZmqEventPublisher(data_parallel_rank=0, endpoint=endpoint,
+                                      replay_endpoint=f"ipc://{tmp_path}/replay{i}", topic="kv"))
+        return made[-1]
+    yield make
+    for p in made:
+        p.shutdown()
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_the_router_warns_about_a_worker_whose_publisher_connects(publishers):
+    wrong, right = _free_ports(2)
+    bad = publishers(f"tcp://127.0.0.1:{wrong}", 0)  # as docs/router.md once said: it connects
+    good = publishers(f"tcp://*:{right}", 1)
+    router = Router([Worker.parse(f"http://127.0.0.1:8001,tcp://127.0.0.1:{wrong}"),
+                     Worker.parse(f"http://127.0.0.1:8002,tcp://127.0.0.1:{right}")],
+                    topic="kv", settle_s=0, silence_s=0.5)
+    with warnings_of("vllm.kvbm.subscriber") as records:
+        router.start()
+        try:
+            time.sleep(0.3)  # let the SUB sockets connect
+            for i in (0, 1):  # both workers served a request; each publisher sends its events
+                router.done(i, {"policy": "kv", "prompt_tokens": 32, "predicted": 0, "served": 0, "scores": [0, 0]})
+            for i in range(3):
+                bad.publish(batch(i))
+                good.publish(batch(i))
+            assert wait_for(lambda: router.stats()["silent_streams"]), router.stats()["streams"]
+            time.sleep(0.3)
+            stats = router.stats()
+        finally:
+            router.stop()
+    assert stats["silent_streams"] == ["http://127.0.0.1:8001"]
+    silent, heard = stats["streams"]
+    assert silent["batches"] == 0 and silent["silent_s"] >= 0.5 and silent["events"] == f"tcp://127.0.0.1:{wrong}"
+    assert heard["batches"] == 3 and heard["silent_s"] is None
+    said = [r.getMessage() for r in records]
+    assert len(said) == 1, said  # once per silence
+    assert "worker http://127.0.0.1:8001" in said[0] and f"tcp://127.0.0.1:{wrong}" in said[0]
+    assert "binds only tcp://*:PORT" in said[0]
+
+
+def test_subscribe_warns_when_nothing_arrives_since_connecting(publishers, capsys):
+    wrong, right = _free_ports(2)
+    bad = publishers(f"tcp://127.0.0.1:{wrong}", 0)
+    good = publishers(f"tcp://*:{right}", 1)
+    with warnings_of("vllm.kvbm.subscriber") as records:
+        for port, pub in ((wrong, bad), (right, good)):
+            threading.Timer(0.3, lambda p=pub: [p.publish(batch(i)) for i in range(3)]).start()
+            assert cli.main(["subscribe", "--endpoint", f"tcp://127.0.0.1:{port}", "--replay-endpoint",
+                             pub.get_publisher_config().replay_endpoint, "--topic", "kv", "--quiet",
+                             "--silence-warning", "0.5", "--idle-timeout", "1"]) == 0
+    said = [r.getMessage() for r in records]
+    assert len(said) == 1 and f"no KV events from tcp://127.0.0.1:{wrong}" in said[0], said
+    assert "tcp://*:PORT" in said[0]
+    err = capsys.readouterr().err
+    assert '"batches": 0' in err and '"batches": 3' in err
+
+
+def test_help_says_which_endpoints_the_publisher_binds(capsys):
+    for cmd in ("route", "subscribe"):
+        with pytest.raises(SystemExit):
+            cli.main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "binds only tcp://*:PORT, ipc://" in out and "--silence-warning" in out

@@ -1,0 +1,199 @@
+"""What a disk or remote tier holds (`vllm-kvbm tiers inspect`): entries, bytes, layouts, an age
+histogram and, on request, how many entries fail verification. Read-only: the disk tier's own
+readers (disk.scan without tidying, read_meta, open_verified: lstat first, no link followed, only
+regular files opened) and, for a server, SCAN / STRLEN / OBJECT IDLETIME and GET.
+
+A layout is a directory `<disk_path>/<fingerprint>/r<rank>/` or a key prefix
+`kvbm:<version>:<fingerprint>:r<rank>:`; the fingerprint hashes the model, dtype, KV cache spec and
+hash unit, so one layout is one model configuration. Disk ages are since a file was written (block
+files are never changed in place); a server does not keep that, so remote ages are idle times (since
+the last read or write; OBJECT IDLETIME, unknown under an LFU eviction policy).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.secret import FILE_NAME as SECRET_FILE
+
+AGES = ((60, "<1m"), (3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (float("inf"), ">=7d"))
+BATCH = 512  # entries verified or asked about per call / round trip
+_LAYOUT_NAME = re.compile(r"[0-9a-f]{32}")
+_RANK_NAME = re.compile(r"r([0-9]+)")
+
+
+class Report:
+    """The totals, per layout and per age bucket; `progress(n)` is called now and then."""
+
+    def __init__(self, target: str, kind: str, age_basis: str, verify: bool,
+                 progress: Callable[[int], None] | None = None):
+        self.out = {"target": target, "kind": kind, "entries": 0, "bytes": 0, "layouts": {},
+                    "age": {"basis": age_basis, "histogram": {name: 0 for _, name in AGES}, "unknown": 0,
+                            "oldest_s": None},
+                    "skipped": 0, "verify": {"checked": 0, "failed": 0} if verify else None}
+        self._progress, self._next = progress, time.monotonic() + 0.5  # short scans print nothing
+
+    def add(self, fingerprint: str, rank: int, nbytes: int, age: float | None) -> None:
+        o = self.out
+        o["entries"] += 1
+        o["bytes"] += nbytes
+        lay = o["layouts"].setdefault(fingerprint, {"entries": 0, "bytes": 0, "ranks": []})
+        lay["entries"] += 1
+        lay["bytes"] += nbytes
+        if rank not in lay["ranks"]:
+            lay["ranks"].append(rank)
+        ages = o["age"]
+        if age is None:
+            ages["unknown"] += 1
+        else:
+            ages["histogram"][next(name for limit, name in AGES if age < limit)] += 1
+            ages["oldest_s"] = max(ages["oldest_s"] or 0.0, round(age, 1))
+        if self._progress is not None and time.monotonic() >= self._next:
+            self._next = time.monotonic() + 0.5
+            self._progress(o["entries"])
+
+    def verified(self, ok: list[bool]) -> None:
+        self.out["verify"]["checked"] += len(ok)
+        self.out["verify"]["failed"] += ok.count(False)
+
+
+def _real_dirs(path: str, pattern) -> tuple[list[str], int]:
+    """Names of the real directories (lstat: no symlink) in `path` named by `pattern`, and how many
+    other entries there are (the tier secret's regular file is ours: not counted)."""
+    names, other = [], 0
+    with os.scandir(path) as it:
+        for e in it:
+            if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
+                names.append(e.name)
+            elif not (e.name == SECRET_FILE and e.is_file(follow_symlinks=False)):
+                other += 1
+    return sorted(names), other
+
+
+def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
+    """The report of a disk tier's directory (the `disk_path` setting)."""
+    if not stat.S_ISDIR(os.lstat(disk_path).st_mode):
+        raise NotADirectoryError(f"{disk_path} is not a directory (a symlink is not followed)")
+    rep = Report(disk_path, "disk", "written", verify, progress)
+    layouts, other = _real_dirs(disk_path, _LAYOUT_NAME)
+    rep.out["skipped"] += other
+    now = time.time()
+    for fp in layouts:
+        ranks, other = _real_dirs(os.path.join(disk_path, fp), _RANK_NAME)
+        rep.out["skipped"] += other
+        for rank in ranks:
+            base = os.path.join(disk_path, fp, rank)
+            stats: dict = {}
+            found = diskfmt.scan(base, tidy=False, stats=stats)
+            rep.out["skipped"] += stats.get("skipped", 0)
+            for (key, size), st in zip(found, stats.get("st", [])):
+                rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
+            if verify:
+                for i in range(0, len(found), BATCH):
+                    rep.verified(_verify_files(base, bytes.fromhex(fp), [k for k, _ in found[i:i + BATCH]]))
+    return rep.out
+
+
+def _verify_files(base: str, fingerprint: bytes, keys: list) -> list[bool]:
+    """Whether each block file verifies (header, lengths, key, fingerprint, checksum), read as a
+    load reads it (open_verified); each fd is closed at once."""
+    paths = [diskfmt.block_path(base, k) for k in keys]
+    ok = [False] * len(keys)
+    by_size: dict[int, list[int]] = {}
+    for i, p in enumerate(paths):
+        meta = diskfmt.read_meta(p)  # None: not a complete file of this format
+        if meta is not None:
+            try:
+                size = os.lstat(p).st_size
+            except OSError:
+                continue
+            by_size.setdefault(size - diskfmt.HEADER_SIZE - len(meta), []).append(i)
+    for plen, idx in by_size.items():
+        for i, got in zip(idx, diskfmt.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
+                                                            fingerprint, plen)):
+            if got is not None:
+                os.close(got[0])
+                ok[i] = True
+    return ok
+
+
+def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
+    """The report of the values under `kvbm:` on a Redis / Valkey server (or cluster)."""
+    remotefmt.check_url(url)
+    client = remotefmt.connect(url)
+    rep = Report(url, "remote", "idle", verify, progress)
+    names = []
+    try:
+        for name in client.scan_iter(match=b"kvbm:*", count=1000):
+            names.append(name)
+            if len(names) == BATCH:
+                _remote_batch(client, names, rep, verify)
+                names = []
+        if names:
+            _remote_batch(client, names, rep, verify)
+    finally:
+        client.close()
+    return rep.out
+
+
+def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
+    parsed = [remotefmt.parse_value_name(n) for n in names]
+    ours = [(n, p) for n, p in zip(names, parsed) if p is not None]
+    rep.out["skipped"] += len(names) - len(ours)  # our other keys (announcer marker, secret), other versions
+    replies = remotefmt.run(client, [c for n, _ in ours for c in (("STRLEN", n), ("OBJECT", "IDLETIME", n))])
+    kept = []
+    for j, (name, (root, rank, key_hex)) in enumerate(ours):
+        size, idle = replies[2 * j], replies[2 * j + 1]
+        if isinstance(size, Exception):  # WRONGTYPE: not a value
+            rep.out["skipped"] += 1
+            continue
+        if size == 0:  # evicted or expired meanwhile
+            continue
+        rep.add(root.decode(), rank, int(size), None if isinstance(idle, Exception) or idle is None else float(idle))
+        kept.append((name, root, key_hex))
+    if verify and kept:
+        values = remotefmt.run(client, [("GET", n) for n, _, _ in kept])
+        rep.verified([_verify_value(v, root, key_hex) for v, (_, root, key_hex) in zip(values, kept)])
+
+
+def _verify_value(value, root: bytes, key_hex: bytes) -> bool:
+    if not isinstance(value, (bytes, bytearray)) or len(value) < diskfmt.HEADER_SIZE:
+        return False
+    h = diskfmt.parse_header(value)
+    if h is None:
+        return False
+    key = diskfmt.parse_key_hex(key_hex.decode() + diskfmt.SUFFIX)
+    out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
+    return remotefmt.read_value(value, key, bytes.fromhex(root.decode()), out)
+
+
+def inspect(target: str, verify: bool = False, progress=None) -> dict:
+    """A tier's report: `target` is a remote_url or a disk_path."""
+    if target.startswith(remotefmt.URL_SCHEMES + remotefmt.CLUSTER_SCHEMES):
+        return inspect_remote(target, verify, progress)
+    return inspect_disk(target, verify, progress)
+
+
+def summary(report: dict) -> str:
+    """The report for people."""
+    r = report
+    lines = [f"{r['kind']} tier {r['target']}: {r['entries']} entries, {r['bytes']:,} bytes"
+             + (f", {r['skipped']} entries not ours skipped" if r["skipped"] else "")]
+    for fp, lay in sorted(r["layouts"].items()):
+        ranks = ",".join(str(k) for k in sorted(lay["ranks"]))
+        lines.append(f"  layout {fp} (ranks {ranks}): {lay['entries']} entries, {lay['bytes']:,} bytes")
+    age = r["age"]
+    hist = "  ".join(f"{k} {v}" for k, v in age["histogram"].items())
+    lines.append(f"  age ({'since written' if age['basis'] == 'written' else 'idle'}): {hist}"
+                 + (f"  unknown {age['unknown']}" if age["unknown"] else ""))
+    if r["verify"] is not None:
+        lines.append(f"  verified {r['verify']['checked']}: {r['verify']['failed']} failed")
+    return "\n".join(lines)
