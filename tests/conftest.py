@@ -95,3 +95,19 @@ def server(request):
     s = RedisServer(binary=binary).start()
     yield s
     s.stop()
+
+
+@pytest.fixture
+def redis_server():
+    """A redis-server of the test's own on a free loopback port (stopped by PID at the end), or a
+    skip that says what is missing."""
+    pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
+    from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no redis-server on PATH: scripts/setup.sh installs Debian's as root")
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()

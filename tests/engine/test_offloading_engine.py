@@ -108,49 +108,40 @@ def test_chunks_of_two_blocks_hit_from_cpu_and_disk(run_engine, baseline, tmp_pa
     assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline
 
 
-def test_remote_tier_second_process_hits_and_bad_values_are_misses(run_engine, baseline):
+def test_remote_tier_second_process_hits_and_bad_values_are_misses(run_engine, baseline, redis_server):
     """KVBMRemoteTier behind vLLM's CPU tier on a real redis-server: a second engine process (an
     empty CPU tier) hits what the first stored; every value damaged one of three ways is a miss
     there, recomputed with the same tokens, deleted and written again; with the server down every
     request is served, with the same tokens."""
-    pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
-    from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
-
-    if server_binary() is None:
-        pytest.skip("no redis-server on PATH: scripts/setup.sh installs Debian's as root")
-    server = RedisServer().start()
-    try:
-        remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": server.url}]
-        r = run_engine(spec(ONCE, secondary_tiers=remote))
-        assert outputs(r)[0]["num_cached_tokens"] == 0
-        c = server.client()
-        names = sorted(c.scan_iter(match="kvbm:*"))
-        assert len(names) == HIT // 32
-        rep = validate(r).report()
-        assert rep["errors"] == 0, rep["first_problems"]
-        assert any(label.startswith("STORAGE:REMOTE:kvbm-remote:") and t["stored"] >= HIT // 32
-                   for label, t in rep["tiers"].items()), rep["tiers"]
-        r2 = run_engine(spec(ONCE, secondary_tiers=remote))
-        (o,) = outputs(r2)
-        assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline
-        damaged = {}
-        for i, name in enumerate(names):
-            v = c.get(name)
-            at = disk.HEADER_SIZE + 101  # a high (sign and exponent) byte of a bf16 value
-            damaged[name] = [v[:at] + bytes([v[at] ^ 0xC0]) + v[at + 1:], v[:-1], v[:24] + bytes(16) + v[40:]][i % 3]
-            c.set(name, damaged[name])
-        r3 = run_engine(spec(ONCE, secondary_tiers=remote))
-        (o,) = outputs(r3)
-        assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline
-        assert "damaged, truncated or of another layout: deleted" in r3["log"]
-        for name in names:
-            v = c.get(name)
-            assert v is not None and v != damaged[name], name
-        server.stop()  # a server down: misses, the same tokens
-        r4 = run_engine(spec(ONCE, secondary_tiers=remote))
-        (o,) = outputs(r4)
-        assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline
-        assert "every remote lookup, read and write is a miss" in r4["log"]
-        assert "Traceback" not in r["log"] + r2["log"] + r3["log"] + r4["log"]
-    finally:
-        server.stop()
+    remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": redis_server.url}]
+    r = run_engine(spec(ONCE, secondary_tiers=remote))
+    assert outputs(r)[0]["num_cached_tokens"] == 0
+    c = redis_server.client()
+    names = sorted(c.scan_iter(match="kvbm:*"))
+    assert len(names) == HIT // 32
+    rep = validate(r).report()
+    assert rep["errors"] == 0, rep["first_problems"]
+    assert any(label.startswith("STORAGE:REMOTE:kvbm-remote:") and t["stored"] >= HIT // 32
+               for label, t in rep["tiers"].items()), rep["tiers"]
+    r2 = run_engine(spec(ONCE, secondary_tiers=remote))
+    (o,) = outputs(r2)
+    assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline
+    damaged = {}
+    for i, name in enumerate(names):
+        v = c.get(name)
+        at = disk.HEADER_SIZE + 101  # a high (sign and exponent) byte of a bf16 value
+        damaged[name] = [v[:at] + bytes([v[at] ^ 0xC0]) + v[at + 1:], v[:-1], v[:24] + bytes(16) + v[40:]][i % 3]
+        c.set(name, damaged[name])
+    r3 = run_engine(spec(ONCE, secondary_tiers=remote))
+    (o,) = outputs(r3)
+    assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline
+    assert "damaged, truncated or of another layout: deleted" in r3["log"]
+    for name in names:
+        v = c.get(name)
+        assert v is not None and v != damaged[name], name
+    redis_server.stop()  # a server down: misses, the same tokens
+    r4 = run_engine(spec(ONCE, secondary_tiers=remote))
+    (o,) = outputs(r4)
+    assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline
+    assert "every remote lookup, read and write is a miss" in r4["log"]
+    assert "Traceback" not in r["log"] + r2["log"] + r3["log"] + r4["log"]

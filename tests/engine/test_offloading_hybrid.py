@@ -89,23 +89,14 @@ def test_cpu_then_disk_in_a_new_process(run_engine, model, reference, tmp_path):
     assert validate(r3).errors == 0
 
 
-def test_remote_tier_hits_in_a_second_process(run_engine, model, reference):
-    pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
-    from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
-
-    if server_binary() is None:
-        pytest.skip("no redis-server on PATH: scripts/setup.sh installs Debian's as root")
-    server = RedisServer().start()
-    try:
-        remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": server.url}]
-        r = run_engine(spec(model, [step(P)], secondary_tiers=remote))
-        same(outputs(r)[0], reference["P"])
-        r2 = run_engine(spec(model, [step(P)], secondary_tiers=remote))
-        (o,) = outputs(r2)
-        print(f"\n{model}: remote hit in a second process: {o['num_cached_tokens']}")
-        assert o["num_cached_tokens"] > 0
-        same(o, reference["P"])
-        rep = validate(r2).report()
-        assert rep["errors"] == 0, rep["first_problems"]
-    finally:
-        server.stop()
+def test_remote_tier_hits_in_a_second_process(run_engine, model, reference, redis_server):
+    remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": redis_server.url}]
+    r = run_engine(spec(model, [step(P)], secondary_tiers=remote))
+    same(outputs(r)[0], reference["P"])
+    r2 = run_engine(spec(model, [step(P)], secondary_tiers=remote))
+    (o,) = outputs(r2)
+    print(f"\n{model}: remote hit in a second process: {o['num_cached_tokens']}")
+    assert o["num_cached_tokens"] > 0
+    same(o, reference["P"])
+    rep = validate(r2).report()
+    assert rep["errors"] == 0, rep["first_problems"]

@@ -63,23 +63,14 @@ def test_images_hit_cpu_then_disk_in_a_new_process(run_engine, plain, tmp_path):
     assert [o["tokens"] for o in outputs(r2)] == red
 
 
-def test_images_hit_the_remote_tier_in_a_second_process(run_engine, plain):
-    pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
-    from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
-
-    if server_binary() is None:
-        pytest.skip("no redis-server on PATH: scripts/setup.sh installs Debian's as root")
+def test_images_hit_the_remote_tier_in_a_second_process(run_engine, plain, redis_server):
     red, blue = plain
-    server = RedisServer().start()
-    try:
-        remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": server.url}]
-        run(run_engine, [{"prompts": RED}], secondary_tiers=remote)
-        r2 = run(run_engine, [{"prompts": RED}, {"prompts": BLUE}], secondary_tiers=remote)
-        n = len(RED)
-        assert [o["num_cached_tokens"] for o in outputs(r2)[:n]] == expected_hits(True)
-        assert [o["num_cached_tokens"] for o in outputs(r2)[n:]] == expected_hits(False)
-        assert [o["tokens"] for o in outputs(r2)] == red + blue
-        rep = validate(r2).report()
-        assert rep["errors"] == 0, rep["first_problems"]
-    finally:
-        server.stop()
+    remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": redis_server.url}]
+    run(run_engine, [{"prompts": RED}], secondary_tiers=remote)
+    r2 = run(run_engine, [{"prompts": RED}, {"prompts": BLUE}], secondary_tiers=remote)
+    n = len(RED)
+    assert [o["num_cached_tokens"] for o in outputs(r2)[:n]] == expected_hits(True)
+    assert [o["num_cached_tokens"] for o in outputs(r2)[n:]] == expected_hits(False)
+    assert [o["tokens"] for o in outputs(r2)] == red + blue
+    rep = validate(r2).report()
+    assert rep["errors"] == 0, rep["first_problems"]
