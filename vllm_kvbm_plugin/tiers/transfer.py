@@ -1,0 +1,343 @@
+"""The transfer engine: copies between vLLM's KV cache tensors and the CPU pool's slots. Imports
+torch, numpy and numba (Triton where installed), never vLLM, so it runs wherever torch does.
+
+A slot holds one entry: the block's bytes of every layer of its kind, one layer after another
+(`Layer.offset`). Jobs are lists of (kind, block id per group, slot); `submit` returns a job id and
+`get_finished` reports finished jobs in submission order (vLLM's get_finished contract).
+
+- CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, torch index ops for any other;
+  a job is done when `submit` returns.
+- CUDA: every job runs on one side stream, straight between the KV cache and the pinned pool.
+  Each block of a layer is a few equal contiguous pieces (one for blocks on dim 0, K and V for
+  blocks on dim 1, ...); a Triton kernel copies all pieces of a job in one launch, reading or
+  writing the pinned rows through their device addresses (small rows), or gathers them into
+  device staging rows that the copy engine moves whole (large rows: DMA leaves the SMs to the
+  forward). A store waits for the forward that wrote its blocks (the side stream waits on the
+  current stream) and never makes the current stream wait; a load makes the current stream,
+  not the host, wait on its event. One CUDA event per job; `get_finished` polls them.
+  Layers whose pieces are tiny or misaligned, or a host without Triton, take the torch path.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_kvbm_plugin.tiers.copy import copy_pages
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs neither
+    triton = tl = None
+
+MIN_PIECE_BYTES = 512  # smaller contiguous pieces (odd strides) take the torch path
+DMA_MIN_ROW_BYTES = 512 << 10  # rows at least this long go through staging + the copy engine
+STAGE_BYTES = 64 << 20  # device staging for DMA rows, allocated once
+KERNEL_WORDS = 1024  # 8-byte words one program copies per iteration
+
+
+class Layer:
+    """One KV cache tensor as the engine copies it: its block dimension, where its part of a
+    slot starts, and how a block's bytes lie in memory."""
+
+    __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape", "pages", "pieces")
+
+    def __init__(self, tensor: torch.Tensor, dim: int):
+        self.tensor, self.dim, self.offset = tensor, dim, 0
+        shape = list(tensor.shape)
+        del shape[dim]
+        self.block_shape = tuple(shape)
+        self.nbytes = tensor[(slice(None),) * dim + (0,)].numel() * tensor.element_size()
+        # CPU tensors with blocks on dim 0 (vLLM's CPU layout): whole pages as uint64 words, copied
+        # by the numba kernels without temporaries. A page can be longer than the block's data
+        # (Mamba state views are padded to the attention page): the padding belongs to the same
+        # block, so copying it is harmless.
+        self.pages = None
+        page = tensor.stride(0) * tensor.element_size() if tensor.dim() else 0
+        start = tensor.storage_offset() * tensor.element_size()
+        n = tensor.shape[0] if tensor.dim() else 0
+        if (tensor.device.type == "cpu" and dim == 0 and page >= self.nbytes and page % 8 == 0
+                and start % 8 == 0 and start + n * page <= tensor.untyped_storage().nbytes()):
+            flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (n * page,))
+            self.pages = flat.numpy().view(np.uint64)
+            self.nbytes = page
+        self.pieces = block_pieces(tensor, dim) if tensor.device.type == "cuda" else None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensor.shape[self.dim]
+
+
+def block_pieces(t: torch.Tensor, dim: int) -> tuple[np.ndarray, int] | None:
+    """A block's bytes as equal contiguous pieces, in the block's element order (its order in a
+    slot): (byte offset of each piece from the block's first element, piece bytes). None when
+    the pieces are smaller than MIN_PIECE_BYTES or not 8-byte aligned."""
+    e = t.element_size()
+    dims = [(n, s) for i, (n, s) in enumerate(zip(t.shape, t.stride())) if i != dim and n != 1]
+    if any(s < 0 for _, s in dims) or t.stride(dim) < 0:
+        return None
+    inner, k = 1, len(dims)
+    while k and dims[k - 1][1] == inner:  # the longest contiguous suffix
+        inner *= dims[k - 1][0]
+        k -= 1
+    offsets = np.zeros(1, np.int64)
+    for n, s in dims[:k]:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
+    piece = inner * e
+    words = [piece, t.data_ptr(), t.stride(dim) * e]
+    if piece < MIN_PIECE_BYTES or any(x % 8 for x in words):
+        return None
+    return offsets * e, piece
+
+
+def piece_descriptors(layers: list[tuple[int, Layer]], ids: np.ndarray, rows: np.ndarray) -> tuple:
+    """(KV address, row address, 8-byte words) of every piece of blocks `ids[:, group]` of
+    `layers` [(group, layer)], whose entries lie at row addresses `rows` (pool slots or staging
+    rows). Int64 arrays, item-major per layer."""
+    kv, row, words = [], [], []
+    for g, layer in layers:
+        offsets, piece = layer.pieces
+        t = layer.tensor
+        bstride = t.stride(layer.dim) * t.element_size()
+        kv.append((t.data_ptr() + ids[:, g, None] * bstride + offsets[None, :]).reshape(-1))
+        at = layer.offset + np.arange(len(offsets), dtype=np.int64) * piece
+        row.append((rows[:, None] + at[None, :]).reshape(-1))
+        words.append(np.full(kv[-1].shape[0], piece // 8, np.int64))
+    return np.concatenate(kv), np.concatenate(row), np.concatenate(words)
+
+
+if triton is not None:
+    @triton.jit
+    def _copy_pieces(desc, n, BLOCK: tl.constexpr):
+        """Piece i: desc[2n + i] words from address desc[i] to desc[n + i]; programs take pieces
+        in turn."""
+        i = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        while i < n:
+            src = tl.load(desc + i).to(tl.pointer_type(tl.int64))
+            dst = tl.load(desc + n + i).to(tl.pointer_type(tl.int64))
+            words = tl.load(desc + 2 * n + i)
+            for start in range(0, words, BLOCK):
+                at = start + offs
+                mask = at < words
+                tl.store(dst + at, tl.load(src + at, mask=mask), mask=mask)
+            i += tl.num_programs(0)
+
+
+def _cudart_memcpy():
+    """cudaMemcpyAsync of the CUDA runtime torch loaded (one call per row, no tensor views), or
+    None where it is not a shared library of this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        fn = ctypes.CDLL(sorted(paths)[0]).cudaMemcpyAsync
+    except (OSError, IndexError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class _Job(NamedTuple):
+    id: int
+    start: object  # torch.cuda.Event
+    end: object
+    keep: list  # tensors the copies read until the end event
+
+
+class TransferEngine:
+    """Stores (KV blocks -> slots) and loads (slots -> KV blocks) of lists of (kind, block id per
+    group, slot) between `layers` {kind: [[Layer] per group]} and `pool` [slots, slot bytes]."""
+
+    def __init__(self, layers: dict, pool: torch.Tensor, mode: str = "auto"):
+        assert mode in ("auto", "kernel", "dma")
+        self.layers, self.pool, self.mode = layers, pool, mode
+        self.slot_bytes = pool.shape[1]
+        self._next = 0
+        self._done: collections.deque = collections.deque()  # CPU: (job, seconds)
+        self._inflight: collections.deque = collections.deque()  # CUDA: _Job
+        self._last = {True: None, False: None}  # to_pool -> end event of the last such job
+        self.device = next((ly.tensor.device for gs in layers.values() for ls in gs for ly in ls
+                            if ly.tensor.device.type == "cuda"), None)
+        self.cuda = self.device is not None and triton is not None and pool.is_pinned()
+        self._pool_words = pool.numpy().reshape(-1).view(np.uint64) if pool.numel() else np.zeros(0, np.uint64)
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+            self.programs = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._stage = None
+            self._memcpy = _cudart_memcpy()
+
+    # ---- the contract ----------------------------------------------------------------------
+    def submit(self, ops, to_pool: bool) -> int:
+        """Start copying `ops` [(kind, block ids, slot)] into the pool (store) or out of it (load);
+        the job id. Blocks and slots out of range raise IndexError before anything is copied."""
+        job, self._next = self._next, self._next + 1
+        by_kind: dict = {}
+        for kind, ids, slot in ops:
+            by_kind.setdefault(kind, []).append((ids, slot))
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self._cpu_copy(by_kind, to_pool)
+            self._done.append((job, time.perf_counter() - t0))
+            return job
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)  # stores read what the forward wrote; loads land after it
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        keep: list = []
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            for kind, items in by_kind.items():
+                self._cuda_copy(kind, items, to_pool, keep)
+            end.record(self.stream)
+        if not to_pool:
+            current.wait_event(end)  # the forward reads the blocks only once they landed
+        self._last[to_pool] = end
+        self._inflight.append(_Job(job, start, end, keep))
+        return job
+
+    def get_finished(self) -> list[tuple[int, float]]:
+        """(job id, seconds it took) of the jobs finished since the last call, in submission order."""
+        out = list(self._done)
+        self._done.clear()
+        while self._inflight and self._inflight[0].end.query():
+            j = self._inflight.popleft()
+            out.append((j.id, j.start.elapsed_time(j.end) / 1e3))
+        return out
+
+    def wait(self) -> None:
+        """The host waits until every job submitted so far is done (they are still reported)."""
+        for j in list(self._inflight):
+            j.end.synchronize()
+
+    def wait_loads(self) -> None:
+        """The host waits for the loads submitted so far: before it writes pool slots they read."""
+        if self._last[False] is not None:
+            self._last[False].synchronize()
+
+    def fence(self) -> None:
+        """Before a forward: it may write blocks freed since a store read them, so the current
+        stream waits for stores still in flight (a no-op when they are done, and never the host)."""
+        end = self._last[True]
+        if end is not None and not end.query():
+            torch.cuda.current_stream(self.device).wait_event(end)
+
+    # ---- CPU -------------------------------------------------------------------------------
+    def _cpu_copy(self, by_kind: dict, to_pool: bool) -> None:
+        """Page copies (vLLM's CPU layout) are collected and run together, split over threads;
+        torch copies stay on this thread (torch ops from a helper thread would start a second
+        OpenMP team)."""
+        jobs = []
+        for kind, items in by_kind.items():
+            slots = [s for _, s in items]
+            sl = np.asarray(slots, np.int64)
+            for gi, layers in enumerate(self.layers[kind]):
+                block_ids = [ids[gi] for ids, _ in items]
+                ids = np.asarray(block_ids, np.int64)
+                for layer in layers:
+                    if layer.pages is not None:
+                        jobs.append((layer.pages, layer.nbytes // 8, layer.offset // 8, ids, sl))
+                    elif to_pool:
+                        layer_to_slots(layer, block_ids, slots, self.pool)
+                    else:
+                        slots_to_layer(layer, block_ids, slots, self.pool)
+        copy_pages(jobs, self._pool_words, self.slot_bytes // 8, to_pool)
+
+    # ---- CUDA ------------------------------------------------------------------------------
+    def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list) -> None:
+        ids = np.asarray([i for i, _ in items], np.int64).reshape(len(items), -1)
+        slots = np.asarray([s for _, s in items], np.int64)
+        fast = []
+        for g, layers in enumerate(self.layers[kind]):
+            for layer in layers:
+                if layer.pieces is not None:
+                    fast.append((g, layer))
+                elif to_pool:
+                    layer_to_slots(layer, ids[:, g].tolist(), slots.tolist(), self.pool)
+                else:
+                    slots_to_layer(layer, ids[:, g].tolist(), slots.tolist(), self.pool)
+        if not fast:
+            return
+        for g, layer in fast:
+            if len(ids) and (ids[:, g].min() < 0 or ids[:, g].max() >= layer.num_blocks):
+                raise IndexError("block id out of range")
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.pool.shape[0]):
+            raise IndexError("slot out of range")
+        width = max(layer.offset + layer.nbytes for _, layer in fast)
+        dma = self.mode == "dma" or (self.mode == "auto" and width >= DMA_MIN_ROW_BYTES)
+        if not dma:  # one kernel straight between the KV cache and the pinned rows
+            kv, row, words = piece_descriptors(fast, ids, self.pool.data_ptr() + slots * self.slot_bytes)
+            self._launch(*((kv, row) if to_pool else (row, kv)), words, keep)
+            return
+        stage = self._staging(width)
+        rows_per = stage.numel() // width
+        order = np.argsort(slots, kind="stable")  # consecutive slots -> consecutive staging rows
+        for c in range(0, len(order), rows_per):
+            part = order[c:c + rows_per]
+            rows = stage.data_ptr() + np.arange(len(part), dtype=np.int64) * width
+            kv, row, words = piece_descriptors(fast, ids[part], rows)
+            if to_pool:
+                self._launch(kv, row, words, keep)
+            self._move_rows(slots[part], stage, width, to_pool)
+            if not to_pool:
+                self._launch(row, kv, words, keep)
+
+    def _launch(self, src: np.ndarray, dst: np.ndarray, words: np.ndarray, keep: list) -> None:
+        n = len(src)
+        if not n:
+            return
+        desc = torch.from_numpy(np.concatenate([src, dst, words])).pin_memory()
+        desc = desc.to(self.device, non_blocking=True)
+        keep.append(desc)
+        _copy_pieces[(min(n, self.programs),)](desc, n, BLOCK=KERNEL_WORDS)
+
+    def _staging(self, width: int) -> torch.Tensor:
+        size = max(STAGE_BYTES, width)
+        if self._stage is None or self._stage.numel() < size:
+            self._stage = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._stage
+
+    def _move_rows(self, slots: np.ndarray, stage: torch.Tensor, width: int, to_pool: bool) -> None:
+        """Staging rows 0.. <-> the pool rows of `slots` (sorted) with the copy engine: one copy
+        per run of consecutive slots when an entry fills its slot, else one per row."""
+        if width == self.slot_bytes:
+            cut = np.flatnonzero(np.diff(slots) != 1) + 1
+            starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(slots)]])
+        else:
+            starts, ends = np.arange(len(slots)), np.arange(1, len(slots) + 1)
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            pool_at, stage_at, n = int(slots[a]) * self.slot_bytes, a * width, (b - a) * width
+            if to_pool:
+                self._dma(self.pool, pool_at, stage, stage_at, n)
+            else:
+                self._dma(stage, stage_at, self.pool, pool_at, n)
+
+    def _dma(self, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
+        if self._memcpy is not None:
+            rc = self._memcpy(dst.data_ptr() + dst_at, src.data_ptr() + src_at, n, 4,  # cudaMemcpyDefault
+                              self.stream.cuda_stream)
+            if rc:
+                raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc}")
+            return
+        dst.view(-1)[dst_at:dst_at + n].copy_(src.view(-1)[src_at:src_at + n], non_blocking=True)
+
+
+# ---- the torch path (odd layouts, CUDA without Triton, direct loads' scratch slot) ---------------
+def layer_to_slots(layer: Layer, block_ids: list[int], slots: list[int], pool: torch.Tensor) -> None:
+    ids = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
+    data = layer.tensor.index_select(layer.dim, ids).movedim(layer.dim, 0)
+    data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
+    pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes] = data
+
+
+def slots_to_layer(layer: Layer, block_ids: list[int], slots: list[int], pool: torch.Tensor) -> None:
+    t = layer.tensor
+    data = pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes]
+    data = data.view(t.dtype).reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
+    t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device), data.movedim(0, layer.dim))
+
