@@ -38,7 +38,7 @@ except ImportError:  # the CPU path needs neither
 
 MIN_PIECE_BYTES = 512  # smaller contiguous pieces (odd strides) take the torch path
 DMA_MIN_ROW_BYTES = 512 << 10  # rows at least this long go through staging + the copy engine
-STAGE_BYTES = 64 << 20  # device staging for DMA rows, allocated once
+STAGE_BYTES = 128 << 20  # device staging (stores' snapshots, DMA rows), allocated at first use
 KERNEL_WORDS = 1024  # 8-byte words one program copies per iteration
 
 
@@ -131,8 +131,8 @@ if triton is not None:
 
 
 def _cudart_memcpy():
-    """cudaMemcpyAsync of the CUDA runtime torch loaded (one call per row, no tensor views), or
-    None where it is not a shared library of this process."""
+    """cudaMemcpyAsync of the CUDA runtime torch loaded (one call per run of rows, no tensor
+    views), or None where it is not a shared library of this process."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libcudart.so" in line}
@@ -144,34 +144,76 @@ def _cudart_memcpy():
     return fn
 
 
+class CudaOps:
+    """What the CUDA path asks of the device: its side stream, events, descriptor uploads, the
+    kernel and row copies (one object, so tests run the same path on host memory)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        self.memcpy = _cudart_memcpy()
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def on_side(self):
+        return torch.cuda.stream(self.stream)
+
+    def event(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def launch(self, desc: np.ndarray, n: int, keep: list) -> None:
+        """Run piece descriptors [src addresses, dst addresses, words] on the side stream."""
+        d = torch.from_numpy(desc).pin_memory().to(self.device, non_blocking=True)
+        keep.append(d)  # until the job's end event
+        _copy_pieces[(min(n, self.programs),)](d, n, BLOCK=KERNEL_WORDS)
+
+    def copy(self, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
+        """n bytes between device and pinned memory with the copy engine, on the side stream."""
+        if self.memcpy is not None:
+            rc = self.memcpy(dst.data_ptr() + dst_at, src.data_ptr() + src_at, n, 4,  # cudaMemcpyDefault
+                             self.stream.cuda_stream)
+            if rc:
+                raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc}")
+            return
+        dst.view(-1)[dst_at:dst_at + n].copy_(src.view(-1)[src_at:src_at + n], non_blocking=True)
+
+
 class _Job(NamedTuple):
     id: int
-    start: object  # torch.cuda.Event
+    start: object  # events
     end: object
     keep: list  # tensors the copies read until the end event
 
 
 class TransferEngine:
     """Stores (KV blocks -> slots) and loads (slots -> KV blocks) of lists of (kind, block id per
-    group, slot) between `layers` {kind: [[Layer] per group]} and `pool` [slots, slot bytes]."""
+    group, slot) between `layers` {kind: [[Layer] per group]} and `pool` [slots, slot bytes].
 
-    def __init__(self, layers: dict, pool: torch.Tensor, mode: str = "auto"):
+    CUDA modes: `auto` picks by row length (an entry's bytes in its slot); `kernel` moves rows
+    with the kernel (loads straight into the blocks); `dma` with the copy engine through device
+    staging. Stores always gather their blocks into device staging first (a snapshot at HBM
+    speed), so a forward that reuses their blocks waits only for that gather (`fence`)."""
+
+    def __init__(self, layers: dict, pool: torch.Tensor, mode: str = "auto", ops=None):
         assert mode in ("auto", "kernel", "dma")
         self.layers, self.pool, self.mode = layers, pool, mode
         self.slot_bytes = pool.shape[1]
         self._next = 0
         self._done: collections.deque = collections.deque()  # CPU: (job, seconds)
         self._inflight: collections.deque = collections.deque()  # CUDA: _Job
-        self._last = {True: None, False: None}  # to_pool -> end event of the last such job
-        self.device = next((ly.tensor.device for gs in layers.values() for ls in gs for ly in ls
-                            if ly.tensor.device.type == "cuda"), None)
-        self.cuda = self.device is not None and triton is not None and pool.is_pinned()
-        self._pool_words = pool.numpy().reshape(-1).view(np.uint64) if pool.numel() else np.zeros(0, np.uint64)
-        if self.cuda:
-            self.stream = torch.cuda.Stream(self.device)
-            self.programs = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._stage = None
-            self._memcpy = _cudart_memcpy()
+        self._last_load = self._snapshot = None  # events: the last load's end, the last store's gathers
+        device = next((ly.tensor.device for gs in layers.values() for ls in gs for ly in ls
+                       if ly.tensor.device.type == "cuda"), None)
+        if ops is None and device is not None and triton is not None and pool.is_pinned() and self.slot_bytes % 8 == 0:
+            ops = CudaOps(device)
+        self.ops, self.cuda = ops, ops is not None
+        self._stage = None
+        self._pool_words = pool.numpy().reshape(-1).view(np.uint64) if not self.cuda else None
 
     # ---- the contract ----------------------------------------------------------------------
     def submit(self, ops, to_pool: bool) -> int:
@@ -186,18 +228,22 @@ class TransferEngine:
             self._cpu_copy(by_kind, to_pool)
             self._done.append((job, time.perf_counter() - t0))
             return job
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)  # stores read what the forward wrote; loads land after it
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dev = self.ops
+        current = dev.current()
+        dev.stream.wait_stream(current)  # stores read what the forward wrote; loads land after it
+        start, end = dev.event(), dev.event()
         keep: list = []
-        with torch.cuda.stream(self.stream):
-            start.record(self.stream)
+        snapshot = [] if to_pool else None  # events after each gather of a store; None: not staged
+        with dev.on_side():
+            start.record(dev.stream)
             for kind, items in by_kind.items():
-                self._cuda_copy(kind, items, to_pool, keep)
-            end.record(self.stream)
-        if not to_pool:
+                self._cuda_copy(kind, items, to_pool, keep, snapshot)
+            end.record(dev.stream)
+        if to_pool:
+            self._snapshot = snapshot[-1] if snapshot and None not in snapshot else end
+        else:
             current.wait_event(end)  # the forward reads the blocks only once they landed
-        self._last[to_pool] = end
+            self._last_load = end
         self._inflight.append(_Job(job, start, end, keep))
         return job
 
@@ -217,15 +263,16 @@ class TransferEngine:
 
     def wait_loads(self) -> None:
         """The host waits for the loads submitted so far: before it writes pool slots they read."""
-        if self._last[False] is not None:
-            self._last[False].synchronize()
+        if self._last_load is not None:
+            self._last_load.synchronize()
 
     def fence(self) -> None:
         """Before a forward: it may write blocks freed since a store read them, so the current
-        stream waits for stores still in flight (a no-op when they are done, and never the host)."""
-        end = self._last[True]
-        if end is not None and not end.query():
-            torch.cuda.current_stream(self.device).wait_event(end)
+        stream (never the host) waits until the last store has its blocks gathered, a no-op when
+        that is done (the rows then cross to the host from device staging)."""
+        ev = self._snapshot
+        if ev is not None and not ev.query():
+            self.ops.current().wait_event(ev)
 
     # ---- CPU -------------------------------------------------------------------------------
     def _cpu_copy(self, by_kind: dict, to_pool: bool) -> None:
@@ -249,30 +296,32 @@ class TransferEngine:
         copy_pages(jobs, self._pool_words, self.slot_bytes // 8, to_pool)
 
     # ---- CUDA ------------------------------------------------------------------------------
-    def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list) -> None:
+    def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list, snapshot: list | None) -> None:
         ids = np.asarray([i for i, _ in items], np.int64).reshape(len(items), -1)
         slots = np.asarray([s for _, s in items], np.int64)
-        fast = []
+        fast, slow = [], []
         for g, layers in enumerate(self.layers[kind]):
             for layer in layers:
-                if layer.pieces is not None:
-                    fast.append((g, layer))
-                elif to_pool:
-                    layer_to_slots(layer, ids[:, g].tolist(), slots.tolist(), self.pool)
-                else:
-                    slots_to_layer(layer, ids[:, g].tolist(), slots.tolist(), self.pool)
+                (fast if layer.pieces is not None and layer.offset % 8 == 0 else slow).append((g, layer))
+        for g, layer in fast:
+            if ids[:, g].min() < 0 or ids[:, g].max() >= layer.num_blocks:
+                raise IndexError("block id out of range")
+        if slots.min() < 0 or slots.max() >= self.pool.shape[0]:
+            raise IndexError("slot out of range")
+        for g, layer in slow:  # synchronous
+            (layer_to_slots if to_pool else slots_to_layer)(layer, ids[:, g].tolist(), slots.tolist(), self.pool)
         if not fast:
             return
-        for g, layer in fast:
-            if len(ids) and (ids[:, g].min() < 0 or ids[:, g].max() >= layer.num_blocks):
-                raise IndexError("block id out of range")
-        if len(slots) and (slots.min() < 0 or slots.max() >= self.pool.shape[0]):
-            raise IndexError("slot out of range")
         width = max(layer.offset + layer.nbytes for _, layer in fast)
         dma = self.mode == "dma" or (self.mode == "auto" and width >= DMA_MIN_ROW_BYTES)
-        if not dma:  # one kernel straight between the KV cache and the pinned rows
-            kv, row, words = piece_descriptors(fast, ids, self.pool.data_ptr() + slots * self.slot_bytes)
+        pool_rows = self.pool.data_ptr() + slots * self.slot_bytes
+        # whole rows cross only when the fast layers fill them (else they would overwrite the
+        # slow layers' bytes); loads by kernel need no staging
+        if slow or not (to_pool or dma):
+            kv, row, words = piece_descriptors(fast, ids, pool_rows)
             self._launch(*((kv, row) if to_pool else (row, kv)), words, keep)
+            if snapshot is not None:
+                snapshot.append(None)  # the blocks are read until the end
             return
         stage = self._staging(width)
         rows_per = stage.numel() // width
@@ -283,23 +332,23 @@ class TransferEngine:
             kv, row, words = piece_descriptors(fast, ids[part], rows)
             if to_pool:
                 self._launch(kv, row, words, keep)
-            self._move_rows(slots[part], stage, width, to_pool)
+                snapshot.append(self.ops.event())
+                snapshot[-1].record(self.ops.stream)
+            if dma:
+                self._move_rows(slots[part], stage, width, to_pool)
+            else:  # to_pool: staging rows -> pool rows, one piece each
+                self._launch(rows, pool_rows[part], np.full(len(part), width // 8, np.int64), keep)
             if not to_pool:
                 self._launch(row, kv, words, keep)
 
     def _launch(self, src: np.ndarray, dst: np.ndarray, words: np.ndarray, keep: list) -> None:
-        n = len(src)
-        if not n:
-            return
-        desc = torch.from_numpy(np.concatenate([src, dst, words])).pin_memory()
-        desc = desc.to(self.device, non_blocking=True)
-        keep.append(desc)
-        _copy_pieces[(min(n, self.programs),)](desc, n, BLOCK=KERNEL_WORDS)
+        if len(src):
+            self.ops.launch(np.concatenate([src, dst, words]), len(src), keep)
 
     def _staging(self, width: int) -> torch.Tensor:
         size = max(STAGE_BYTES, width)
         if self._stage is None or self._stage.numel() < size:
-            self._stage = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._stage = self.ops.empty(size)
         return self._stage
 
     def _move_rows(self, slots: np.ndarray, stage: torch.Tensor, width: int, to_pool: bool) -> None:
@@ -313,18 +362,9 @@ class TransferEngine:
         for a, b in zip(starts.tolist(), ends.tolist()):
             pool_at, stage_at, n = int(slots[a]) * self.slot_bytes, a * width, (b - a) * width
             if to_pool:
-                self._dma(self.pool, pool_at, stage, stage_at, n)
+                self.ops.copy(self.pool, pool_at, stage, stage_at, n)
             else:
-                self._dma(stage, stage_at, self.pool, pool_at, n)
-
-    def _dma(self, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
-        if self._memcpy is not None:
-            rc = self._memcpy(dst.data_ptr() + dst_at, src.data_ptr() + src_at, n, 4,  # cudaMemcpyDefault
-                              self.stream.cuda_stream)
-            if rc:
-                raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc}")
-            return
-        dst.view(-1)[dst_at:dst_at + n].copy_(src.view(-1)[src_at:src_at + n], non_blocking=True)
+                self.ops.copy(stage, stage_at, self.pool, pool_at, n)
 
 
 # ---- the torch path (odd layouts, CUDA without Triton, direct loads' scratch slot) ---------------
