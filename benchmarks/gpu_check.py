@@ -24,6 +24,8 @@ runs on a bare GPU machine from the repository root without an install:
 Exits 1 on any byte mismatch or a check that raised (the figures are printed, not enforced).
 """
 
+from __future__ import annotations
+
 import argparse
 import sys
 import time
