@@ -7,15 +7,17 @@ A slot holds one entry: the block's bytes of every layer of its kind, one layer 
 
 - CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, torch index ops for any other;
   a job is done when `submit` returns.
-- CUDA: every job runs on one side stream, straight between the KV cache and the pinned pool.
-  Each block of a layer is a few equal contiguous pieces (one for blocks on dim 0, K and V for
-  blocks on dim 1, ...); a Triton kernel copies all pieces of a job in one launch, reading or
-  writing the pinned rows through their device addresses (small rows), or gathers them into
-  device staging rows that the copy engine moves whole (large rows: DMA leaves the SMs to the
-  forward). A store waits for the forward that wrote its blocks (the side stream waits on the
-  current stream) and never makes the current stream wait; a load makes the current stream,
-  not the host, wait on its event. One CUDA event per job; `get_finished` polls them.
-  Layers whose pieces are tiny or misaligned, or a host without Triton, take the torch path.
+- CUDA: every job runs on one side stream with an end event (and a start event for its time);
+  `get_finished` polls them. Each block of a layer is a few equal contiguous pieces (one for
+  blocks on dim 0, K and V for blocks on dim 1, ...), and one Triton launch copies every piece
+  of a job, reaching pinned memory through its device address. Stores wait for the forward that wrote their blocks (the side
+  stream waits on the current one), gather them into device staging (a snapshot at HBM speed),
+  then move the rows to the pinned slots by the copy engine (long rows: leaves the SMs to the
+  forward) or a second launch (short rows); nothing makes the current stream wait for them, and
+  the fence before the next forward waits only for the gather. Loads go straight from the
+  slots into the blocks (short rows) or through staging by the copy engine, and make the
+  current stream, not the host, wait on their event. Layers whose pieces are tiny or
+  misaligned, or a machine without Triton, take the torch path (synchronous).
 """
 
 from __future__ import annotations
