@@ -2,10 +2,11 @@
 
 Each tier entry is one contiguous pool slot: a block's bytes of every attention layer, one after
 another (or, for hybrid models, the Mamba state of every state layer at one position), so a disk
-file is a slot. Copies are batched per layer over all entries of a step: numba page copies for
-vLLM's CPU layout, index_select / index_copy_ otherwise. Disk writes run on a background thread
-from slots the scheduler keeps pinned until the write is reported; disk reads (prefetches) are
-verified before their bytes reach a slot.
+file is a slot. Copies go through the transfer engine (tiers/transfer.py): on CPU done before the
+hook returns, on CUDA asynchronous on a side stream, reported when their event has passed (a
+store's disk and remote writes are queued only then: they read its slots). Disk writes run on a
+background thread from slots the scheduler keeps pinned until the write is reported; disk reads
+(prefetches) are verified before their bytes reach a slot.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import queue
 import threading
 import time
 
-import numpy as np
 import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
@@ -25,33 +25,9 @@ from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
-from vllm_kvbm_plugin.tiers.copy import copy_pages
+from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
 
 logger = get_logger("connector.worker")
-
-
-class _Layer:
-    __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape", "pages")
-
-    def __init__(self, tensor: torch.Tensor, dim: int):
-        self.tensor, self.dim, self.offset = tensor, dim, 0
-        shape = list(tensor.shape)
-        del shape[dim]
-        self.block_shape = tuple(shape)
-        self.nbytes = tensor[(slice(None),) * dim + (0,)].numel() * tensor.element_size()
-        # CPU tensors with blocks on dim 0 (vLLM's CPU layout): whole pages as uint64 words, copied
-        # by the numba kernels without temporaries. A page can be longer than the block's data
-        # (Mamba state views are padded to the attention page): the padding belongs to the same
-        # block, so copying it is harmless.
-        self.pages = None
-        page = tensor.stride(0) * tensor.element_size() if tensor.dim() else 0
-        start = tensor.storage_offset() * tensor.element_size()
-        n = tensor.shape[0] if tensor.dim() else 0
-        if (tensor.device.type == "cpu" and dim == 0 and page >= self.nbytes and page % 8 == 0
-                and start % 8 == 0 and start + n * page <= tensor.untyped_storage().nbytes()):
-            flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (n * page,))
-            self.pages = flat.numpy().view(np.uint64)
-            self.nbytes = page
 
 
 class WorkerSide:
@@ -70,8 +46,11 @@ class WorkerSide:
 
     def _init_state(self) -> None:
         # kind -> per group of that kind, its layers (each with its offset inside a slot)
-        self.layers: dict[EntryKind, list[list[_Layer]]] = {}
+        self.layers: dict[EntryKind, list[list[Layer]]] = {}
         self.pool: torch.Tensor | None = None
+        self.copies: TransferEngine | None = None
+        self._jobs: dict = {}  # copy job -> (direction, blocks, stored keys, writes queued once done)
+        self._last_store: int | None = None  # the newest store job still in flight
         self.reports: list[Report] = []
         self._disk_results: queue.SimpleQueue = queue.SimpleQueue()
         self._disk_jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -96,7 +75,7 @@ class WorkerSide:
                     dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
                     if not dims:
                         raise ValueError(f"KVBMConnector: cannot find the block dimension of {name} {tuple(t.shape)}")
-                    layer = _Layer(t, dims[0])
+                    layer = Layer(t, dims[0])
                     layer.offset, offset = offset, offset + layer.nbytes
                     layers.append(layer)
                     described.append((name, layer.block_shape, str(t.dtype), layer.dim))
@@ -110,7 +89,7 @@ class WorkerSide:
         t0 = time.perf_counter()
         resident = pin or _make_resident(self.pool)  # pinned memory is resident already
         self.scratch = torch.empty((1, self.slot_bytes), dtype=torch.uint8)  # direct loads: verify, odd layouts
-        self._pool_words = self.pool.numpy().reshape(-1).view(np.uint64)
+        self.copies = TransferEngine(self.layers, self.pool)
         n_layers = sum(len(ls) for gs in self.layers.values() for ls in gs)
         logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB, %s in %.2f s)",
                     n_layers, self.slot_bytes, self.layout.cpu_slots, self.pool.numel() / 2**20,
@@ -118,41 +97,25 @@ class WorkerSide:
 
     # ---- copies ----------------------------------------------------------------------------
     def _copy(self, ops: list[Load], to_pool: bool) -> None:
-        """Run (kind, block id per group, slot) copies, batched per kind, group and layer. Page copies
-        (vLLM's CPU layout) are collected and run together, split over threads; torch copies stay on
-        this thread (torch ops from a helper thread would start a second OpenMP team)."""
-        by_kind: dict[str, list] = {}
-        for kind, ids, slot in ops:
-            by_kind.setdefault(kind, []).append((ids, slot))
-        jobs = []
-        for kind, items in by_kind.items():
-            slots = [s for _, s in items]
-            sl = np.asarray(slots, np.int64)
-            for gi, layers in enumerate(self.layers[kind]):
-                block_ids = [ids[gi] for ids, _ in items]
-                ids = np.asarray(block_ids, np.int64)
-                for layer in layers:
-                    if layer.pages is not None:
-                        jobs.append((layer.pages, layer.nbytes // 8, layer.offset // 8, ids, sl))
-                    elif to_pool:
-                        self._layer_to_slots(layer, block_ids, slots)
-                    else:
-                        self._slots_to_layer(layer, block_ids, slots)
-        copy_pages(jobs, self._pool_words, self.slot_bytes // 8, to_pool)
+        """Copy (kind, block id per group, slot) ops and wait for them (tests, benchmarks)."""
+        self.copies.submit(ops, to_pool)
+        self.copies.wait()
 
-    def _layer_to_slots(self, layer: _Layer, block_ids: list[int], slots: list[int]) -> None:
-        ids = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
-        data = layer.tensor.index_select(layer.dim, ids).movedim(layer.dim, 0)
-        data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
-        self.pool[torch.tensor(slots, dtype=torch.long), layer.offset : layer.offset + layer.nbytes] = data
-
-    def _slots_to_layer(self, layer: _Layer, block_ids: list[int], slots: list[int], pool=None) -> None:
-        t = layer.tensor
-        pool = self.pool if pool is None else pool
-        data = pool[torch.tensor(slots, dtype=torch.long), layer.offset : layer.offset + layer.nbytes]
-        data = data.view(t.dtype).reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
-        t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device),
-                      data.movedim(0, layer.dim))
+    def _poll(self) -> None:
+        """Settle the copy jobs finished since the last call: stats, store reports, and the writes
+        that waited for their slots."""
+        for job, seconds in self.copies.get_finished() if self.copies is not None else ():
+            entry = self._jobs.pop(job, None)
+            if entry is None:
+                continue  # a _copy
+            direction, blocks, keys, writes = entry
+            self._record("cpu", direction, blocks, time.perf_counter() - seconds)
+            for key in keys:
+                self._report(Op.STORE, key, True)
+            for fn, args in writes:
+                fn(*args)
+            if job == self._last_store:
+                self._last_store = None
 
     def _load_direct(self, kind: EntryKind, ids: tuple[int, ...], fd: int) -> bool:
         """Read an open entry file's payload straight into its blocks: a view of the block's page per
@@ -174,7 +137,7 @@ class WorkerSide:
         if not diskfmt.read_payload(fd, parts):
             return False
         for layer, block_id in via_scratch:
-            self._slots_to_layer(layer, [block_id], [0], self.scratch)
+            slots_to_layer(layer, [block_id], [0], self.scratch)
         return True
 
     # ---- connector hooks -------------------------------------------------------------------
@@ -209,6 +172,8 @@ class WorkerSide:
                     self.held[key] = o[0]
                 self._report(Op.OPEN, key, o is not None)
             self._disk_done("read", sum(o is not None for o in opened), len(keys), t0)
+        if meta.prefetches or meta.remote_fetches:
+            self.copies.wait_loads()  # slots a load still reads may be written now
         if meta.prefetches:  # read and verified straight into their (not yet ready) slots
             t0 = time.perf_counter()
             keys = [p.key for p in meta.prefetches]
@@ -219,10 +184,9 @@ class WorkerSide:
             self._disk_done("read", sum(m is not None for m in metas), len(keys), t0)
         for f in meta.remote_fetches:
             self.remote.submit(("fetch", f.key, f.slot))
-        if meta.loads:
-            t0 = time.perf_counter()
-            self._copy(meta.loads, to_pool=False)
-            self._record("cpu", "load", len(meta.loads), t0)
+        if meta.loads:  # the forward waits for them (on CUDA its stream does, not the host)
+            self._jobs[self.copies.submit(meta.loads, to_pool=False)] = ("load", len(meta.loads), (), ())
+            self._poll()
         if meta.direct_loads:
             t0 = time.perf_counter()
             for d in meta.direct_loads:
@@ -239,19 +203,27 @@ class WorkerSide:
             if fd is not None:
                 os.close(fd)
 
+    def before_forward(self) -> None:
+        """The forward may write blocks a store in flight still reads (freed and reallocated)."""
+        if self.copies is not None and self.copies.cuda:
+            self.copies.fence()
+
     def wait_for_save(self, meta: KVBMMetadata) -> None:
+        writes = [(self._submit_write, (w.key, w.slot, w.meta)) for w in meta.disk_writes]
+        writes += [(self.remote.submit, (("write", w.key, w.slot, w.meta),)) for w in meta.remote_writes]
         if meta.stores:
-            t0 = time.perf_counter()
-            self._copy([Load(s.kind, s.block_ids, s.slot) for s in meta.stores], to_pool=True)
-            self._record("cpu", "store", len(meta.stores), t0)
-            for s in meta.stores:
-                self._report(Op.STORE, s.key, True)
-        for w in meta.disk_writes:
-            self._submit_write(w.key, w.slot, w.meta)
-        for w in meta.remote_writes:
-            self.remote.submit(("write", w.key, w.slot, w.meta))
+            job = self.copies.submit([Load(s.kind, s.block_ids, s.slot) for s in meta.stores], to_pool=True)
+            self._jobs[job] = ("store", len(meta.stores), [s.key for s in meta.stores], [])
+            self._last_store = job
+        if self._last_store is not None:  # writes read slots stores fill: queued once they are done
+            self._jobs[self._last_store][3].extend(writes)
+        else:
+            for fn, args in writes:
+                fn(*args)
+        self._poll()
 
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
+        self._poll()
         while True:
             try:
                 key, ok = self._disk_results.get_nowait()
@@ -335,7 +307,10 @@ class WorkerSide:
             self._disk_results.put((key, good))
 
     def wait_for_disk(self, timeout: float = 30.0) -> None:
-        """Block until queued disk writes and remote operations are done (shutdown, tests)."""
+        """Block until copies, queued disk writes and remote operations are done (shutdown, tests)."""
+        if self.copies is not None:
+            self.copies.wait()
+            self._poll()
         if self.remote is not None:
             self.remote.drain(timeout)
         if self._writer is not None:

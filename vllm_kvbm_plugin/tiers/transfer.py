@@ -1,0 +1,385 @@
+"""The transfer engine: copies between vLLM's KV cache tensors and the CPU pool's slots. Imports
+torch, numpy and numba (Triton where installed), never vLLM, so it runs wherever torch does.
+
+A slot holds one entry: the block's bytes of every layer of its kind, one layer after another
+(`Layer.offset`). Jobs are lists of (kind, block id per group, slot); `submit` returns a job id and
+`get_finished` reports finished jobs in submission order (vLLM's get_finished contract).
+
+- CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, torch index ops for any other;
+  a job is done when `submit` returns.
+- CUDA: every job runs on one side stream with an end event (and a start event for its time);
+  `get_finished` polls them. Each block of a layer is a few equal contiguous pieces (one for
+  blocks on dim 0, K and V for blocks on dim 1, ...), and one Triton launch copies every piece
+  of a job, reaching pinned memory through its device address. Stores wait for the forward that wrote their blocks (the side
+  stream waits on the current one), gather them into device staging (a snapshot at HBM speed),
+  then move the rows to the pinned slots by the copy engine (long rows: leaves the SMs to the
+  forward) or a second launch (short rows); nothing makes the current stream wait for them, and
+  the fence before the next forward waits only for the gather. Loads go straight from the
+  slots into the blocks (short rows) or through staging by the copy engine, and make the
+  current stream, not the host, wait on their event. Layers whose pieces are tiny or
+  misaligned, or a machine without Triton, take the torch path (synchronous).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_kvbm_plugin.tiers.copy import copy_pages
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs neither
+    triton = tl = None
+
+MIN_PIECE_BYTES = 512  # smaller contiguous pieces (odd strides) take the torch path
+DMA_MIN_ROW_BYTES = 512 << 10  # rows at least this long go through staging + the copy engine
+STAGE_BYTES = 128 << 20  # device staging (stores' snapshots, DMA rows), allocated at first use
+KERNEL_WORDS = 1024  # 8-byte words one program copies per iteration
+
+
+class Layer:
+    """One KV cache tensor as the engine copies it: its block dimension, where its part of a
+    slot starts, and how a block's bytes lie in memory."""
+
+    __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape", "pages", "pieces")
+
+    def __init__(self, tensor: torch.Tensor, dim: int):
+        self.tensor, self.dim, self.offset = tensor, dim, 0
+        shape = list(tensor.shape)
+        del shape[dim]
+        self.block_shape = tuple(shape)
+        self.nbytes = tensor[(slice(None),) * dim + (0,)].numel() * tensor.element_size()
+        # CPU tensors with blocks on dim 0 (vLLM's CPU layout): whole pages as uint64 words, copied
+        # by the numba kernels without temporaries. A page can be longer than the block's data
+        # (Mamba state views are padded to the attention page): the padding belongs to the same
+        # block, so copying it is harmless.
+        self.pages = None
+        page = tensor.stride(0) * tensor.element_size() if tensor.dim() else 0
+        start = tensor.storage_offset() * tensor.element_size()
+        n = tensor.shape[0] if tensor.dim() else 0
+        if (tensor.device.type == "cpu" and dim == 0 and page >= self.nbytes and page % 8 == 0
+                and start % 8 == 0 and start + n * page <= tensor.untyped_storage().nbytes()):
+            flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (n * page,))
+            self.pages = flat.numpy().view(np.uint64)
+            self.nbytes = page
+        self.pieces = block_pieces(tensor, dim) if tensor.device.type == "cuda" else None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensor.shape[self.dim]
+
+
+def block_pieces(t: torch.Tensor, dim: int) -> tuple[np.ndarray, int] | None:
+    """A block's bytes as equal contiguous pieces, in the block's element order (its order in a
+    slot): (byte offset of each piece from the block's first element, piece bytes). None when
+    the pieces are smaller than MIN_PIECE_BYTES or not 8-byte aligned."""
+    e = t.element_size()
+    dims = [(n, s) for i, (n, s) in enumerate(zip(t.shape, t.stride())) if i != dim and n != 1]
+    if any(s < 0 for _, s in dims) or t.stride(dim) < 0:
+        return None
+    inner, k = 1, len(dims)
+    while k and dims[k - 1][1] == inner:  # the longest contiguous suffix
+        inner *= dims[k - 1][0]
+        k -= 1
+    offsets = np.zeros(1, np.int64)
+    for n, s in dims[:k]:
+        offsets = (offsets[:, None] + np.arange(n, dtype=np.int64)[None, :] * s).reshape(-1)
+    piece = inner * e
+    words = [piece, t.data_ptr(), t.stride(dim) * e]
+    if piece < MIN_PIECE_BYTES or any(x % 8 for x in words):
+        return None
+    return offsets * e, piece
+
+
+def piece_descriptors(layers: list[tuple[int, Layer]], ids: np.ndarray, rows: np.ndarray) -> tuple:
+    """(KV address, row address, 8-byte words) of every piece of blocks `ids[:, group]` of
+    `layers` [(group, layer)], whose entries lie at row addresses `rows` (pool slots or staging
+    rows). Int64 arrays, item-major per layer."""
+    kv, row, words = [], [], []
+    for g, layer in layers:
+        offsets, piece = layer.pieces
+        t = layer.tensor
+        bstride = t.stride(layer.dim) * t.element_size()
+        kv.append((t.data_ptr() + ids[:, g, None] * bstride + offsets[None, :]).reshape(-1))
+        at = layer.offset + np.arange(len(offsets), dtype=np.int64) * piece
+        row.append((rows[:, None] + at[None, :]).reshape(-1))
+        words.append(np.full(kv[-1].shape[0], piece // 8, np.int64))
+    return np.concatenate(kv), np.concatenate(row), np.concatenate(words)
+
+
+if triton is not None:
+    @triton.jit
+    def _copy_pieces(desc, n, BLOCK: tl.constexpr):
+        """Piece i: desc[2n + i] words from address desc[i] to desc[n + i]; programs take pieces
+        in turn."""
+        i = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        while i < n:
+            src = tl.load(desc + i).to(tl.pointer_type(tl.int64))
+            dst = tl.load(desc + n + i).to(tl.pointer_type(tl.int64))
+            words = tl.load(desc + 2 * n + i)
+            for start in range(0, words, BLOCK):
+                at = start + offs
+                mask = at < words
+                tl.store(dst + at, tl.load(src + at, mask=mask), mask=mask)
+            i += tl.num_programs(0)
+
+
+def _cudart_memcpy():
+    """cudaMemcpyAsync of the CUDA runtime torch loaded (one call per run of rows, no tensor
+    views), or None where it is not a shared library of this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+        fn = ctypes.CDLL(sorted(paths)[0]).cudaMemcpyAsync
+    except (OSError, IndexError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class CudaOps:
+    """What the CUDA path asks of the device: its side stream, events, descriptor uploads, the
+    kernel and row copies (one object, so tests run the same path on host memory)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        self.memcpy = _cudart_memcpy()
+
+    def current(self):
+        return torch.cuda.current_stream(self.device)
+
+    def on_side(self):
+        return torch.cuda.stream(self.stream)
+
+    def event(self):
+        return torch.cuda.Event(enable_timing=True)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def launch(self, desc: np.ndarray, n: int, keep: list) -> None:
+        """Run piece descriptors [src addresses, dst addresses, words] on the side stream."""
+        d = torch.from_numpy(desc).pin_memory().to(self.device, non_blocking=True)
+        keep.append(d)  # until the job's end event
+        _copy_pieces[(min(n, self.programs),)](d, n, BLOCK=KERNEL_WORDS)
+
+    def copy(self, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
+        """n bytes between device and pinned memory with the copy engine, on the side stream."""
+        if self.memcpy is not None:
+            rc = self.memcpy(dst.data_ptr() + dst_at, src.data_ptr() + src_at, n, 4,  # cudaMemcpyDefault
+                             self.stream.cuda_stream)
+            if rc:
+                raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc}")
+            return
+        dst.view(-1)[dst_at:dst_at + n].copy_(src.view(-1)[src_at:src_at + n], non_blocking=True)
+
+
+class _Job(NamedTuple):
+    id: int
+    start: object  # events
+    end: object
+    keep: list  # tensors the copies read until the end event
+
+
+class TransferEngine:
+    """Stores (KV blocks -> slots) and loads (slots -> KV blocks) of lists of (kind, block id per
+    group, slot) between `layers` {kind: [[Layer] per group]} and `pool` [slots, slot bytes].
+
+    CUDA modes: `auto` picks by row length (an entry's bytes in its slot); `kernel` moves rows
+    with the kernel (loads straight into the blocks); `dma` with the copy engine through device
+    staging. Stores always gather their blocks into device staging first (a snapshot at HBM
+    speed), so a forward that reuses their blocks waits only for that gather (`fence`)."""
+
+    def __init__(self, layers: dict, pool: torch.Tensor, mode: str = "auto", ops=None):
+        assert mode in ("auto", "kernel", "dma")
+        self.layers, self.pool, self.mode = layers, pool, mode
+        self.slot_bytes = pool.shape[1]
+        self._next = 0
+        self._done: collections.deque = collections.deque()  # CPU: (job, seconds)
+        self._inflight: collections.deque = collections.deque()  # CUDA: _Job
+        self._last_load = self._snapshot = None  # events: the last load's end, the last store's gathers
+        device = next((ly.tensor.device for gs in layers.values() for ls in gs for ly in ls
+                       if ly.tensor.device.type == "cuda"), None)
+        if ops is None and device is not None and triton is not None and pool.is_pinned() and self.slot_bytes % 8 == 0:
+            ops = CudaOps(device)
+        self.ops, self.cuda = ops, ops is not None
+        self._stage = None
+        self._pool_words = pool.numpy().reshape(-1).view(np.uint64) if not self.cuda else None
+
+    # ---- the contract ----------------------------------------------------------------------
+    def submit(self, ops, to_pool: bool) -> int:
+        """Start copying `ops` [(kind, block ids, slot)] into the pool (store) or out of it (load);
+        the job id. Blocks and slots out of range raise IndexError before anything is copied."""
+        job, self._next = self._next, self._next + 1
+        by_kind: dict = {}
+        for kind, ids, slot in ops:
+            by_kind.setdefault(kind, []).append((ids, slot))
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self._cpu_copy(by_kind, to_pool)
+            self._done.append((job, time.perf_counter() - t0))
+            return job
+        dev = self.ops
+        current = dev.current()
+        dev.stream.wait_stream(current)  # stores read what the forward wrote; loads land after it
+        start, end = dev.event(), dev.event()
+        keep: list = []
+        snapshot = [] if to_pool else None  # events after each gather of a store; None: not staged
+        with dev.on_side():
+            start.record(dev.stream)
+            for kind, items in by_kind.items():
+                self._cuda_copy(kind, items, to_pool, keep, snapshot)
+            end.record(dev.stream)
+        if to_pool:
+            self._snapshot = snapshot[-1] if snapshot and None not in snapshot else end
+        else:
+            current.wait_event(end)  # the forward reads the blocks only once they landed
+            self._last_load = end
+        self._inflight.append(_Job(job, start, end, keep))
+        return job
+
+    def get_finished(self) -> list[tuple[int, float]]:
+        """(job id, seconds it took) of the jobs finished since the last call, in submission order."""
+        out = list(self._done)
+        self._done.clear()
+        while self._inflight and self._inflight[0].end.query():
+            j = self._inflight.popleft()
+            out.append((j.id, j.start.elapsed_time(j.end) / 1e3))
+        return out
+
+    def wait(self) -> None:
+        """The host waits until every job submitted so far is done (they are still reported)."""
+        for j in list(self._inflight):
+            j.end.synchronize()
+
+    def wait_loads(self) -> None:
+        """The host waits for the loads submitted so far: before it writes pool slots they read."""
+        if self._last_load is not None:
+            self._last_load.synchronize()
+
+    def fence(self) -> None:
+        """Before a forward: it may write blocks freed since a store read them, so the current
+        stream (never the host) waits until the last store has its blocks gathered, a no-op when
+        that is done (the rows then cross to the host from device staging)."""
+        ev = self._snapshot
+        if ev is not None and not ev.query():
+            self.ops.current().wait_event(ev)
+
+    # ---- CPU -------------------------------------------------------------------------------
+    def _cpu_copy(self, by_kind: dict, to_pool: bool) -> None:
+        """Page copies (vLLM's CPU layout) are collected and run together, split over threads;
+        torch copies stay on this thread (torch ops from a helper thread would start a second
+        OpenMP team)."""
+        jobs = []
+        for kind, items in by_kind.items():
+            slots = [s for _, s in items]
+            sl = np.asarray(slots, np.int64)
+            for gi, layers in enumerate(self.layers[kind]):
+                block_ids = [ids[gi] for ids, _ in items]
+                ids = np.asarray(block_ids, np.int64)
+                for layer in layers:
+                    if layer.pages is not None:
+                        jobs.append((layer.pages, layer.nbytes // 8, layer.offset // 8, ids, sl))
+                    elif to_pool:
+                        layer_to_slots(layer, block_ids, slots, self.pool)
+                    else:
+                        slots_to_layer(layer, block_ids, slots, self.pool)
+        copy_pages(jobs, self._pool_words, self.slot_bytes // 8, to_pool)
+
+    # ---- CUDA ------------------------------------------------------------------------------
+    def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list, snapshot: list | None) -> None:
+        ids = np.asarray([i for i, _ in items], np.int64).reshape(len(items), -1)
+        slots = np.asarray([s for _, s in items], np.int64)
+        fast, slow = [], []
+        for g, layers in enumerate(self.layers[kind]):
+            for layer in layers:
+                (fast if layer.pieces is not None and layer.offset % 8 == 0 else slow).append((g, layer))
+        for g, layer in fast:
+            if ids[:, g].min() < 0 or ids[:, g].max() >= layer.num_blocks:
+                raise IndexError("block id out of range")
+        if slots.min() < 0 or slots.max() >= self.pool.shape[0]:
+            raise IndexError("slot out of range")
+        for g, layer in slow:  # synchronous
+            (layer_to_slots if to_pool else slots_to_layer)(layer, ids[:, g].tolist(), slots.tolist(), self.pool)
+        if not fast:
+            return
+        width = max(layer.offset + layer.nbytes for _, layer in fast)
+        dma = self.mode == "dma" or (self.mode == "auto" and width >= DMA_MIN_ROW_BYTES)
+        pool_rows = self.pool.data_ptr() + slots * self.slot_bytes
+        # whole rows cross only when the fast layers fill them (else they would overwrite the
+        # slow layers' bytes); loads by kernel need no staging
+        if slow or not (to_pool or dma):
+            kv, row, words = piece_descriptors(fast, ids, pool_rows)
+            self._launch(*((kv, row) if to_pool else (row, kv)), words, keep)
+            if snapshot is not None:
+                snapshot.append(None)  # the blocks are read until the end
+            return
+        stage = self._staging(width)
+        rows_per = stage.numel() // width
+        order = np.argsort(slots, kind="stable")  # consecutive slots -> consecutive staging rows
+        for c in range(0, len(order), rows_per):
+            part = order[c:c + rows_per]
+            rows = stage.data_ptr() + np.arange(len(part), dtype=np.int64) * width
+            kv, row, words = piece_descriptors(fast, ids[part], rows)
+            if to_pool:
+                self._launch(kv, row, words, keep)
+                snapshot.append(self.ops.event())
+                snapshot[-1].record(self.ops.stream)
+            if dma:
+                self._move_rows(slots[part], stage, width, to_pool)
+            else:  # to_pool: staging rows -> pool rows, one piece each
+                self._launch(rows, pool_rows[part], np.full(len(part), width // 8, np.int64), keep)
+            if not to_pool:
+                self._launch(row, kv, words, keep)
+
+    def _launch(self, src: np.ndarray, dst: np.ndarray, words: np.ndarray, keep: list) -> None:
+        if len(src):
+            self.ops.launch(np.concatenate([src, dst, words]), len(src), keep)
+
+    def _staging(self, width: int) -> torch.Tensor:
+        size = max(STAGE_BYTES, width)
+        if self._stage is None or self._stage.numel() < size:
+            self._stage = self.ops.empty(size)
+        return self._stage
+
+    def _move_rows(self, slots: np.ndarray, stage: torch.Tensor, width: int, to_pool: bool) -> None:
+        """Staging rows 0.. <-> the pool rows of `slots` (sorted) with the copy engine: one copy
+        per run of consecutive slots when an entry fills its slot, else one per row."""
+        if width == self.slot_bytes:
+            cut = np.flatnonzero(np.diff(slots) != 1) + 1
+            starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(slots)]])
+        else:
+            starts, ends = np.arange(len(slots)), np.arange(1, len(slots) + 1)
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            pool_at, stage_at, n = int(slots[a]) * self.slot_bytes, a * width, (b - a) * width
+            if to_pool:
+                self.ops.copy(self.pool, pool_at, stage, stage_at, n)
+            else:
+                self.ops.copy(stage, stage_at, self.pool, pool_at, n)
+
+
+# ---- the torch path (odd layouts, CUDA without Triton, direct loads' scratch slot) ---------------
+def layer_to_slots(layer: Layer, block_ids: list[int], slots: list[int], pool: torch.Tensor) -> None:
+    ids = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
+    data = layer.tensor.index_select(layer.dim, ids).movedim(layer.dim, 0)
+    data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
+    pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes] = data
+
+
+def slots_to_layer(layer: Layer, block_ids: list[int], slots: list[int], pool: torch.Tensor) -> None:
+    t = layer.tensor
+    data = pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes]
+    data = data.view(t.dtype).reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
+    t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device), data.movedim(0, layer.dim))
+
