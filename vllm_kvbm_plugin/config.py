@@ -41,6 +41,9 @@ class KVBMConfig:
     # recomputed (patches/pic_blend.py; 0.15 is CacheBlend's); 0: the loaded KV is used as is. Off
     # by default: the recompute runs every reused token through the model (no TTFT gain left)
     pic_recompute_ratio: float = 0.0
+    # measure this machine's peak per transfer kind when the worker starts (tiers/roofline.py, a few
+    # seconds): the log line and vllm:kvbm_transfer_peak_bytes_per_second then show the share reached
+    measure_roofline: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "KVBMConfig":
@@ -81,6 +84,9 @@ class KVBMConfig:
         r = cfg.pic_recompute_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
             raise ValueError(f"{CONNECTOR_NAME}: pic_recompute_ratio must be a number in [0, 1], got {r!r}")
+        for name in ("offload_prompt_only", "disk_fsync", "measure_roofline"):
+            if not isinstance(getattr(cfg, name), bool):
+                raise ValueError(f"{CONNECTOR_NAME}: {name} must be true or false, got {getattr(cfg, name)!r}")
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
             raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
         if os.environ.get("KVBM_KEY_SECRET"):  # a malformed one fails here, before the engine starts

@@ -66,10 +66,15 @@ def test_disk_tier_when_cpu_is_too_small_and_after_restart(run_engine, baseline,
     (o,) = outputs(r)
     assert o["num_cached_tokens"] == HIT and o["tokens"] == outputs(baseline)[0]["tokens"]
     assert r["connector"]["direct"] == 0 and r["connector"]["disk"]["busy"] == 0
-    # a new engine process with the same disk_path: a disk hit, identical tokens
-    r2 = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
+    # a new engine process with the same disk_path: a disk hit, identical tokens; it measures the
+    # machine's peaks first (measure_roofline) and leaves nothing of that in the tier directory
+    r2 = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path),
+                         measure_roofline=True))
     (o,) = outputs(r2)
     assert o["num_cached_tokens"] == HIT and o["tokens"] == outputs(baseline)[0]["tokens"]
+    roofline = next(line for line in r2["log"].splitlines() if "KVBMConnector roofline" in line)
+    assert all(f"{d} " in roofline for d in ("cpu_store", "cpu_load", "disk_write", "disk_read")), roofline
+    assert not [p for p in tmp_path.rglob("*") if ".roofline" in p.name]
     # and with the two-slot CPU tier: requests sharing the prefix in one batch, each loading it
     # (or part of it) straight from disk, or from vLLM's cache once another request computed it
     branch = PROMPT[:150] + [7] * 30

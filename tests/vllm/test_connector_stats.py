@@ -43,3 +43,28 @@ def test_prometheus_counters():
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "loaded"}) == 96
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "recomputed"}) == 9
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "blended"}) is None
+
+
+def test_measured_peaks_ride_with_the_stats_and_set_a_gauge():
+    """measure_roofline: every worker's stats carry the same peaks; aggregated they stay the peak
+    (not a sum), the log line gives the share reached, and Prometheus gets a gauge."""
+    workers = []
+    for _ in range(2):
+        s = KVBMStats()
+        s.record("disk", "write", 4, 1 << 30, 1.0)  # 1 GiB/s
+        s.peaks({"disk_write": 4 * 2**30, "cpu_store": 20 * 2**30})
+        workers.append(s)
+    total = workers[0].aggregate(workers[1])
+    red = total.reduce()
+    assert red["disk_write_GiB_per_s"] == 1.0 and red["disk_write_pct_of_peak"] == 25.0
+    assert "cpu_store_pct_of_peak" not in red  # nothing stored to the CPU tier in this interval
+    assert KVBMStats(data={"peak_disk_write": 1.0}).is_empty()  # peaks alone are no news
+    registry = prometheus_client.CollectorRegistry()
+    types = {prometheus_client.Gauge: lambda **kw: prometheus_client.Gauge(registry=registry, **kw),
+             prometheus_client.Counter: lambda **kw: prometheus_client.Counter(registry=registry, **kw),
+             prometheus_client.Histogram: prometheus_client.Histogram}
+    m = KVBMPromMetrics(type("C", (), {"kv_transfer_config": None})(), types, ["engine"], {0: ["0"]})
+    m.observe(total.data)
+    peak = registry.get_sample_value("vllm:kvbm_transfer_peak_bytes_per_second",
+                                     {"engine": "0", "tier": "disk", "direction": "write"})
+    assert peak == 4 * 2**30

@@ -17,6 +17,9 @@ through `KVBMPromMetrics`:
     vllm:kvbm_remote_breaker_changes_total{side, state}   (scheduler / worker; open / closed)
     vllm:kvbm_pic_tokens_total{operation}   (position-independent loads, `kvbm-pic:` requests:
         loaded; of those, blended with a recompute; of those, recomputed)
+    vllm:kvbm_transfer_peak_bytes_per_second{tier, direction}   (gauge, with `measure_roofline`:
+        this machine's peak for that transfer kind, tiers/roofline.py)
+With `measure_roofline` the log line also gives each direction's speed as `<tier>_<direction>_pct_of_peak`.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ REMOTE_TIER = {"remote_hits": lambda c: c["fetched"],
 ERRORS = ("lookup", "lookup_timeout", "fetch", "write")
 # worker stats key of each position-independent-load token count -> its Prometheus label
 PIC_TOKENS = {"pic_tokens": "loaded", "pic_blended_tokens": "blended", "pic_recomputed_tokens": "recomputed"}
+PEAK = "peak_"  # stats key prefix of a measured peak (bytes/s), e.g. peak_disk_write
 BREAKER = tuple(f"remote_{side}_breaker_{state}" for side in ("scheduler", "worker") for state in ("open", "closed"))
 
 
@@ -70,6 +74,11 @@ class KVBMStats(KVConnectorStats):
             key = f"{tier}_{direction}_{name}"
             self.data[key] = self.data.get(key, 0) + v
 
+    def peaks(self, peaks: dict[str, float]) -> None:
+        """Carry the measured peaks (bytes/s per "<tier>_<direction>") with this interval's data."""
+        for d, v in peaks.items():
+            self.data[PEAK + d] = v
+
     def failure(self, operation: str) -> None:
         key = f"disk_{operation}_failures"
         self.data[key] = self.data.get(key, 0) + 1
@@ -78,12 +87,12 @@ class KVBMStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KVBMStats":
-        for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+        for k, v in other.data.items():  # peaks are the same figure from every worker and step
+            self.data[k] = max(self.data.get(k, 0), v) if k.startswith(PEAK) else self.data.get(k, 0) + v
         return self
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(v for k, v in self.data.items() if not k.startswith(PEAK))
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
@@ -93,7 +102,10 @@ class KVBMStats(KVConnectorStats):
             if blocks:
                 secs = self.data.get(f"{p}_seconds", 0.0)
                 out[f"{p}_blocks"] = blocks
-                out[f"{p}_GiB_per_s"] = round(self.data.get(f"{p}_bytes", 0) / max(secs, 1e-9) / 2**30, 2)
+                speed = self.data.get(f"{p}_bytes", 0) / max(secs, 1e-9)
+                out[f"{p}_GiB_per_s"] = round(speed / 2**30, 2)
+                if self.data.get(PEAK + p):
+                    out[f"{p}_pct_of_peak"] = round(100 * speed / self.data[PEAK + p], 1)
         for op in ("read", "write"):
             if self.data.get(f"disk_{op}_failures"):
                 out[f"disk_{op}_failures"] = self.data[f"disk_{op}_failures"]
@@ -138,6 +150,10 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
             name="vllm:kvbm_pic_tokens_total", labelnames=labelnames + ["operation"],
             documentation="Tokens of kvbm-pic: requests loaded from other positions (loaded), of those "
                           "loaded to be blended with a selective recompute (blended), and recomputed")
+        self._peaks = self._gauge_cls(
+            name="vllm:kvbm_transfer_peak_bytes_per_second", labelnames=extra, multiprocess_mode="mostrecent",
+            documentation="This machine's peak for each KVBM transfer kind (measure_roofline): "
+                          "rate(vllm:kvbm_bytes_total) / rate(vllm:kvbm_transfer_seconds_total) over it is the share")
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
@@ -163,3 +179,6 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
         for k, operation in PIC_TOKENS.items():
             if v := transfer_stats_data.get(k, 0):
                 self._pic.labels(*labels, operation).inc(v)
+        for tier, direction in DIRECTIONS:
+            if v := transfer_stats_data.get(f"{PEAK}{tier}_{direction}", 0):
+                self._peaks.labels(*labels, tier, direction).set(v)

@@ -60,6 +60,7 @@ class WorkerSide:
         self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
+        self.peaks: dict[str, float] = {}  # "<tier>_<direction>" -> bytes/s (measure_roofline)
         remote_on = self.cfg.remote_url and not self.layout.remote_off  # as the scheduler side decided
         self.remote = RemoteIO(self, self.cfg.remote_url) if remote_on else None
 
@@ -94,6 +95,29 @@ class WorkerSide:
         logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB, %s in %.2f s)",
                     n_layers, self.slot_bytes, self.layout.cpu_slots, self.pool.numel() / 2**20,
                     "pinned" if pin else "resident" if resident else "faulted in on use", time.perf_counter() - t0)
+        if self.cfg.measure_roofline:
+            self._measure_roofline()
+
+    def _measure_roofline(self) -> None:
+        """This machine's peak per transfer kind (tiers/roofline.py), before any request: every stats
+        interval then carries it, and the log line and a gauge show each tier's speed as a share."""
+        from vllm_kvbm_plugin.tiers import roofline
+
+        t0 = time.perf_counter()
+        kv = next(layer.tensor for groups in self.layers.values() for layers in groups for layer in layers)
+        n = min(kv.untyped_storage().nbytes(), self.pool.numel(), 256 << 20)
+        kv_bytes = torch.empty(0, dtype=torch.uint8, device=kv.device).set_(kv.untyped_storage(), 0, (n,))
+        peaks = roofline.copy_peaks(kv_bytes, self.pool.view(-1)[:n])
+        try:
+            if self.disk_base is not None and not self._disk_broken:
+                peaks.update(roofline.disk_peaks(self.disk_base))
+            if self.remote is not None:
+                peaks.update(roofline.remote_peaks(remotefmt.connect(self.cfg.remote_url), self.slot_bytes))
+        except Exception as e:  # a tier that cannot be measured is left out, never fatal
+            logger.warning("KVBMConnector: roofline measurement incomplete (%s)", e)
+        self.peaks = roofline.per_direction(peaks)
+        logger.info("KVBMConnector roofline (%.1f s): %s", time.perf_counter() - t0,
+                    ", ".join(f"{d} {v / 2**30:.2f} GiB/s" for d, v in self.peaks.items()))
 
     # ---- copies ----------------------------------------------------------------------------
     def _copy(self, ops: list[Load], to_pool: bool) -> None:
@@ -154,7 +178,8 @@ class WorkerSide:
             if self.stats.is_empty():
                 return None
             stats, self.stats = self.stats, KVBMStats()
-            return stats
+        stats.peaks(self.peaks)
+        return stats
 
     def _report(self, op: Op, key, ok: bool) -> None:
         self.reports.append(Report(op, key, ok))
