@@ -17,6 +17,22 @@ if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-
     || { apt-get update -q </dev/null >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server </dev/null >/dev/null; } \
     || echo "[setup] could not install redis-server: remote-tier tests will skip"
 fi
+# The dashboard test and scripts/launch_dashboard.sh run their own Prometheus on a loopback port:
+# Debian's, installed the same way; the package's own service (0.0.0.0:9090) is stopped and disabled.
+if ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing prometheus (apt-get)"
+    if DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus </dev/null >/dev/null \
+      || { apt-get update -q </dev/null >/dev/null \
+           && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus </dev/null >/dev/null; }; then
+      { systemctl disable --now prometheus || service prometheus stop; } >/dev/null 2>&1 || true
+    else
+      echo "[setup] could not install prometheus: the dashboard test will skip"
+    fi
+  else
+    echo "[setup] no prometheus and not root: the dashboard test will skip (apt-get install prometheus)"
+  fi
+fi
 if ! { [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }; then
   echo "[setup] preparing $VENV (first run takes ~3 min)"
   [ -x "$PY" ] || python3 -m venv "$VENV"
