@@ -183,6 +183,7 @@ def test_dashboard_is_importable_and_covers_every_metric():
     names = {f"{m.name}_total" for m in registry.collect()}
     assert len(names) >= 9 and all(n.startswith("vllm:kvbm_") for n in names), names
     assert {n for n in names if n not in exprs} == set()
+    assert "vllm:kvbm_transfer_peak_bytes_per_second" in exprs  # the one gauge (measure_roofline)
 
 
 @pytest.fixture
@@ -206,7 +207,7 @@ def test_every_panel_returns_series(tmp_path, prometheus_binary):
         port, prom_port = free_port(), free_port()
         disk = tmp_path / "disk"
         extra = {"cpu_bytes_to_use": 12 * SLOT, "disk_path": str(disk), "disk_bytes_to_use": 30 * SLOT,
-                 "remote_url": redis.url}
+                 "remote_url": redis.url, "measure_roofline": True}
         ktc = {"kv_connector": "KVBMConnector", "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                "kv_role": "kv_both", "kv_connector_extra_config": extra}
         serve_log = tmp_path / "serve.log"
