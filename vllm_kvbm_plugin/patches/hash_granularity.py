@@ -16,7 +16,7 @@ An explicit --prefix-match-unit always wins; KVBMConnector's `hash_block_size` c
 
 from __future__ import annotations
 
-from vllm_kvbm_plugin import config
+from vllm_kvbm_plugin import __version__, config
 from vllm_kvbm_plugin.patches.wrapping import APPLIED, logger, wrap_method
 
 NAME = "hash_granularity"
@@ -46,8 +46,6 @@ def _wrap_update(orig):
 
 def _wrap_init_kv_caches(orig):
     def _initialize_kv_caches(self, vllm_config):
-        from vllm_kvbm_plugin import __version__
-
         if APPLIED:
             logger.info("vllm-kvbm-plugin %s: patches applied: %s", __version__, ", ".join(APPLIED))
         unit = _preferred_unit(self, vllm_config)
