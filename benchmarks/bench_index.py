@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from vllm_kvbm_plugin.events.index import KVIndex, PromptHasher
+from vllm_kvbm_plugin.events.index import KVIndex
+from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher
 from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored, KVEventBatch
 from vllm_kvbm_plugin.events.validator import Validator
 

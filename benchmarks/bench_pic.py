@@ -1,5 +1,5 @@
 """Time to first token of a RAG request whose documents come in another order: full recompute vs
-prefix caching alone vs position-independent loads (connector/pic.py).
+prefix caching alone vs position-independent loads (connector/pic_planner.py, pic_load.py).
 
 Model: the random-weight Llama (8 layers, hidden 1024), bf16, block 32, one engine process with a
 CPU tier. Per rep: a preamble (32 tokens), four documents (--doc tokens each, a multiple of the

@@ -18,8 +18,9 @@ Target: <= 1.05x best for 2176/64.
 sub-block event tracker (`UnitTracker`) of one plugin run are recorded, then replayed on fresh
 trackers with the garbage collector off; printed is the best replay against the scheduler CPU
 time of an unrecorded plugin run. Use it to judge a change to the tracker in seconds: `--against
-OLD.py` (e.g. `git show HEAD:vllm_kvbm_plugin/patches/sub_block_events.py > /tmp/old.py`) replays
-that copy's tracker on the same calls, the two taking turns, and checks both build the same events;
+OLD.py` (e.g. `git show HEAD:vllm_kvbm_plugin/events/unit_tracker.py > /tmp/old.py`; a
+patches/sub_block_events.py from before the tracker moved out works too) replays that copy's
+tracker on the same calls, the two taking turns, and checks both build the same events;
 then it steps two plugin schedulers in lockstep, one with each tracker (`--lockstep-reps` times):
 in place the tracker costs ~1.5x its replay (cache misses); A/A reads 0.996-1.000x (2176/64), 0.97-0.99x (160/32).
 
@@ -148,7 +149,7 @@ def tracker_replay(block: int, unit: int, prompts, reps: int, against=None) -> t
     """({"ours": best replay seconds[, "against": ...]}, a plugin run's scheduler CPU seconds,
     calls) of UnitTracker; with `against` (another UnitTracker class, e.g. an older version) both
     replay the same calls alternately, the order swapped every round, and must build the same events."""
-    from vllm_kvbm_plugin.patches.sub_block_events import UnitTracker
+    from vllm_kvbm_plugin.events.unit_tracker import UnitTracker
 
     scheduler = sum(run_once(block, unit, prompts, True)[0])  # not recorded: recording costs
 
@@ -203,13 +204,19 @@ def tracker_replay(block: int, unit: int, prompts, reps: int, against=None) -> t
 
 
 def load_tracker(path: str):
-    """The UnitTracker class of another copy of patches/sub_block_events.py (e.g. from git show)."""
+    """The UnitTracker class of another copy of events/unit_tracker.py (or of
+    patches/sub_block_events.py from before the tracker left it), e.g. from git show."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("kvbm_sub_block_events_against", path)
+    from vllm_kvbm_plugin.patches.sub_block_events import vllm_event_api
+
+    spec = importlib.util.spec_from_file_location("kvbm_unit_tracker_against", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.UnitTracker
+    cls = module.UnitTracker
+    if getattr(cls, "vllm", False) is None:  # a copy of events/unit_tracker.py: bound as the patch binds ours
+        cls.vllm = vllm_event_api()
+    return cls
 
 
 def main() -> None:
@@ -219,7 +226,7 @@ def main() -> None:
     ap.add_argument("--lockstep-reps", type=int, default=3)
     ap.add_argument("--tracker", action="store_true", help="only replay the tracker's recorded calls")
     ap.add_argument("--against", metavar="FILE", help="with --tracker: also replay the UnitTracker of this copy "
-                    "of patches/sub_block_events.py, alternately, and check both build the same events")
+                    "of events/unit_tracker.py, alternately, and check both build the same events")
     args = ap.parse_args()
     prompts = workload(args.requests)
     if args.tracker or args.against:

@@ -7,8 +7,6 @@ import json
 import signal
 import sys
 
-from vllm_kvbm_plugin.testing.tiny_models import KINDS
-
 
 REUSE_REPORTS_HELP = ('requests use kv_cache_report_mode "full": hashes announced again while held are '
                       'reuse reports, not duplicate_store')
@@ -134,8 +132,12 @@ def _announce(args) -> int:
 
 
 def _tiny_model(args) -> int:
-    from vllm_kvbm_plugin.testing import tiny_models
+    from vllm_kvbm_plugin.testing import tiny_models  # test helpers: imported by this command only
 
+    if args.kind not in tiny_models.KINDS:  # what argparse's `choices` said, without importing them up front
+        print(f"vllm-kvbm tiny-model: argument kind: invalid choice: {args.kind!r} "
+              f"(choose from {', '.join(map(repr, tiny_models.KINDS))})", file=sys.stderr)
+        return 2
     print(tiny_models.build(args.kind, args.dir))
     return 0
 
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     a.set_defaults(func=_announce)
 
     t = sub.add_parser("tiny-model", help="build a tiny random-weight model locally (no hub)")
-    t.add_argument("kind", choices=KINDS)
+    t.add_argument("kind", help="which model (testing/tiny_models.py KINDS; an unknown kind lists them)")
     t.add_argument("--dir", default=None, help="cache directory (default ~/.cache/vllm-kvbm/tiny-models)")
     t.set_defaults(func=_tiny_model)
 

@@ -20,7 +20,11 @@ REMOTE_EVENTS = ("announcer", "instance")
 
 @dataclasses.dataclass(frozen=True)
 class KVBMConfig:
-    """`kv_connector_extra_config` of KVBMConnector. Sizes are bytes."""
+    """`kv_connector_extra_config` of KVBMConnector, validated (`from_extra`). Sizes are bytes.
+
+    Read in every process that builds the connector (EngineCore's scheduler side, each worker) and
+    by the hash-granularity patch in EngineCore (`connector_config`); frozen, so both sides of a
+    connector see the same settings. `pic_model` is derived from the model, never set by the user."""
 
     cpu_bytes_to_use: int = 1 << 30  # CPU tier size
     disk_path: str | None = None  # disk tier directory (off when unset)
@@ -31,8 +35,9 @@ class KVBMConfig:
     disk_fsync: bool = False  # fsync each block file before it counts as stored
     remote_url: str | None = None  # shared remote tier: redis://, rediss://, unix://, redis+cluster://h:p,h:p (off when unset)
     remote_lookup_budget_ms: float = 5.0  # per scheduler step, waiting for remote lookups
-    # derived from the model by connector_config, not a setting: connector.pic.PicModel when
-    # position-independent loads can re-rotate its K, else why not (a string)
+    # derived from the model where the connector is built (connector/pic_model.py
+    # with_model_support), not a setting: a PicModel when position-independent loads can
+    # re-rotate its K, else why not (a string)
     pic_model: object = dataclasses.field(default=None, compare=False, repr=False)
     # who announces the remote tier's entries: "announcer" (`vllm-kvbm announce`, once per tier,
     # server evictions included) or "instance" (each instance its own writes; a lone instance)
@@ -120,11 +125,10 @@ def connector_config(vllm_config) -> KVBMConfig | None:
     """Our connector's validated config, or None when KVBMConnector is not configured.
 
     Unknown keys fail here, naming the valid ones, so a typo never silently changes nothing.
+    Fields derived from the model (`pic_model`) are left unset: they are filled where the
+    connector is built (KVBMConnector), which knows the model.
     """
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None or ktc.kv_connector != CONNECTOR_NAME:
         return None
-    from vllm_kvbm_plugin.connector.pic import model_support
-
-    cfg = KVBMConfig.from_extra(ktc.kv_connector_extra_config)
-    return dataclasses.replace(cfg, pic_model=model_support(vllm_config))
+    return KVBMConfig.from_extra(ktc.kv_connector_extra_config)

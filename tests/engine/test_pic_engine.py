@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, kill_group
-from vllm_kvbm_plugin.connector.pic import kv_views
+from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 from vllm_kvbm_plugin.reuse.rope import RopeSpec, rerotate
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,4 @@
-"""events.index: vLLM's prompt hashes without vLLM (kernel vs. plain Python), the n-1 rule, hybrid
+"""events.index and events.prompt_hashes: vLLM's prompt hashes without vLLM (kernel vs. plain Python), the n-1 rule, hybrid
 checkpoints, tiers, exact removals, resets and gaps, on hand-built event streams."""
 
 import hashlib
@@ -9,15 +9,9 @@ import cbor2
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.events import index as ix
-from vllm_kvbm_plugin.events.index import (
-    TIER_GPU,
-    KVIndex,
-    PromptHasher,
-    WorkerConfig,
-    event_extra_keys,
-    unit_extra_keys,
-)
+from vllm_kvbm_plugin.events import prompt_hashes
+from vllm_kvbm_plugin.events.index import TIER_GPU, KVIndex, WorkerConfig
+from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher, event_extra_keys, unit_extra_keys
 from vllm_kvbm_plugin.events.types import (
     TIER_CPU,
     AllBlocksCleared,
@@ -65,7 +59,7 @@ def test_kernel_hashes_equal_the_plain_python_chain(algo, unit):
 def test_hashlib_fallback_equals_libcrypto_kernel(monkeypatch):
     ids = toks(32 * 20, hi=200000)
     fast = PromptHasher().hashes(ids, 32)
-    monkeypatch.setattr(ix, "_sha_chain", False)  # as if libcrypto could not be loaded
+    monkeypatch.setattr(prompt_hashes, "_sha_chain", False)  # as if libcrypto could not be loaded
     assert PromptHasher().hashes(ids, 32) == fast == reference_chain("sha256", "vllm-none-hash", ids, 32)
 
 

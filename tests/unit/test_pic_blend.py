@@ -3,7 +3,7 @@ tokens keep their fresh KV and which get the loaded one, per layer."""
 
 import torch
 
-from vllm_kvbm_plugin.connector.pic import kv_views
+from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 from vllm_kvbm_plugin.patches import pic_blend
 
 B, D = 4, 2

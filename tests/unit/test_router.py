@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from vllm_kvbm_plugin.events.index import PromptHasher
+from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher
 from vllm_kvbm_plugin.events.types import BlockStored, KVEventBatch
 from vllm_kvbm_plugin.router import Router, Worker
 

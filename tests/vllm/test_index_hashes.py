@@ -11,7 +11,7 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
 from vllm.v1.request import Request
 
-from vllm_kvbm_plugin.events.index import PromptHasher, unit_extra_keys
+from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher, unit_extra_keys
 
 rng = random.Random(3)
 

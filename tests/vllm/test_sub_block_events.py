@@ -245,7 +245,7 @@ def test_prompts_diverging_inside_a_block_announce_shared_units_once():
 def test_shared_prefix_of_holders_matches_a_unit_by_unit_count():
     """`_shared` (how many of a block's units other holders hold) against counting unit by unit,
     for holders that are prefixes, duplicates, or diverge anywhere inside the block."""
-    from vllm_kvbm_plugin.patches.sub_block_events import _shared
+    from vllm_kvbm_plugin.events.unit_tracker import _shared
 
     rng = random.Random(7)
     for _ in range(2000):

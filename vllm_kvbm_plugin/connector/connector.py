@@ -14,13 +14,22 @@ from vllm_kvbm_plugin import config
 
 
 class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
-    """CPU and disk KV tiers. Configure through `kv_connector_extra_config` (see config.KVBMConfig)."""
+    """CPU, disk and remote KV tiers: vLLM's KV connector front door. Configure through
+    `kv_connector_extra_config` (see config.KVBMConfig).
+
+    vLLM builds one per process: in EngineCore with the scheduler role (it then owns a
+    SchedulerSide: keys, tier bookkeeping, hit planning, events) and in each worker with the
+    worker role (a WorkerSide: the CPU pool, copies, disk and remote I/O). Every vLLM hook is
+    handed to the side this process owns. The model-dependent part of the config (which models
+    position-independent loads serve, connector/pic_model.py) is settled here, once per process."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        cfg = config.connector_config(vllm_config)
-        self._sched = self._worker = self._remote_counters = None
         from vllm_kvbm_plugin.connector.layout import Layout
+        from vllm_kvbm_plugin.connector.pic_model import with_model_support
+
+        cfg = with_model_support(config.connector_config(vllm_config), vllm_config)
+        self._sched = self._worker = self._remote_counters = None
 
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg)  # raises for groups we cannot hold
         if role == KVConnectorRole.SCHEDULER:

@@ -43,7 +43,7 @@ from vllm_kvbm_plugin.connector.metadata import (
     RemoteWrite,
     Store,
 )
-from vllm_kvbm_plugin.connector.pic import PicPlanner
+from vllm_kvbm_plugin.connector.pic_planner import PicPlanner
 from vllm_kvbm_plugin.connector.tiers import DiskTier, RemoteTier, cpu_tier
 from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.log import get_logger
@@ -53,6 +53,10 @@ logger = get_logger("connector")
 
 @dataclasses.dataclass
 class RequestKeys:
+    """One live request's tier keys, owned by SchedulerSide (`requests`, EngineCore process): its
+    unit keys computed so far (`unit_keys` extends them) and how far its blocks were offered to
+    the tiers. Dropped when the request finishes."""
+
     request: object
     unit_keys: list  # stable keys of the hash units computed so far
     stored_upto: int = 0  # blocks [0, stored_upto) were offered to the tiers
@@ -97,11 +101,17 @@ class _Claim:
 
 
 class SchedulerSide:
+    """KVBMConnector's scheduler side, in the EngineCore process (one per engine): owns the
+    requests' keys, the tiers' bookkeeping (CPU, disk, remote: which keys each holds, pins,
+    eviction), the claims of planned hits, the position-independent planner (`pic`) and the
+    tier events. vLLM's Scheduler calls it through KVBMConnector's scheduler hooks, each step
+    (module docstring); the workers' reports come back through `update_connector_output`."""
+
     def __init__(self, layout: Layout, cfg: KVBMConfig):
         self.layout = layout
         self.cfg = cfg
         self.block_size, self.hash_unit = layout.block_size, layout.hash_unit
-        self.pic = PicPlanner.create(layout, cfg)  # position-independent loads (pic.py), or None
+        self.pic = PicPlanner.create(layout, cfg)  # position-independent loads (pic_planner.py), or None
         self.cpu = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
         self.disk = DiskTier(layout, cfg.eviction_policy) if layout.disk_path else None
         remote_on = cfg.remote_url and not layout.remote_off  # off: the secret could not be read from it

@@ -19,7 +19,7 @@ import time
 import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.layout import EntryKind, Layout, tensor_fingerprint
+from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout, tensor_fingerprint
 from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata, Load, Op, Report
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
@@ -31,6 +31,14 @@ logger = get_logger("connector.worker")
 
 
 class WorkerSide:
+    """KVBMConnector's worker side, one per worker process (tensor-parallel rank): owns this
+    rank's CPU pool (the CPU tier's slots), its view of vLLM's KV tensors (`layers`), the disk
+    writer thread, open block files of direct loads, the remote tier's connection (`RemoteIO`)
+    and the transfer stats. KVBMConnector calls it each step: `start_load_kv` before the forward
+    (disk opens and prefetches, remote fetches, loads: from CPU slots, direct from disk,
+    position-independent), `wait_for_save` after it (stores into slots, disk and remote writes),
+    `build_worker_meta` to report what finished to the scheduler side."""
+
     def __init__(self, layout: Layout, cfg: KVBMConfig, rank: int):
         self.layout, self.cfg, self.rank = layout, cfg, rank
         self.slot_bytes = layout.slot_bytes
@@ -173,6 +181,13 @@ class WorkerSide:
         with self._stats_lock:
             self.stats.failure(operation)
 
+    def _count(self, counters: dict) -> None:
+        """Add named counters to the stats (position-independent loads report theirs here)."""
+        with self._stats_lock:
+            data = self.stats.data
+            for name, v in counters.items():
+                data[name] = data.get(name, 0) + v
+
     def get_stats(self) -> KVBMStats | None:
         with self._stats_lock:
             if self.stats.is_empty():
@@ -220,9 +235,10 @@ class WorkerSide:
                     self._direct_load_failed(d.key, d.block_ids)
             self._record("disk", "load", len(meta.direct_loads), t0)
         if meta.pic_loads:
-            from vllm_kvbm_plugin.connector import pic
+            from vllm_kvbm_plugin.connector import pic_load
 
-            pic.load(self, meta.pic_loads)
+            pic_load.load(meta.pic_loads, self.cfg.pic_model, self.layout.block_size, self.layers[KV], self.pool,
+                          self.cfg.pic_recompute_ratio, self.load_errors.update, self._count)
         for key in meta.closes:
             fd = self.held.pop(key, None)
             if fd is not None:

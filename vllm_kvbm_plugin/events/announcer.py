@@ -32,8 +32,7 @@ import uuid
 
 import msgspec
 
-from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, storage_tier
-from vllm_kvbm_plugin.events.validator import SPARSE_KINDS
+from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote
@@ -173,7 +172,12 @@ def value_name(eid: tuple[bytes, bytes], rank: int) -> bytes:
 class RemoteAnnouncer:
     """The remote tier's event source. `publish(events)` gets each batch of vLLM events (vLLM's
     BlockStored / BlockRemoved / AllBlocksCleared); `run(stop)` serves until `stop` is set,
-    reconnecting (and rescanning) whenever the server fails."""
+    reconnecting (and rescanning) whenever the server fails.
+
+    Runs in its own process (`vllm-kvbm announce`, one per remote tier, cli.py), never inside an
+    engine (tests run it in theirs): owns the server connections and subscriptions (`_Nodes`) and
+    what it has announced (`entries`, the hashes held, entries waiting for their parent), which
+    each rescan is diffed with."""
 
     PROBE_TIMEOUT = 5.0  # s: our marker's notification must arrive within this
     MARKER_TTL = 3600  # s: refreshed every check_interval

@@ -44,6 +44,12 @@ class Tier(NamedTuple):
 TIER_GPU = Tier(MEDIUM_GPU)
 TIER_CPU = Tier(MEDIUM_CPU)
 
+# KV cache spec kinds (`kv_cache_spec_kind`) of groups that keep only some blocks (Mamba state,
+# sliding windows): vLLM announces fewer hashes than token blocks, and parents never stored
+SPARSE_KINDS = frozenset(
+    {"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"}
+)
+
 
 def storage_tier(ownership: str, locality: str = LOCALITY_LOCAL) -> Tier:
     """A STORAGE tier named by `ownership` (a tier id stable across restarts)."""
@@ -55,10 +61,14 @@ def tier_of(event: "BlockStored | BlockRemoved") -> Tier:
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
+    """Base of the event mirrors: a tagged map on the wire (`{"type": ...}`). Decoded from a
+    publisher's batches (`decode_batch`) in whatever process reads a stream (subscriber,
+    validator, router index, tests); never sent to vLLM, whose own classes the plugin emits."""
 
 
 class BlockStored(KVCacheEvent):
+    """Blocks now held by a tier, chained to a parent hash (vLLM's BlockStored, 0.32 and 0.33)."""
+
     block_hashes: list[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
@@ -77,6 +87,8 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
+    """Blocks a tier no longer holds (vLLM's BlockRemoved)."""
+
     block_hashes: list[BlockHash]
     medium: str | None
     group_idx: int | None = None
@@ -85,13 +97,17 @@ class BlockRemoved(KVCacheEvent):
 
 
 class AllBlocksCleared(KVCacheEvent):
-    pass
+    """Every block of the publisher's GPU prefix cache is gone (vLLM's reset_prefix_cache); from
+    the remote tier's announcer: the whole store was flushed."""
 
 
 Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published batch: `[ts, [events], data_parallel_rank]` on the wire (vLLM's KVEventBatch);
+    one per scheduler step of an engine, in sequence order (the sequence number travels outside)."""
+
     ts: float
     events: list[Event]
     data_parallel_rank: int | None = None

@@ -47,6 +47,7 @@ from typing import IO
 from vllm_kvbm_plugin.events.types import (
     LOCALITY_REMOTE,
     MEDIUM_GPU,
+    SPARSE_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -54,14 +55,15 @@ from vllm_kvbm_plugin.events.types import (
     Tier,
 )
 
-SPARSE_KINDS = frozenset(
-    {"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"}
-)
+# SPARSE_KINDS (imported above, used below) lives in types.py; importing it from here still works
 RULES = ("unknown_parent", "duplicate_store", "unknown_removal", "token_count", "extra_keys")
 
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
+    """One inconsistency a Validator found: the rule broken, the batch's sequence number and
+    where (`tier`). Kept by the Validator (up to `max_problems_kept`), reported by its callers."""
+
     rule: str
     seq: int | None
     detail: str
@@ -79,6 +81,10 @@ class Image:
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
+    """A request's prompt as the client sent it (tokens, images), handed to a Validator to check
+    the extra_keys of the blocks it produced; read from JSON lines (`read_prompts`) by the CLI and
+    the tests."""
+
     token_ids: tuple[int, ...]
     images: tuple[Image, ...] = ()
     name: str = ""
@@ -119,7 +125,12 @@ def read_prompts(fp: IO[str]) -> list[Prompt]:
 
 
 class Validator:
-    """reuse_reports: the stream comes from requests with vLLM's `kv_cache_report_mode` "full"
+    """Checks one KV event stream, or a fleet's merged streams, as a router would index it (module
+    docstring): owns the index of held hashes per tier and group and the problems found. Fed batch
+    by batch (`apply`) by `vllm-kvbm subscribe --validate` / `validate`, benchmarks and tests, in
+    their own process; never inside vLLM.
+
+    reuse_reports: the stream comes from requests with vLLM's `kv_cache_report_mode` "full"
     (sampling `extra_args`), which announce their prefix-cache hits again, for gateways that learn
     from hits: a BlockStored of hashes already held is then counted as a reuse report
     (`reuse_reports`), not as duplicate_store. Off by default: the same shape is how a real double

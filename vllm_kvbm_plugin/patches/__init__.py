@@ -1,64 +1,25 @@
-"""Every monkeypatch of vLLM lives here, one module per concern.
+"""Every monkeypatch of vLLM lives here, one module per concern, and nothing else does.
+
+- `hash_granularity`: keep the user's --block-size as the hash granularity of hybrid models.
+- `sub_block_events`: KV events per hash unit for inflated full-attention blocks (the
+  bookkeeping is `events.unit_tracker.UnitTracker`; this module only wires it into vLLM).
+- `pic_blend`: the selective recompute of position-independent loads, in CPU attention.
+- `wrapping`: the tools every patch uses (`wrap_method`, `add_class_default`, `remove_all`).
 
 Rules: patch methods on class objects (never module attributes, which other modules import by
 value); be idempotent (a second apply is a no-op); gate on the vLLM versions we read; each wrapper is
 inert unless its feature is configured, so an installed but unconfigured plugin changes nothing;
 state kept on vLLM's objects is read through a class default (`add_class_default`), never through
-the object's `__dict__`.
+the object's `__dict__`. Patch modules import their tools from `patches.wrapping`, not from this
+package, so that no patch module and `apply_all` import each other.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
-from collections.abc import Callable
-
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.patches.wrapping import APPLIED, add_class_default, logger, remove_all, wrap_method
 
-logger = get_logger("patches")
-
-_WRAPPED = "__kvbm_original__"
-_APPLIED: list[tuple[type, str, object, bool]] = []  # (class, name, previous attribute, was own)
-
-
-def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> bool:
-    """Replace `cls.name` by `make(original)`, once. Works for plain and class methods."""
-    raw = inspect.getattr_static(cls, name, None)  # may be inherited; we set it on `cls`
-    if raw is None:
-        raise AttributeError(f"{cls.__qualname__}.{name} not found; vLLM changed, update patches/")
-    is_classmethod = isinstance(raw, classmethod)
-    func = raw.__func__ if is_classmethod else raw
-    if hasattr(func, _WRAPPED):
-        return False
-    wrapper = functools.wraps(func)(make(func))
-    setattr(wrapper, _WRAPPED, func)
-    _APPLIED.append((cls, name, raw, name in cls.__dict__))
-    setattr(cls, name, classmethod(wrapper) if is_classmethod else wrapper)
-    return True
-
-
-def add_class_default(cls: type, name: str, value) -> bool:
-    """Give `cls` a class attribute `name`, once: the default of per-instance state that our
-    wrappers then read as `self.name`. Never read a vLLM object's `__dict__` instead: on CPython
-    3.11 that turns the instance's inline attribute values into a dict for good, and every
-    attribute access of vLLM's on it gets slower (a BlockPool's: 4.8 -> 16.8 ns, 2.5% of a
-    scheduler step)."""
-    if name in cls.__dict__:
-        return False
-    _APPLIED.append((cls, name, None, False))
-    setattr(cls, name, value)
-    return True
-
-
-def remove_all() -> None:
-    """Restore every patched attribute (benchmarks compare against vanilla in one process)."""
-    while _APPLIED:
-        cls, name, raw, was_own = _APPLIED.pop()
-        if was_own:
-            setattr(cls, name, raw)
-        else:
-            delattr(cls, name)
+__all__ = ["APPLIED", "add_class_default", "apply_all", "remove_all", "wrap_method"]
 
 
 def apply_all() -> list[str]:

@@ -16,8 +16,8 @@ An explicit --prefix-match-unit always wins; KVBMConnector's `hash_block_size` c
 
 from __future__ import annotations
 
-from vllm_kvbm_plugin import config
-from vllm_kvbm_plugin.patches import logger, wrap_method
+from vllm_kvbm_plugin import __version__, config
+from vllm_kvbm_plugin.patches.wrapping import APPLIED, logger, wrap_method
 
 NAME = "hash_granularity"
 _RECORD = "_kvbm_user_block_size"
@@ -46,10 +46,8 @@ def _wrap_update(orig):
 
 def _wrap_init_kv_caches(orig):
     def _initialize_kv_caches(self, vllm_config):
-        from vllm_kvbm_plugin import __version__, plugin
-
-        if plugin.APPLIED:
-            logger.info("vllm-kvbm-plugin %s: patches applied: %s", __version__, ", ".join(plugin.APPLIED))
+        if APPLIED:
+            logger.info("vllm-kvbm-plugin %s: patches applied: %s", __version__, ", ".join(APPLIED))
         unit = _preferred_unit(self, vllm_config)
         if unit is None:
             return orig(self, vllm_config)

@@ -2,7 +2,7 @@
 
 With `pic_recompute_ratio` > 0, a salted (`kvbm-pic:`) request's reused tokens are not reported to
 vLLM as computed: vLLM schedules them as new tokens, and the worker first loads their re-rotated
-KV into their blocks (connector/pic.py) and sets a `BlendPlan` on the step's forward context.
+KV into their blocks (connector/pic_load.py) and sets a `BlendPlan` on the step's forward context.
 Per attention layer, right before vLLM writes the step's fresh K/V into the cache
 (`CPUAttentionBackendImpl.do_kv_cache_update`; its attention then reads everything from the cache):
 - below the selection layer (layer 1): nothing, the fresh KV stays (layer 0's KV does not depend
@@ -26,7 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_kvbm_plugin.patches import _WRAPPED, logger, wrap_method
+from vllm_kvbm_plugin.patches.wrapping import _WRAPPED, logger, wrap_method
+from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 
 NAME = "pic_blend"
 ATTR = "kvbm_pic_blend"  # the plan's attribute on vLLM's ForwardContext (one per step)
@@ -37,7 +38,10 @@ STATS = {"steps": 0, "tokens": 0, "recomputed": 0}  # this process's blended ste
 
 @dataclasses.dataclass
 class BlendPlan:
-    """One step's reused tokens (loaded into their cache slots before the forward)."""
+    """One step's reused tokens (loaded into their cache slots before the forward) and, once the
+    selection layer has run, which of them keep their fresh KV. Worker process: built by
+    connector/pic_load.py after the step's loads and set on vLLM's forward context (`set_plan`);
+    the patched CPU attention calls `blend` on it once per layer during that step's forward."""
 
     slots: torch.Tensor  # [n] long: block id * block size + offset of each loaded token
     head: torch.Tensor  # [n] bool: among the first RUN_HEAD tokens of its run
@@ -62,8 +66,6 @@ class BlendPlan:
     def blend(self, layer_name: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from vllm.model_executor.models.utils import extract_layer_index
-
-        from vllm_kvbm_plugin.connector.pic import kv_views
 
         layer = extract_layer_index(layer_name)
         if layer < SELECTION_LAYER:

@@ -1,2 +1,3 @@
 """Reuse of KV that is not a prefix (issue 12): `subseq` finds where stored hash units occur in a
-new request at any offset, `rope` re-rotates stored K to new positions. Pure: no vLLM import."""
+new request at any offset, `rope` re-rotates stored K to new positions, `cpu_layout` views K and V
+inside vLLM's CPU attention KV cache. Pure: no vLLM import."""

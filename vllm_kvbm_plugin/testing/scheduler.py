@@ -43,6 +43,9 @@ from vllm_kvbm_plugin.events import types as ev
 
 @dataclasses.dataclass
 class HarnessConfig:
+    """How a SchedulerHarness builds vLLM's config: model, geometry, KV events, and
+    KVBMConnector's extra config with the number of simulated workers."""
+
     model_dir: str | None = None  # a dir with a config.json; None = a generated Llama config
     block_size: int = 160  # (inflated) block of every group
     hash_block_size: int | None = 32  # prefix_match_unit; None = vLLM's default
@@ -79,6 +82,11 @@ def _config_only_model(max_len: int) -> str:
 
 
 class SchedulerHarness:
+    """vLLM's real Scheduler in the calling process (a test's or a benchmark's), with simulated
+    model outputs (module docstring): owns the scheduler, its published event batches, and with
+    a connector configured the SimulatedWorkers that run the connector's plans. Tests and
+    benchmarks drive it: `add` requests, `step` / `run` / `serve`, read `batches`."""
+
     def __init__(self, cfg: HarnessConfig):
         self.cfg = cfg
         bs = cfg.block_size
@@ -242,9 +250,10 @@ class SimulatedWorker:
     def __init__(self, vllm_config, kv_cache_config, rank: int):
         from vllm_kvbm_plugin.config import connector_config
         from vllm_kvbm_plugin.connector.layout import Layout
+        from vllm_kvbm_plugin.connector.pic_model import with_model_support
         from vllm_kvbm_plugin.connector.worker import WorkerSide
 
-        cfg = connector_config(vllm_config)
+        cfg = with_model_support(connector_config(vllm_config), vllm_config)  # as KVBMConnector builds it
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg)
         n = kv_cache_config.num_blocks
         self.tensors = {}

@@ -1,18 +1,19 @@
-"""Position-independent loads (issue 12, layer 2): KV the CPU tier holds for tokens that a request
-has at another position, loaded token by token with K re-rotated to the new positions.
+"""Position-independent loads (issue 12, layer 2), scheduler side: which KV the CPU tier holds for
+tokens that a request has at another position. Lives in the EngineCore (scheduler) process, built
+by SchedulerSide when `PicPlanner.create` finds the model supported (connector/pic_model.py).
 
 Opt-in per request: only a request whose `cache_salt` starts with `kvbm-pic:` is served. vLLM
 folds the salt into the first block's hash and our keys fold it in the same way, so everything
 such a request leaves behind (vLLM's prefix cache, our tier entries) lies under keys that no
 request without that salt computes: approximate KV never reaches anybody who did not ask for it.
 
-- Scheduler side (`PicPlanner`): a sub-sequence index per namespace (requests without extra keys:
-  the public one; each `kvbm-pic:` salt: its own) fed with every KV block the CPU tier stores
-  (its tokens, tier key, parent and position) and told when the tier drops it (`PicCpuTier`).
-  After the exact prefix hit, the runs the index finds that continue it without a gap (a run
-  holding the next token) are claimed as token ranges of tier entries, pinned like any load.
-- Worker side (`load`): per attention layer, K of those tokens re-rotated from the old to the new
-  positions in float32 (`reuse.rope`, with the model's own RoPE parameters), V copied.
+`PicPlanner` keeps a sub-sequence index per namespace (requests without extra keys: the public
+one; each `kvbm-pic:` salt: its own) fed with every KV block the CPU tier stores (its tokens, tier
+key, parent and position) and told when the tier drops it (`PicCpuTier`). After the exact prefix
+hit, the runs the index finds that continue it without a gap (a run holding the next token) are
+claimed as token ranges of tier entries, pinned like any load, and handed to the workers as
+`PicLoad`s in the step's metadata: each worker re-rotates K to the new positions
+(connector/pic_load.py).
 
 Selective recompute (layer 3, `pic_recompute_ratio` > 0; off by default): the claimed tokens are
 not reported to vLLM as computed, so vLLM computes them; the claim may then skip gaps (every run
@@ -21,92 +22,24 @@ vLLM computes in it (a chunked prefill computes a long prompt over several steps
 their blocks before the forward, and the worker hands a `BlendPlan` to the attention patch
 (patches/pic_blend.py), which keeps the loaded KV of all but the most deviating tokens. No
 compute is saved: the gain is fidelity (README, "Non-prefix reuse").
-
-Only models whose K we can re-rotate exactly take part (`model_support`): dense Llama / Mistral /
-Qwen2 / Qwen3 with `default`, `linear` or `llama3` RoPE, on vLLM's CPU attention with its "vec"
-kernels (the one KV layout checked against a real forward, `kv_views`), no hybrid or MLA caches.
-For every other model the planner is off: a plain miss.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
-
-import torch
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.connector.metadata import PicLoad
+from vllm_kvbm_plugin.connector.pic_model import PicModel
 from vllm_kvbm_plugin.connector.tiers import TierManager
 from vllm_kvbm_plugin.events.types import TIER_CPU
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.reuse.rope import RopeSpec, UnsupportedRope, rerotate
 from vllm_kvbm_plugin.reuse.subseq import SubseqIndex
 
 logger = get_logger("connector.pic")
 
 SALT_PREFIX = "kvbm-pic:"
-# dense decoders whose attention applies get_rope(head_dim, rope_parameters, neox) to K as is
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-
-
-@dataclasses.dataclass(frozen=True)
-class PicModel:
-    """What the workers need to re-rotate the model's K: its RoPE and the largest position."""
-    rope: RopeSpec
-    max_positions: int
-
-
-def model_support(vllm_config) -> PicModel | str:
-    """The model's RoPE if its stored K can be re-rotated exactly, else the reason it cannot."""
-    from vllm.platforms import current_platform
-
-    mc = getattr(vllm_config, "model_config", None)
-    if getattr(mc, "hf_config", None) is None:
-        return "no model config"
-    if not current_platform.is_cpu():
-        return "KV layouts other than vLLM's CPU layout are not supported yet"
-    isa = _cpu_attention_isa(vllm_config)
-    if isa != "vec":
-        return f"CPU attention kernels {isa!r}: only the 'vec' KV layout is supported"
-    archs = set(getattr(mc.hf_config, "architectures", None) or ())
-    if not archs & ARCHITECTURES:
-        return f"architecture {sorted(archs)} is not one of {sorted(ARCHITECTURES)}"
-    if mc.use_mla:
-        return "MLA caches a latent, not K"
-    hf = mc.hf_text_config
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    params = dict(params)
-    if "rope_theta" not in params and getattr(hf, "rope_theta", None) is not None:
-        params["rope_theta"] = hf.rope_theta
-    try:
-        return PicModel(RopeSpec.from_parameters(mc.get_head_size(), params, is_neox_style=True),
-                        int(mc.max_model_len))
-    except (UnsupportedRope, ValueError, KeyError) as e:
-        return f"RoPE cannot be re-rotated exactly: {e}"
-
-
-def _cpu_attention_isa(vllm_config) -> str | None:
-    """Which kernels vLLM's CPU attention picks for this model (they lay K out differently)."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        mc, cc = vllm_config.model_config, vllm_config.cache_config
-        return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
-    except Exception as e:  # noqa: BLE001 - another vLLM: unknown kernels
-        return f"unknown ({e})"
-
-
-def kv_views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of vLLM's CPU attention ("vec" kernels) in a layer's KV tensor [blocks, heads,
-    block, 2 * head] (the shape hides the layout): per block and head, K as [head, block] (token b
-    is column b), then V as [block, head]. Returns views k [blocks, heads, head, block] and
-    v [blocks, heads, block, head]. Checked against a real engine's layer-0 KV (test_pic_engine)."""
-    n, heads, block, two_d = t.shape
-    flat = t.view(n, heads, 2, block * two_d // 2)
-    return flat[:, :, 0].view(n, heads, two_d // 2, block), flat[:, :, 1].view(n, heads, block, two_d // 2)
 
 
 def wants(request) -> bool:
@@ -148,7 +81,10 @@ def _recompute(cfg, kv_groups) -> bool:
 
 
 class PicCpuTier(TierManager):
-    """The CPU tier, telling the planner about every entry that leaves it."""
+    """The CPU tier of a SchedulerSide whose planner is on (EngineCore process): a TierManager
+    that also tells the planner (`on_removed`, PicPlanner.removed) about every entry that leaves
+    it, evicted or never stored, so the planner's indexes hold only what the tier holds. Built
+    by PicPlanner; SchedulerSide then uses it as its CPU tier."""
 
     def __init__(self, capacity: int, policy: str, on_removed):
         super().__init__(TIER_CPU, capacity, policy)
@@ -187,7 +123,14 @@ class _PicClaim:
 
 
 class PicPlanner:
-    """Scheduler side: the sub-sequence indexes of the CPU tier and the claims of opted-in requests."""
+    """Position-independent loads, scheduler side (EngineCore process): owns the sub-sequence
+    indexes of the CPU tier's blocks (`indexes`, per namespace), the CPU tier itself
+    (`PicCpuTier`), and the claims of opted-in requests with their pins (`claims`, `blending`).
+
+    Built by SchedulerSide (`create`, None when the model is not supported), which calls it on
+    each of its hooks: `extend` after the exact hit, `after_alloc` / `step_loads` to turn claims
+    into `PicLoad`s of the step's metadata, `stored` / `flush` as the CPU tier stores, `release`
+    when a request finishes."""
 
     def __init__(self, layout, cfg):
         self.block_size = layout.block_size
@@ -381,85 +324,3 @@ class PicPlanner:
     def release_all(self) -> None:
         for req_id in list(self.claims):
             self.release(req_id)
-
-
-# ---- worker side -------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=4)
-def _cos_sin(rope: RopeSpec, max_positions: int) -> torch.Tensor:
-    return rope.cos_sin_cache(max_positions)
-
-
-def load(side, ops: list[PicLoad]) -> None:
-    """Run position-independent loads on a WorkerSide: per attention layer, K of the slot tokens
-    re-rotated from their old to their new positions in float32, V copied (`kv_views`); a layer
-    of another shape fails the loads (reported as load errors, so vLLM recomputes those blocks)."""
-    t0 = time.perf_counter()
-    model: PicModel = side.cfg.pic_model
-    rope = model.rope
-    D, B = rope.head_size, side.layout.block_size
-    cache = _cos_sin(rope, model.max_positions)
-    # one row per token: which op (slot), where in the slot's block, where it goes, its positions
-    counts = torch.tensor([o.count for o in ops])
-    op = torch.repeat_interleave(torch.arange(len(ops)), counts)
-    within = torch.arange(len(op)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    src_at = torch.tensor([o.src_offset for o in ops])[op] + within
-    dst_at = torch.tensor([o.dst_offset for o in ops])[op] + within
-    old = torch.tensor([o.old_position for o in ops])[op] + within
-    new = torch.tensor([o.new_position for o in ops])[op] + within
-    slots = torch.tensor([o.slot for o in ops])
-    for gi, layers in enumerate(side.layers[KV]):
-        # the destination blocks are copied out, written and copied back: indexed writes into a
-        # view of the whole KV cache would copy all of it
-        blocks, dst_block = torch.unique(torch.tensor([o.block_ids[gi] for o in ops])[op], return_inverse=True)
-        for layer in layers:
-            t = layer.tensor
-            if t.dim() != 4 or layer.dim != 0 or t.shape[2] != B or t.shape[3] != 2 * D:
-                logger.error("KVBMConnector: position-independent loads need vLLM's CPU KV layout "
-                             "[blocks, heads, %d, %d]; got %s: those blocks are recomputed", B, 2 * D, tuple(t.shape))
-                side.load_errors.update(o.block_ids[gi] for o in ops)
-                return
-            # a few whole-tensor ops per layer, not a few per token range
-            nbytes = t[0].numel() * t.element_size()
-            src = side.pool[slots, layer.offset:layer.offset + nbytes].view(t.dtype).view(len(ops), *t.shape[1:])
-            src_k, src_v = kv_views(src)
-            dst = t.index_select(0, blocks)
-            dst_k, dst_v = kv_views(dst)
-            k = rerotate(src_k[op, :, :, src_at], old, new, cache, rope.rotary_dim, rope.is_neox_style)
-            dst_k[dst_block, :, :, dst_at] = k  # [tokens, heads, head] into [block, heads, head, offset]
-            dst_v[dst_block, :, dst_at] = src_v[op, :, src_at]
-            t.index_copy_(0, blocks, dst)
-    ratio = getattr(side.cfg, "pic_recompute_ratio", 0)
-    if ratio and len(side.layers[KV]) == 1:
-        from vllm_kvbm_plugin.patches import pic_blend
-
-        B = side.layout.block_size
-        block_ids = torch.tensor([o.block_ids[0] for o in ops])[op]
-
-        def report(blended: int, recomputed: int) -> None:
-            with side._stats_lock:
-                data = side.stats.data
-                data["pic_blended_tokens"] = data.get("pic_blended_tokens", 0) + blended
-                data["pic_recomputed_tokens"] = data.get("pic_recomputed_tokens", 0) + recomputed
-
-        pic_blend.set_plan(pic_blend.BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), ratio, B, report))
-    with side._stats_lock:
-        data = side.stats.data
-        for name, v in (("pic_loads", len(ops)), ("pic_tokens", len(new)), ("pic_seconds", time.perf_counter() - t0)):
-            data[name] = data.get(name, 0) + v
-
-
-def _run_heads(ops: list[PicLoad], within: torch.Tensor) -> torch.Tensor:
-    """Per loaded token: among the first RUN_HEAD tokens of its run (ops that continue each other
-    at the same position shift form one run)."""
-    from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD
-
-    run_start, at = [], 0  # per op: how many tokens of its run precede it
-    for i, o in enumerate(ops):
-        p = ops[i - 1] if i else None
-        continues = (p is not None and o.new_position == p.new_position + p.count
-                     and o.old_position - o.new_position == p.old_position - p.new_position)
-        at = at + p.count if continues else 0
-        run_start.append(at)
-    counts = torch.tensor([o.count for o in ops])
-    return torch.repeat_interleave(torch.tensor(run_start), counts) + within < RUN_HEAD

@@ -1,0 +1,102 @@
+"""Position-independent loads (issue 12, layer 2), worker side: run the `PicLoad`s the scheduler's
+PicPlanner (connector/pic_planner.py) put into a step's metadata. Runs in each worker process,
+called by WorkerSide.start_load_kv before the forward, with the worker's KV layers, CPU pool and
+two callbacks (load errors, stats counters) instead of the WorkerSide itself.
+
+Per attention layer, K of the loaded tokens is re-rotated from the old to the new positions in
+float32 (`reuse.rope`, with the model's own RoPE parameters, connector/pic_model.py) and V copied,
+in vLLM's CPU KV layout (`reuse.cpu_layout.kv_views`). With selective recompute
+(`pic_recompute_ratio` > 0) the loads are also handed to this step's attention patch as a
+`BlendPlan` (patches/pic_blend.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from vllm_kvbm_plugin.connector.metadata import PicLoad
+from vllm_kvbm_plugin.connector.pic_model import PicModel
+from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, BlendPlan, set_plan
+from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
+from vllm_kvbm_plugin.reuse.rope import RopeSpec, rerotate
+
+logger = get_logger("connector.pic")
+
+
+@functools.lru_cache(maxsize=4)
+def _cos_sin(rope: RopeSpec, max_positions: int) -> torch.Tensor:
+    return rope.cos_sin_cache(max_positions)
+
+
+def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, pool: torch.Tensor,
+         recompute_ratio: float, failed: Callable[[Iterable[int]], None],
+         count: Callable[[dict], None]) -> None:
+    """Run position-independent loads: per attention layer, K of the slot tokens re-rotated from
+    their old to their new positions in float32, V copied (`kv_views`); a layer of another shape
+    fails the loads (their block ids go to `failed`, reported as load errors, so vLLM recomputes
+    those blocks).
+
+    `kv_layers`: per KV cache group, its layers (each with `tensor`, block dimension `dim` and
+    byte `offset` inside a slot); `pool`: the CPU tier's slots [slots, slot bytes]; `count`: adds
+    a dict of counters to the worker's stats (thread-safe on the caller's side)."""
+    t0 = time.perf_counter()
+    rope = model.rope
+    D, B = rope.head_size, block_size
+    cache = _cos_sin(rope, model.max_positions)
+    # one row per token: which op (slot), where in the slot's block, where it goes, its positions
+    counts = torch.tensor([o.count for o in ops])
+    op = torch.repeat_interleave(torch.arange(len(ops)), counts)
+    within = torch.arange(len(op)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    src_at = torch.tensor([o.src_offset for o in ops])[op] + within
+    dst_at = torch.tensor([o.dst_offset for o in ops])[op] + within
+    old = torch.tensor([o.old_position for o in ops])[op] + within
+    new = torch.tensor([o.new_position for o in ops])[op] + within
+    slots = torch.tensor([o.slot for o in ops])
+    for gi, layers in enumerate(kv_layers):
+        # the destination blocks are copied out, written and copied back: indexed writes into a
+        # view of the whole KV cache would copy all of it
+        blocks, dst_block = torch.unique(torch.tensor([o.block_ids[gi] for o in ops])[op], return_inverse=True)
+        for layer in layers:
+            t = layer.tensor
+            if t.dim() != 4 or layer.dim != 0 or t.shape[2] != B or t.shape[3] != 2 * D:
+                logger.error("KVBMConnector: position-independent loads need vLLM's CPU KV layout "
+                             "[blocks, heads, %d, %d]; got %s: those blocks are recomputed", B, 2 * D, tuple(t.shape))
+                failed(o.block_ids[gi] for o in ops)
+                return
+            # a few whole-tensor ops per layer, not a few per token range
+            nbytes = t[0].numel() * t.element_size()
+            src = pool[slots, layer.offset:layer.offset + nbytes].view(t.dtype).view(len(ops), *t.shape[1:])
+            src_k, src_v = kv_views(src)
+            dst = t.index_select(0, blocks)
+            dst_k, dst_v = kv_views(dst)
+            k = rerotate(src_k[op, :, :, src_at], old, new, cache, rope.rotary_dim, rope.is_neox_style)
+            dst_k[dst_block, :, :, dst_at] = k  # [tokens, heads, head] into [block, heads, head, offset]
+            dst_v[dst_block, :, dst_at] = src_v[op, :, src_at]
+            t.index_copy_(0, blocks, dst)
+    if recompute_ratio and len(kv_layers) == 1:
+        block_ids = torch.tensor([o.block_ids[0] for o in ops])[op]
+
+        def report(blended: int, recomputed: int) -> None:
+            count({"pic_blended_tokens": blended, "pic_recomputed_tokens": recomputed})
+
+        set_plan(BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), recompute_ratio, B, report))
+    count({"pic_loads": len(ops), "pic_tokens": len(new), "pic_seconds": time.perf_counter() - t0})
+
+
+def _run_heads(ops: list[PicLoad], within: torch.Tensor) -> torch.Tensor:
+    """Per loaded token: among the first RUN_HEAD tokens of its run (ops that continue each other
+    at the same position shift form one run)."""
+    run_start, at = [], 0  # per op: how many tokens of its run precede it
+    for i, o in enumerate(ops):
+        p = ops[i - 1] if i else None
+        continues = (p is not None and o.new_position == p.new_position + p.count
+                     and o.old_position - o.new_position == p.old_position - p.new_position)
+        at = at + p.count if continues else 0
+        run_start.append(at)
+    counts = torch.tensor([o.count for o in ops])
+    return torch.repeat_interleave(torch.tensor(run_start), counts) + within < RUN_HEAD
