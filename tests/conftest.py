@@ -111,3 +111,16 @@ def redis_server():
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def metric_types():
+    """(the metric classes vLLM hands a KVConnectorPromMetrics, all bound to one registry of the
+    test's own, that registry): nothing reaches the process-wide registry, so tests may build
+    several."""
+    import prometheus_client
+
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: (lambda cls: lambda **kw: cls(registry=registry, **kw))(cls)
+             for cls in (prometheus_client.Gauge, prometheus_client.Counter, prometheus_client.Histogram)}
+    return types, registry

@@ -1,7 +1,5 @@
 """Tier metrics: vLLM's stats aggregation contract and real Prometheus counters."""
 
-import prometheus_client
-
 from vllm_kvbm_plugin.connector import KVBMConnector
 from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats
 
@@ -24,14 +22,8 @@ def test_stats_aggregate_reduce_and_reset():
     assert s.is_empty()
 
 
-def test_prometheus_counters():
-    registry = prometheus_client.CollectorRegistry()
-
-    def counter(**kw):
-        return prometheus_client.Counter(registry=registry, **kw)
-
-    types = {prometheus_client.Gauge: prometheus_client.Gauge, prometheus_client.Counter: counter,
-             prometheus_client.Histogram: prometheus_client.Histogram}
+def test_prometheus_counters(metric_types):
+    types, registry = metric_types
     cfg = type("C", (), {"kv_transfer_config": None})()
     m = KVBMPromMetrics(cfg, types, ["engine"], {0: ["0"]})
     m.observe({"disk_write_blocks": 3, "disk_write_bytes": 300, "disk_write_seconds": 0.5,
@@ -45,7 +37,7 @@ def test_prometheus_counters():
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "blended"}) is None
 
 
-def test_measured_peaks_ride_with_the_stats_and_set_a_gauge():
+def test_measured_peaks_ride_with_the_stats_and_set_a_gauge(metric_types):
     """measure_roofline: every worker's stats carry the same peaks; aggregated they stay the peak
     (not a sum), the log line gives the share reached, and Prometheus gets a gauge."""
     workers = []
@@ -59,10 +51,7 @@ def test_measured_peaks_ride_with_the_stats_and_set_a_gauge():
     assert red["disk_write_GiB_per_s"] == 1.0 and red["disk_write_pct_of_peak"] == 25.0
     assert "cpu_store_pct_of_peak" not in red  # nothing stored to the CPU tier in this interval
     assert KVBMStats(data={"peak_disk_write": 1.0}).is_empty()  # peaks alone are no news
-    registry = prometheus_client.CollectorRegistry()
-    types = {prometheus_client.Gauge: lambda **kw: prometheus_client.Gauge(registry=registry, **kw),
-             prometheus_client.Counter: lambda **kw: prometheus_client.Counter(registry=registry, **kw),
-             prometheus_client.Histogram: prometheus_client.Histogram}
+    types, registry = metric_types
     m = KVBMPromMetrics(type("C", (), {"kv_transfer_config": None})(), types, ["engine"], {0: ["0"]})
     m.observe(total.data)
     peak = registry.get_sample_value("vllm:kvbm_transfer_peak_bytes_per_second",

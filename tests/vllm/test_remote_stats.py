@@ -4,13 +4,12 @@ Prometheus counters (the engine-level export is in tests/engine/test_remote_engi
 import collections
 import types
 
-import prometheus_client
 
 from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats, RemoteCounters
 from vllm_kvbm_plugin.tiers.remote import Breaker
 
 
-def test_remote_totals_become_interval_stats_and_prometheus_counters():
+def test_remote_totals_become_interval_stats_and_prometheus_counters(metric_types):
     tier = types.SimpleNamespace(counters=collections.Counter(lookup_keys=10, lookup_keys_found=4, fetched=4,
                                                               write_failures=2))
     breaker = Breaker("scheduler", "redis://x")
@@ -30,10 +29,7 @@ def test_remote_totals_become_interval_stats_and_prometheus_counters():
     red = stats.reduce()
     assert red["remote_hits"] == 7 and red["remote_read_blocks"] == 7 and red["remote_write_errors"] == 2
 
-    registry = prometheus_client.CollectorRegistry()
-    types_ = {prometheus_client.Gauge: prometheus_client.Gauge,
-              prometheus_client.Counter: lambda **kw: prometheus_client.Counter(registry=registry, **kw),
-              prometheus_client.Histogram: prometheus_client.Histogram}
+    types_, registry = metric_types
     m = KVBMPromMetrics(type("C", (), {"kv_transfer_config": None})(), types_, ["engine"], {0: ["0"]})
     m.observe(stats.data)
     get = registry.get_sample_value
