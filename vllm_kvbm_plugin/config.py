@@ -42,7 +42,7 @@ class KVBMConfig:
     # who announces the remote tier's entries: "announcer" (`vllm-kvbm announce`, once per tier,
     # server evictions included) or "instance" (each instance its own writes; a lone instance)
     remote_events: str = "announcer"
-    # position-independent loads (connector/pic.py): the share of a salted request's reused tokens
+    # position-independent loads (connector/pic_planner.py): the share of a salted request's reused tokens
     # recomputed (patches/pic_blend.py; 0.15 is CacheBlend's); 0: the loaded KV is used as is. Off
     # by default: the recompute runs every reused token through the model (no TTFT gain left)
     pic_recompute_ratio: float = 0.0

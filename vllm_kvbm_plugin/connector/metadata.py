@@ -71,7 +71,7 @@ class DirectLoad(NamedTuple):
 
 class PicLoad(NamedTuple):
     """Tokens [src_offset, +count) of a CPU slot -> tokens [dst_offset, +count) of KV blocks, K
-    re-rotated from positions old_position.. to new_position.. (connector/pic.py)."""
+    re-rotated from positions old_position.. to new_position.. (connector/pic_load.py)."""
     block_ids: tuple[int, ...]
     dst_offset: int
     slot: int
@@ -83,6 +83,10 @@ class PicLoad(NamedTuple):
 
 @dataclasses.dataclass
 class KVBMMetadata(KVConnectorMetadata):
+    """One step's work for every worker: built by SchedulerSide.build_connector_meta in EngineCore,
+    sent by vLLM with the scheduler output to each worker process, where WorkerSide runs it
+    (start_load_kv before the forward, wait_for_save after)."""
+
     # start_load_kv runs, in order: opens (verify a block file, keep it open), prefetches, loads,
     # direct loads, position-independent loads, closes; wait_for_save runs stores, then queues the disk writes.
     opens: list[Key] = dataclasses.field(default_factory=list)
@@ -112,6 +116,9 @@ class Op(enum.Enum):
 
 
 class Report(NamedTuple):
+    """Whether one worker's operation on one key succeeded: made by WorkerSide (worker process),
+    carried in KVBMWorkerMetadata, counted by the scheduler side's Quorum."""
+
     op: Op
     key: Key
     ok: bool
@@ -119,6 +126,9 @@ class Report(NamedTuple):
 
 @dataclasses.dataclass
 class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
+    """What one step's workers report back: built by WorkerSide.build_worker_meta in each worker
+    process, aggregated by vLLM, read by SchedulerSide.update_connector_output in EngineCore."""
+
     reports: list[Report] = dataclasses.field(default_factory=list)
     disk_broken: bool = False  # a worker's disk tier failed as a whole: no more disk writes
 
