@@ -39,7 +39,7 @@ import torch
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.connector.metadata import PicLoad
-from vllm_kvbm_plugin.connector.tiers import TierManager
+from vllm_kvbm_plugin.connector.cpu_tier import TierManager
 from vllm_kvbm_plugin.events.types import TIER_CPU
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.reuse.rope import RopeSpec, UnsupportedRope, rerotate

@@ -44,6 +44,12 @@ class Tier(NamedTuple):
 TIER_GPU = Tier(MEDIUM_GPU)
 TIER_CPU = Tier(MEDIUM_CPU)
 
+# KV cache spec kinds (`kv_cache_spec_kind`) of groups that keep only some blocks (Mamba state,
+# sliding windows): vLLM announces fewer hashes than token blocks, and parents never stored
+SPARSE_KINDS = frozenset(
+    {"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"}
+)
+
 
 def storage_tier(ownership: str, locality: str = LOCALITY_LOCAL) -> Tier:
     """A STORAGE tier named by `ownership` (a tier id stable across restarts)."""

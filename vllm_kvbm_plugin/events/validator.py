@@ -47,6 +47,7 @@ from typing import IO
 from vllm_kvbm_plugin.events.types import (
     LOCALITY_REMOTE,
     MEDIUM_GPU,
+    SPARSE_KINDS,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -54,9 +55,7 @@ from vllm_kvbm_plugin.events.types import (
     Tier,
 )
 
-SPARSE_KINDS = frozenset(
-    {"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"}
-)
+# SPARSE_KINDS (imported above, used below) lives in types.py; importing it from here still works
 RULES = ("unknown_parent", "duplicate_store", "unknown_removal", "token_count", "extra_keys")
 
 
