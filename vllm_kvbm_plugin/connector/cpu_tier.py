@@ -18,6 +18,7 @@ from vllm_kvbm_plugin.connector.base import TierOp
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import TIER_CPU, Tier
 from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
+from vllm_kvbm_plugin.tiers.pinned import PinnedStores
 from vllm_kvbm_plugin.tiers.policies import make_policy
 
 
@@ -32,7 +33,7 @@ class TierManager:
     def __init__(self, name: Tier, capacity: int, policy: str):
         self.name = name
         self.index = TierIndex(capacity, make_policy(policy))
-        self.parent_pins: dict = {}  # key -> its parent, pinned until the key is stored or dropped
+        self.stores = PinnedStores(self.index, self._evicted)  # each store in flight pins its parent
         self.waiting: dict = {}  # key -> children stored before it was announced (announced after it)
         self.storing: set = set()  # keys prepared for a store whose outcome the workers owe
         self.events: list = []
@@ -74,31 +75,18 @@ class TierManager:
     def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
         """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no
         room. Its parent stays pinned until complete_store."""
-        if parent is not None:
-            self.index.pin(parent)
-        entry, evicted = self.index.reserve(key, parent, announce(self.name))
-        self._evicted(evicted)
-        if entry is None:
-            if parent is not None:
-                self.index.unpin(parent)
-            return None
-        self.storing.add(key)
-        if parent is not None:
-            self.parent_pins[key] = parent
+        entry = self.stores.reserve(key, parent, announce(self.name))
+        if entry is not None:
+            self.storing.add(key)
         return entry
 
     def complete_store(self, key, ok: bool) -> None:
         """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
         self.storing.discard(key)
-        parent = self.parent_pins.pop(key, None)
-        if parent is not None:
-            self.index.unpin(parent)
-        if ok:
-            e = self.index.complete(key)
-            if e is not None:
-                self._announce_after(key, e, parent)
-        else:
-            self.index.remove(key)
+        e, parent = self.stores.settle(key, ok)
+        if e is not None:
+            self._announce_after(key, e, parent)
+        elif not ok:
             self.waiting.pop(key, None)
 
     def remove(self, key) -> None:

@@ -22,6 +22,7 @@ from vllm_kvbm_plugin.connector.metadata import DiskWrite, Prefetch
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers.pinned import restore
 
 logger = get_logger("connector")
 
@@ -222,33 +223,30 @@ class DiskTier(TierManager):
         """Index the block files of earlier runs and announce them (parents first) from the
         BlockStored events each file carries in its metadata."""
         found = diskfmt.scan(self.bases[0])
-        described, unreadable = [], 0
+        readable, unreadable = [], 0
         for key, _size in found:
             meta = diskfmt.read_meta(diskfmt.block_path(self.bases[0], key))
             if meta is None:  # unreadable, or another format version: it could never be a hit
                 self._unlink(key)
                 unreadable += 1
                 continue
-            e, evicted = self.index.reserve(key)
-            self._evicted(evicted)  # more files than disk_bytes_to_use allows
-            if e is None:
-                continue
-            self.index.complete(key)
             info = diskfmt.decode_meta(meta)
             try:
                 events = renamed([compact(_DECODE_STORED(ev)) for ev in info[1]], self.name) if info else None
             except (msgspec.DecodeError, msgspec.ValidationError):
                 events = None
-            if events and events[0].block_hashes:
-                e.meta = Announce(events, events[0].block_hashes[0])
-                described.append((info[0], e))
+            a = Announce(events, events[0].block_hashes[0]) if events and events[0].block_hashes else None
+            readable.append((key, None, info[0] if info else 0, a))
+        # more files than disk_bytes_to_use allows: the policy evicts some
+        kept = [self.index.entries[k] for k in restore(self.index, readable, self._evicted)]
+        described = [e for e in kept if e.meta is not None]
         held = set()
-        for _, e in sorted(described, key=lambda d: d[0]):
+        for e in described:
             if all(ev.kv_cache_spec_kind in SPARSE_KINDS or ev.parent_block_hash is None
                    or (ev.group_idx, ev.parent_block_hash) in held for ev in e.meta.events):
                 self._announce(e)
                 held.update((ev.group_idx, e.meta.vhash) for ev in e.meta.events)
         if found:
-            announced = sum(e.meta.announced for _, e in described)
+            announced = sum(e.meta.announced for e in described)
             logger.info("KVBMConnector: disk tier holds %d entries from earlier runs (%d announced, %d "
                         "unreadable files removed)", len(self), announced, unreadable)
