@@ -84,6 +84,9 @@ class PicLoad(NamedTuple):
 
 @dataclasses.dataclass
 class KVBMMetadata(KVConnectorMetadata):
+    """One step's plan for the workers: built by SchedulerSide and its tiers (EngineCore process),
+    carried by vLLM's SchedulerOutput, run by every WorkerSide."""
+
     # start_load_kv runs, in order: opens (verify a block file, keep it open), prefetches, loads,
     # direct loads, position-independent loads, closes; wait_for_save runs stores, then queues the disk writes.
     opens: list[Key] = dataclasses.field(default_factory=list)

@@ -55,6 +55,10 @@ SECONDARY_TIERS = [DiskTier.create, RemoteTier.create]
 
 @dataclasses.dataclass
 class RequestKeys:
+    """One live request's tier keys, owned by SchedulerSide (`requests`, EngineCore process): its
+    unit keys computed so far (`unit_keys` extends them) and how far its blocks were offered to
+    the tiers. Dropped when the request finishes."""
+
     request: object
     unit_keys: list  # stable keys of the hash units computed so far
     stored_upto: int = 0  # blocks [0, stored_upto) were offered to the tiers
