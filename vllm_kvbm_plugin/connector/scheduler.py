@@ -528,17 +528,18 @@ class SchedulerSide:
         wm: KVBMWorkerMetadata | None = getattr(output, "kv_connector_worker_meta", None)
         if not wm:
             return
-        cpu, by_label = self.primary, self._by_label
+        cpu, by_label, quorum = self.primary, self._by_label, self.quorum
+        write, fetch = Verb.WRITE, Verb.FETCH
         for report in wm.reports:
-            ok = self.quorum.add(report)
+            ok = quorum.add(report)
             if ok is None:
                 continue  # other workers have yet to report
             key, op = report.key, report.op
-            if op.verb is Verb.WRITE:
+            verb = op.verb
+            if verb is write:
                 cpu.complete_load(key)  # the write's source slot
-            tier = by_label[op.tier]
-            tier.settle(op, key, ok)
-            if op.verb is Verb.FETCH:
+            by_label[op.tier].settle(op, key, ok)
+            if verb is fetch:
                 cpu.settle(op, key, ok)  # the slot it was read into
         for label in wm.broken:
             tier = by_label.get(label)
