@@ -7,15 +7,16 @@ from vllm_kvbm_plugin.tiers.policies import LRU
 
 
 def test_a_store_pins_its_parent_until_settled():
-    index, gone = TierIndex(2, LRU()), []
-    stores = PinnedStores(index, gone.extend)
+    index = TierIndex(2, LRU())
+    stores = PinnedStores(index)
     stores.reserve("a")
     stores.settle("a", True)
-    assert stores.reserve("b", "a") is not None
-    assert stores.reserve("c") is None and "a" in index and not gone  # the parent cannot be evicted
+    assert stores.reserve("b", "a")[0] is not None
+    assert stores.reserve("c") == (None, []) and "a" in index  # the parent cannot be evicted
     entry, parent = stores.settle("b", True)
     assert entry.ready and parent == "a" and index.busy() == 0
-    assert stores.reserve("c") is not None and [k for k, _ in gone] == ["a"]  # now it can
+    entry, evicted = stores.reserve("c")
+    assert entry is not None and [k for k, _ in evicted] == ["a"]  # now it can
     assert stores.settle("c", False) == (None, None) and "c" not in index  # a failed store is dropped
 
 

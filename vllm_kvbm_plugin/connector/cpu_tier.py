@@ -33,7 +33,7 @@ class TierManager:
     def __init__(self, name: Tier, capacity: int, policy: str):
         self.name = name
         self.index = TierIndex(capacity, make_policy(policy))
-        self.stores = PinnedStores(self.index, self._evicted)  # each store in flight pins its parent
+        self.stores = PinnedStores(self.index)  # each store in flight pins its parent
         self.waiting: dict = {}  # key -> children stored before it was announced (announced after it)
         self.storing: set = set()  # keys prepared for a store whose outcome the workers owe
         self.events: list = []
@@ -75,7 +75,8 @@ class TierManager:
     def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
         """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no
         room. Its parent stays pinned until complete_store."""
-        entry = self.stores.reserve(key, parent, announce(self.name))
+        entry, evicted = self.stores.reserve(key, parent, announce(self.name))
+        self._evicted(evicted)
         if entry is not None:
             self.storing.add(key)
         return entry

@@ -73,7 +73,7 @@ class KVBMDiskTier(ChunkTier):
         self.fsync, self.direct_io = bool(fsync), bool(direct_io)
         self.threads = max(1, int(threads))
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "kvbm-disk-tier")
-        self._stores = PinnedStores(self.index, self._evicted)  # each store in flight pins its parent
+        self._stores = PinnedStores(self.index)  # each store in flight pins its parent
         self._writes_paused_until = 0.0
         self.failed_writes = self.failed_loads = 0
         try:
@@ -99,7 +99,11 @@ class KVBMDiskTier(ChunkTier):
             for key, chunk in zip(job.keys, job.chunk_ids):
                 parent = parent_in_request(key, job.req_context)
                 parent = parent if parent in self.index else None
-                if key in self.index or self._stores.reserve(key, parent) is None:
+                if key in self.index:
+                    continue
+                entry, evicted = self._stores.reserve(key, parent)
+                self._evicted(evicted)
+                if entry is None:
                     continue
                 pos = job.req_context.get_offload_key_position(key) or 0
                 work.append((key, int(chunk), encode_meta(ChunkMeta(key, parent, pos))))

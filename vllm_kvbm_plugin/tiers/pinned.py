@@ -17,28 +17,25 @@ from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 class PinnedStores:
     """The stores in flight of one TierIndex, each with the parent it pins. Owned by a tier's
     scheduler side (connector/cpu_tier.py TierManager, offloading/disk_tier.py KVBMDiskTier), on
-    the scheduler thread; `evicted` gets every (key, Entry) the index evicts to make room."""
+    the scheduler thread. Holds no reference back to its owner: no cycle keeps a tier alive."""
 
-    def __init__(self, index: TierIndex, evicted: Callable[[list], None]):
+    def __init__(self, index: TierIndex):
         self.index = index
-        self.evicted = evicted
         self.parents: dict = {}  # key -> its parent, pinned until the key is settled
 
-    def reserve(self, key, parent=None, meta=None) -> Entry | None:
-        """An entry for `key` (pinned, not ready), evicting by the policy, under `parent` (pinned
-        until `settle`); None when the tier has no room."""
+    def reserve(self, key, parent=None, meta=None) -> tuple[Entry | None, list]:
+        """(an entry for `key`, pinned, not ready, under `parent`, pinned until `settle`; or None
+        when the tier has no room, and the (key, Entry) pairs evicted by the policy meanwhile)."""
         index = self.index
         if parent is not None:
             index.pin(parent)
         entry, evicted = index.reserve(key, parent, meta)
-        self.evicted(evicted)
         if entry is None:
             if parent is not None:
                 index.unpin(parent)
-            return None
-        if parent is not None:
+        elif parent is not None:
             self.parents[key] = parent
-        return entry
+        return entry, evicted
 
     def settle(self, key, ok: bool):
         """The store of `key` ended: ready (ok) or dropped; its parent is released. Returns (the
