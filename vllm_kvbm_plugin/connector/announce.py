@@ -1,19 +1,53 @@
 """The tier events of a request's tokens, built like vLLM builds its own (same hashes, parents,
-token ids, extra keys, LoRA fields), so a router can join them with the GPU events."""
+token ids, extra keys, LoRA fields), so a router can join them with the GPU events; and the
+`Announce` a tier entry keeps them in until its bytes are in place."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import msgspec
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.connector.layout import EntryKind, Layout
-from vllm_kvbm_plugin.connector.tiers import Announce, Announcer
 from vllm_kvbm_plugin.events.types import Tier
+
+
+class Announce(msgspec.Struct, gc=False):
+    """The BlockStored events of one tier entry (one per group), published once its bytes are in
+    place; no events: an internal entry, never announced. Kept as long as the entry, so like the
+    entry untracked by the garbage collector, with events whose fields are tuples (`compact`)."""
+    events: tuple
+    vhash: object = None  # vLLM's event hash of the entry, for BlockRemoved
+    announced: bool = False
+
+
+def compact(event: BlockStored) -> BlockStored:
+    """An event to keep with a tier entry: its lists as tuples, which (holding only atoms) the
+    garbage collector stops tracking, where a list stays tracked, and walked, for good."""
+    extra = event.extra_keys
+    return msgspec.structs.replace(event, block_hashes=tuple(event.block_hashes), token_ids=tuple(event.token_ids),
+                                   extra_keys=None if extra is None else tuple(extra))
+
+
+Announcer = Callable[[Tier], Announce]  # the events of an entry, named for a tier
+
+
+def renamed(events, name: Tier) -> tuple:
+    """`events` named for another tier (the copy of their entry there)."""
+    return tuple(msgspec.structs.replace(ev, medium=name.medium, locality=name.locality, ownership=name.ownership)
+                 for ev in events)
+
 
 NOTHING: Announcer = lambda name: Announce(())  # noqa: E731 - an internal entry, never announced
 
 
 class EventBuilder:
+    """Builds the events of a request's tokens for the tiers that store them. Owned by
+    SchedulerSide (EngineCore process), which hands its `announcer`s to the tiers' stores."""
+
     def __init__(self, layout: Layout):
         self.layout = layout
         self.to_event_hashes = compat.event_hash_converter()
@@ -34,7 +68,7 @@ class EventBuilder:
         extra = None
         if compat.has_extra_keys(request):
             extra = to_event_extra_keys([compat.block_extra_keys(self.pool, request, start, end, 0)[0]])
-        # tuples, not lists: the events are kept with the tier entry (see tiers.compact)
+        # tuples, not lists: the events are kept with the tier entry (see compact)
         extra = tuple(extra) if extra else (None,)
         token_ids = tuple(request.all_token_ids[start:end])
         events = []

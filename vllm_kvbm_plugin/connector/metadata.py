@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from vllm_kvbm_plugin.connector.base import Verb
 from vllm_kvbm_plugin.connector.layout import EntryKind
 
 Key = tuple[int, int]
@@ -106,20 +107,27 @@ class KVBMMetadata(KVConnectorMetadata):
 
 
 class Op(enum.Enum):
-    """The worker operations whose outcome the scheduler side waits for."""
-    STORE = "store"
-    PREFETCH = "prefetch"
-    OPEN = "open"
-    WRITE = "write"
-    REMOTE_FETCH = "remote_fetch"
-    REMOTE_WRITE = "remote_write"
+    """The worker operations whose outcome the scheduler side waits for: each names the tier that
+    settles it (`tier`, a SchedulerTier.label) and what it did with a CPU slot (`verb`)."""
+    STORE = "store", "cpu", Verb.STORE
+    PREFETCH = "prefetch", "disk", Verb.FETCH
+    OPEN = "open", "disk", Verb.OPEN
+    WRITE = "write", "disk", Verb.WRITE
+    REMOTE_FETCH = "remote_fetch", "remote", Verb.FETCH
+    REMOTE_WRITE = "remote_write", "remote", Verb.WRITE
+
+    def __new__(cls, value: str, tier: str, verb: Verb):
+        op = object.__new__(cls)
+        op._value_ = value
+        op.tier, op.verb = tier, verb
+        return op
 
 
 class Report(NamedTuple):
     """Whether one worker's operation on one key succeeded: made by WorkerSide (worker process),
     carried in KVBMWorkerMetadata, counted by the scheduler side's Quorum."""
 
-    op: Op
+    op: Op  # or another tier's operation (a base.TierOp); op.tier settles it
     key: Key
     ok: bool
 
@@ -130,15 +138,16 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     process, aggregated by vLLM, read by SchedulerSide.update_connector_output in EngineCore."""
 
     reports: list[Report] = dataclasses.field(default_factory=list)
-    disk_broken: bool = False  # a worker's disk tier failed as a whole: no more disk writes
+    broken: tuple[str, ...] = ()  # tiers (labels) whose worker half failed as a whole: no more writes
 
     def aggregate(self, other: "KVBMWorkerMetadata") -> "KVBMWorkerMetadata":
         # Concatenated: the scheduler side decides once every worker reported (Quorum).
-        return KVBMWorkerMetadata(self.reports + other.reports, self.disk_broken or other.disk_broken)
+        return KVBMWorkerMetadata(self.reports + other.reports,
+                                  self.broken + tuple(t for t in other.broken if t not in self.broken))
 
 
 class Quorum:
-    """The outcome of each (operation, key) once every worker reported it: ok only if all did.
+    """SchedulerSide's count of the workers' reports (EngineCore process). The outcome of each (operation, key) once every worker reported it: ok only if all did.
 
     Waiting for every report (instead of deciding at the first failure) means a late report of a
     worker can never count towards the next time the same operation runs on the same key."""

@@ -29,10 +29,10 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_kvbm_plugin import compat
+from vllm_kvbm_plugin.connector.cpu_tier import TierManager
 from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.connector.metadata import PicLoad
 from vllm_kvbm_plugin.connector.pic_model import PicModel
-from vllm_kvbm_plugin.connector.tiers import TierManager
 from vllm_kvbm_plugin.events.types import TIER_CPU
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.reuse.subseq import SubseqIndex

@@ -1,5 +1,5 @@
 """KVBMConnector, scheduler side (EngineCore): vLLM's hooks, request keys and hit planning over the
-tier managers (tiers.py).
+tiers (base.py: the contract; cpu_tier.py, disk_tier.py, remote_tier.py), one ordered list of them.
 
 Per step:
 - `get_num_new_matched_tokens`: find the longest prefix the tiers can restore; entries only on disk
@@ -11,8 +11,8 @@ Per step:
   until the metadata is built (the worker loads before anything reuses them).
 - `build_connector_meta`: store every newly completed block of the scheduled requests into CPU
   slots (and write them through to disk), evicting by the configured policy.
-- `update_connector_output`: settle what every worker finished (Quorum); the managers announce
-  and remove tier entries.
+- `update_connector_output`: settle what every worker finished (Quorum) with the tier each report
+  names; the tiers announce and remove their entries.
 
 Hybrid models (Mamba or linear attention next to full attention, vLLM's align mode): a hit at X
 tokens needs the attention KV of [0, X) and the recurrent state at X. vLLM writes the running state
@@ -29,26 +29,28 @@ import dataclasses
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.announce import NOTHING, EventBuilder
+from vllm_kvbm_plugin.connector.base import SecondaryTier, Verb
+from vllm_kvbm_plugin.connector.cpu_tier import cpu_tier
+from vllm_kvbm_plugin.connector.disk_tier import DiskTier
 from vllm_kvbm_plugin.connector.layout import KV, STATE, EntryKind, Layout, partial_key, state_key
 from vllm_kvbm_plugin.connector.metadata import (
     DirectLoad,
-    DiskWrite,
     KVBMMetadata,
     KVBMWorkerMetadata,
     Load,
-    Op,
-    Prefetch,
     Quorum,
-    RemoteFetch,
-    RemoteWrite,
     Store,
 )
 from vllm_kvbm_plugin.connector.pic_planner import PicPlanner
-from vllm_kvbm_plugin.connector.tiers import DiskTier, RemoteTier, cpu_tier
+from vllm_kvbm_plugin.connector.remote_tier import RemoteTier
 from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.log import get_logger
 
 logger = get_logger("connector")
+
+# The tiers below the CPU tier, fastest first: each `create(layout, cfg)` returns the tier or None
+# (not configured). A hit loads each entry from the first tier that holds it.
+SECONDARY_TIERS = [DiskTier.create, RemoteTier.create]
 
 
 @dataclasses.dataclass
@@ -90,7 +92,7 @@ class _Need:
     key: tuple
     kind: EntryKind
     index: int  # KV: block index; STATE: the hit's token count
-    direct: bool = False  # loaded from its open disk file, not from a CPU slot
+    direct: bool = False  # loaded from an entry the workers hold open (a disk file), not from a CPU slot
 
 
 @dataclasses.dataclass
@@ -101,22 +103,25 @@ class _Claim:
 
 
 class SchedulerSide:
-    """KVBMConnector's scheduler side, in the EngineCore process (one per engine): owns the
-    requests' keys, the tiers' bookkeeping (CPU, disk, remote: which keys each holds, pins,
-    eviction), the claims of planned hits, the position-independent planner (`pic`) and the
-    tier events. vLLM's Scheduler calls it through KVBMConnector's scheduler hooks, each step
-    (module docstring); the workers' reports come back through `update_connector_output`."""
+    """KVBMConnector's scheduler half, in the EngineCore process (KVBMConnector delegates vLLM's
+    scheduler-side hooks to it). Owns the tiers (`tiers`: the CPU tier, `primary`, then the
+    secondaries of SECONDARY_TIERS), each request's keys, the hits claimed and not yet loaded,
+    the step's metadata for the workers, the count of their reports, and the event builder."""
 
     def __init__(self, layout: Layout, cfg: KVBMConfig):
         self.layout = layout
         self.cfg = cfg
         self.block_size, self.hash_unit = layout.block_size, layout.hash_unit
         self.pic = PicPlanner.create(layout, cfg)  # position-independent loads (pic_planner.py), or None
-        self.cpu = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
-        self.disk = DiskTier(layout, cfg.eviction_policy) if layout.disk_path else None
-        remote_on = cfg.remote_url and not layout.remote_off  # off: the secret could not be read from it
-        self.remote = RemoteTier(layout, cfg.remote_url, cfg.remote_lookup_budget_ms,
-                                 announce=cfg.remote_events == "instance") if remote_on else None
+        # the CPU tier: every load into the KV cache comes from its slots (or a held file), every
+        # store goes to them first, every other tier loads into them and stores from them
+        self.primary = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
+        self.lower: list[SecondaryTier] = [t for t in (create(layout, cfg) for create in SECONDARY_TIERS)
+                                           if t is not None]
+        self.tiers = [self.primary, *self.lower]
+        self._by_label = {t.label: t for t in self.tiers}
+        self._waiting = [(i + 1, t) for i, t in enumerate(self.lower) if t.waits]  # (position, tier)
+        self._direct = [t for t in self.lower if t.direct]
         self.quorum = Quorum(layout.world)
         self.events = EventBuilder(layout)
         self.requests: dict[str, RequestKeys] = {}
@@ -128,12 +133,21 @@ class SchedulerSide:
         logger.info(
             "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s",
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
-            f"{layout.disk_slots} slots under {cfg.disk_path}" if self.disk is not None else "off",
+            f"{layout.disk_slots} slots under {cfg.disk_path}" if "disk" in self._by_label else "off",
             cfg.eviction_policy,
-            f", remote tier {cfg.remote_url}" if self.remote is not None else "",
+            f", remote tier {cfg.remote_url}" if "remote" in self._by_label else "",
             f", hybrid: state groups {list(layout.groups[STATE])}, hits every {self.hash_unit} tokens"
             if layout.hybrid else "",
         )
+
+    def tier(self, label: str):
+        """The tier of that label, or None (not configured)."""
+        return self._by_label.get(label)
+
+    # the tiers by name, for stats, tests and tools (the planner goes through `tiers`)
+    cpu = property(lambda self: self.tier("cpu"))
+    disk = property(lambda self: self.tier("disk"))
+    remote = property(lambda self: self.tier("remote"))
 
     def bind(self, kv_cache_manager) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -145,13 +159,10 @@ class SchedulerSide:
 
     def accounting(self) -> dict:
         """What is in flight: all zeros when idle (tests check that nothing leaks)."""
-        tiers = {"cpu": self.cpu, "disk": self.disk}
-        out: dict = {name: {"blocks": len(t), "busy": t.busy()} for name, t in tiers.items() if t is not None}
-        out["prefetching"] = len(self.disk.prefetching) if self.disk else 0
-        out["direct"] = len(self.disk.held) if self.disk else 0
+        out: dict = {"prefetching": 0, "direct": 0}  # entries read into CPU slots, held open for direct loads
+        for t in self.tiers:
+            out.update(t.accounting())
         out["reports_pending"] = len(self.quorum.pending)
-        if self.remote is not None:
-            out["remote"] = {"fetching": len(self.remote.fetching), "writing": len(self.remote.writing)}
         return out
 
     def has_pending_push_work(self) -> bool:
@@ -164,9 +175,12 @@ class SchedulerSide:
         Entries pinned for a running or waiting request, and what the tiers merely hold, are no
         such work: an idle engine would spin. Called every loop iteration of an idle engine core,
         so only emptiness checks (and the few files held open)."""
-        return bool(self.quorum.pending or self.cpu.has_pending_work()
-                    or (self.disk is not None and self.disk.has_pending_work())
-                    or (self.remote is not None and self.remote.has_pending_work()))
+        if self.quorum.pending:
+            return True
+        for t in self.tiers:
+            if t.has_pending_work():
+                return True
+        return False
 
     # ---- keys --------------------------------------------------------------------------------
     def _keys(self, request) -> RequestKeys:
@@ -198,54 +212,63 @@ class SchedulerSide:
         start = num_computed_tokens // self.block_size
         limit = request.num_tokens - 1  # vLLM must compute at least one token
         st = self._keys(request)
-        if self.remote is not None and not self.remote.ask(request.request_id, self._remote_candidates(st, start, limit)):
-            return None, False  # its remote lookup is still running: wait a step
+        for position, tier in self._waiting:
+            if not tier.prepare_lookup(request.request_id, self._candidates(st, start, limit, position)):
+                return None, False  # its lookup is still running: wait a step
         plan = self._plan(st, start, limit, self._held)
         if plan is None:
             self._release_claim(request.request_id)
             return 0, False
-        disk = self.disk
-        if any(self._busy_loading(n.key) for n in plan[1]):
+        cpu = self.primary
+        if self.lower and any(self._busy_loading(n.key) for n in plan[1]):
             return None, False  # their verification is still running
-        on_disk_only = [n for n in plan[1] if not self._loadable(n.key)]  # on disk or remote
-        if on_disk_only:
-            in_cpu = [n.key for n in plan[1] if self.cpu.lookup(n.key)]
+        elsewhere = [n for n in plan[1] if not self._loadable(n.key)]  # in a lower tier only
+        if elsewhere:
+            in_cpu = [n.key for n in plan[1] if cpu.lookup(n.key)]
             for k in in_cpu:  # a prefetch may evict CPU entries, but none this hit needs
-                self.cpu.prepare_load(k)
-            rest = self._prefetch(st, on_disk_only)
-            issued = len(on_disk_only) - len(rest)
-            for n in rest:  # direct loads: disk entries only
-                if disk is None or not disk.lookup(n.key) or not disk.hold(n.key, request.request_id):
+                cpu.prepare_load(k)
+            rest = self._prefetch(st, elsewhere)
+            issued = len(elsewhere) - len(rest)
+            for n in rest:  # direct loads: from tiers whose workers hold entries open (disk)
+                tier = next((t for t in self._direct if t.lookup(n.key)), None)
+                if tier is None or not tier.hold(n.key, request.request_id):
                     break
                 issued += 1
             for k in in_cpu:
-                self.cpu.complete_load(k)
+                cpu.complete_load(k)
             if issued:
-                return None, False  # come back once the disk entries are verified
+                return None, False  # come back once the entries are verified
             plan = self._plan(st, start, limit, self._loadable)  # what can be loaded now
         self._release_claim(request.request_id)
         if plan is None:
             return 0, False
         tokens, needs = plan
         for n in needs:  # nothing may evict a claimed entry or close its file before its load has run
-            if self.cpu.lookup(n.key):
-                self.cpu.prepare_load(n.key)
+            if cpu.lookup(n.key):
+                cpu.prepare_load(n.key)
             else:
                 n.direct = True
-                disk.hold(n.key, request.request_id)
+                next(t for t in self._direct if t.ready_direct(n.key)).hold(n.key, request.request_id)
         self.claims[request.request_id] = _Claim(num_computed_tokens, tokens - num_computed_tokens, needs)
         return tokens - num_computed_tokens, False
 
     def _held(self, key) -> bool:
-        return (self.cpu.lookup(key) or (self.disk is not None and self.disk.lookup(key))
-                or (self.remote is not None and self.remote.lookup(key)))
+        if self.primary.lookup(key):
+            return True
+        for t in self.lower:
+            if t.lookup(key):
+                return True
+        return False
 
     def _busy_loading(self, key) -> bool:
-        return ((self.disk is not None and self.disk.busy_loading(key))
-                or (self.remote is not None and self.remote.busy_loading(key)))
+        for t in self.lower:
+            if t.busy_loading(key):
+                return True
+        return False
 
-    def _remote_candidates(self, st: RequestKeys, start: int, limit: int) -> list:
-        """The keys a hit past block `start` could need that the local tiers do not hold."""
+    def _candidates(self, st: RequestKeys, start: int, limit: int, position: int) -> list:
+        """The keys a hit past block `start` could need that the tiers before `position` do not
+        hold: what the tier at `position` is asked for."""
         B, r, unit = self.block_size, self.layout.units_per_block, self.hash_unit
         ends = limit // B if self.layout.hybrid else (limit + 1) // B  # _plan: a last block ending at token `limit`
         keys = [self._block_key(st, i) for i in range(start, ends)]
@@ -253,11 +276,17 @@ class SchedulerSide:
             units = self._unit_keys(st, limit // unit)
             for u in range(start * r + 1, limit // unit + 1):
                 keys += [state_key(units[u - 1]), partial_key(units[u - 1])]
-        return [k for k in keys if not self.cpu.lookup(k) and not (self.disk is not None and self.disk.lookup(k))]
+        before = self.tiers[:position]
+        return [k for k in keys if not any(t.lookup(k) for t in before)]
 
     def _loadable(self, key) -> bool:
         """In a CPU slot, or verified and held open for a direct load."""
-        return self.cpu.lookup(key) or (self.disk is not None and self.disk.open_and_ready(key))
+        if self.primary.lookup(key):
+            return True
+        for t in self._direct:
+            if t.ready_direct(key):
+                return True
+        return False
 
     def _plan(self, st: RequestKeys, start: int, limit: int, held) -> tuple[int, list[_Need]] | None:
         """The longest hit past block `start` (tokens, entries it needs) whose entries all pass
@@ -293,35 +322,30 @@ class SchedulerSide:
         claim = self.claims.pop(req_id, None)
         for n in claim.needs if claim else ():
             if not n.direct:
-                self.cpu.complete_load(n.key)
+                self.primary.complete_load(n.key)
 
     def _prefetch(self, st: RequestKeys, needs: list[_Need]) -> list[_Need]:
-        """Read disk entries into CPU slots, in order, while the CPU tier has room and holds the
-        block each one extends (so the CPU medium stays prefix-closed, as stores keep it: a router
-        never sees a CPU block without its parent); returns the needs left for direct loads."""
-        B = self.block_size
+        """Read entries of the lower tiers into CPU slots, in order, while the CPU tier has room and
+        holds the block each one extends (so the CPU medium stays prefix-closed, as stores keep it:
+        a router never sees a CPU block without its parent); returns the needs left for direct loads."""
+        B, cpu = self.block_size, self.primary
         for i, n in enumerate(needs):
             before = n.index - 1 if n.kind == KV else n.index // B - 1  # the block this entry extends
             parent = self._block_key(st, before) if before >= 0 else None
-            if parent is not None and parent not in self.cpu:
+            if parent is not None and parent not in cpu:
                 return needs[i:]
-            from_disk = self.disk is not None and self.disk.lookup(n.key)
-            announce = self.disk.announcement(n.key) if from_disk else self._announcer(st, n)
-            entry = self.cpu.prepare_store(n.key, parent, announce)
+            source = next((t for t in self.lower if t.lookup(n.key)), self.lower[-1])
+            announce = source.announcement(n.key) or self._announcer(st, n)
+            entry = cpu.prepare_store(n.key, parent, announce)
             if entry is None:
                 return needs[i:]
             if self.pic is not None and n.kind == KV:
                 self.pic.stored(st.request, n.index, n.key, parent)
-            if from_disk:
-                self.disk.prefetch(n.key)
-                self.meta.prefetches.append(Prefetch(n.key, entry.slot))
-            else:
-                self.remote.prefetch(n.key)
-                self.meta.remote_fetches.append(RemoteFetch(n.key, entry.slot))
+            source.submit_load(n.key, entry.slot, self.meta)
         return []
 
     def _announcer(self, st: RequestKeys, n: _Need):
-        """The CPU tier's events of an entry read from the remote tier, built from the request."""
+        """The CPU tier's events of an entry read from a tier that keeps none, built from the request."""
         B, req = self.block_size, st.request
         if n.kind == STATE:
             x = n.index
@@ -351,18 +375,18 @@ class SchedulerSide:
                 wanted = n.index * self.block_size < end or (hybrid and num_external_tokens > 0)
             if not wanted:
                 if not n.direct:
-                    self.cpu.complete_load(n.key)
+                    self.primary.complete_load(n.key)
                 continue
             if not n.direct:
-                self.cpu.touch(n.key)
+                self.primary.touch(n.key)
                 self.loads_pinned.append(n.key)  # unpinned once the metadata is built
-            source = n.key if n.direct else self.cpu.slot(n.key)  # a held file stays open until then
+            source = n.key if n.direct else self.primary.slot(n.key)  # a held file stays open until then
             if n.kind == STATE:
                 self.state_loads[request.request_id] = (n.index, (n.direct, source))
             else:
                 self._add_load(KV, tuple(block_ids[g][n.index] for g in self.layout.groups[KV]), n.direct, source)
-        if self.disk is not None:
-            self.disk.release(request.request_id)
+        for t in self.lower:  # the files this request held open stay open only for the loads just planned
+            t.release(request.request_id)
 
     def _add_load(self, kind: EntryKind, ids: tuple, direct: bool, source) -> None:
         if direct:
@@ -407,7 +431,7 @@ class SchedulerSide:
             self._pic_step(req_id, cached.num_computed_tokens[i], scheduled)  # later chunks of a prefill
             self._store(req_id, cached.num_computed_tokens[i] + scheduled, scheduler_output)
         for k in self.loads_pinned:
-            self.cpu.complete_load(k)
+            self.primary.complete_load(k)
         self.loads_pinned = []
         for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
             self._release_claim(req_id)
@@ -415,12 +439,9 @@ class SchedulerSide:
             self.pic.release_all()
             self.pic.ensure_loads_before_forward(scheduler_output, self.meta)
         self.state_loads.clear()
-        if self.remote is not None:
-            self.remote.new_step()
         meta, self.meta = self.meta, KVBMMetadata()
-        if self.disk is not None:
-            self.disk.close_idle()
-            meta.opens, meta.closes = self.disk.take_file_ops()
+        for t in self.tiers:
+            t.on_schedule_end(meta)
         return meta
 
     def _store(self, req_id: str, computed_after_step: int, scheduler_output) -> None:
@@ -437,11 +458,11 @@ class SchedulerSide:
         i = st.stored_upto
         while i < n_full:
             k, parent = self._block_key(st, i), self._block_key(st, i - 1) if i else None
-            if parent is not None and parent not in self.cpu:
+            if parent is not None and parent not in self.primary:
                 break  # a tier holds whole prefixes: no block without its parent
             announce = self.events.announcer(req, i * B, (i + 1) * B, KV)
-            if k not in self.cpu:
-                entry = self.cpu.prepare_store(k, parent, announce)
+            if k not in self.primary:
+                entry = self.primary.prepare_store(k, parent, announce)
                 if entry is None:
                     break
                 if block_ids is None:
@@ -451,7 +472,7 @@ class SchedulerSide:
                 if self.pic is not None:
                     self.pic.stored(req, i, k, parent)
             else:
-                self.cpu.touch(k)
+                self.primary.touch(k)
             self._write_through(k, parent, (i + 1) * B, announce)
             i += 1
         st.stored_upto = max(st.stored_upto, i)
@@ -467,7 +488,7 @@ class SchedulerSide:
         B, req = self.block_size, st.request
         nb = x // B
         parent = self._block_key(st, nb - 1) if nb else None
-        if parent is not None and parent not in self.cpu:
+        if parent is not None and parent not in self.primary:
             return  # useless without every block before it
         block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         unit_key = self._unit_keys(st, x // self.hash_unit)[x // self.hash_unit - 1]
@@ -481,27 +502,24 @@ class SchedulerSide:
             ids = tuple(block_ids[g][index] for g in self.layout.groups[kind])
             if null in ids:
                 return
-            if k not in self.cpu:
-                entry = self.cpu.prepare_store(k, parent, announce)
+            if k not in self.primary:
+                entry = self.primary.prepare_store(k, parent, announce)
                 if entry is None:
                     return
                 self.meta.stores.append(Store(k, kind, ids, entry.slot))
             else:
-                self.cpu.touch(k)
+                self.primary.touch(k)
             self._write_through(k, parent, x, announce)
 
     def _write_through(self, key, parent, end: int, announce) -> None:
-        if self.remote is not None:  # written behind from the CPU slot, as the disk tier is
-            blob = self.remote.prepare_write(key, parent, end, announce)
-            if blob is not None:
-                self.cpu.prepare_load(key)  # the slot is the source of the write
-                self.meta.remote_writes.append(RemoteWrite(key, self.cpu.slot(key), blob))
-        if self.disk is None:
+        """Store the CPU tier's `key` in every lower tier that takes it, written behind from its slot."""
+        if not self.lower:
             return
-        blob = self.disk.prepare_write(key, parent, end, announce)
-        if blob is not None:
-            self.cpu.prepare_load(key)  # the slot is the source of the write
-            self.meta.disk_writes.append(DiskWrite(key, self.cpu.slot(key), blob))
+        cpu = self.primary
+        slot = cpu.slot(key)
+        for t in self.lower:
+            if t.submit_store(key, parent, end, announce, slot, self.meta):
+                cpu.prepare_load(key)  # the slot is the source of the write, pinned until reported
 
     # ---- worker reports ----------------------------------------------------------------------
     def update_connector_output(self, output) -> None:
@@ -510,40 +528,34 @@ class SchedulerSide:
         wm: KVBMWorkerMetadata | None = getattr(output, "kv_connector_worker_meta", None)
         if not wm:
             return
+        cpu, by_label, quorum = self.primary, self._by_label, self.quorum
+        write, fetch = Verb.WRITE, Verb.FETCH
         for report in wm.reports:
-            ok = self.quorum.add(report)
+            ok = quorum.add(report)
             if ok is None:
                 continue  # other workers have yet to report
-            key = report.key
-            if report.op is Op.STORE:
-                self.cpu.complete_store(key, ok)
-            elif report.op is Op.PREFETCH:
-                self.disk.prefetched(key, ok)
-                self.cpu.complete_store(key, ok)
-            elif report.op is Op.OPEN:
-                self.disk.opened(key, ok)
-            elif report.op is Op.REMOTE_FETCH:
-                self.remote.prefetched(key, ok)
-                self.cpu.complete_store(key, ok)
-            elif report.op is Op.REMOTE_WRITE:
-                self.cpu.complete_load(key)  # the write's source slot
-                self.remote.complete_store(key, ok)
-            else:  # Op.WRITE
-                self.cpu.complete_load(key)  # the write's source slot
-                self.disk.complete_store(key, ok)
-        if wm.disk_broken and self.disk is not None:
-            self.disk.stop_writes()
+            key, op = report.key, report.op
+            verb = op.verb
+            if verb is write:
+                cpu.complete_load(key)  # the write's source slot
+            by_label[op.tier].settle(op, key, ok)
+            if verb is fetch:
+                cpu.settle(op, key, ok)  # the slot it was read into
+        for label in wm.broken:
+            tier = by_label.get(label)
+            if tier is not None:
+                tier.worker_failed()
 
     def request_finished(self, request) -> None:
         self.requests.pop(request.request_id, None)
         self._release_claim(request.request_id)
         if self.pic is not None:
             self.pic.release(request.request_id)
-        if self.remote is not None:
-            self.remote.forget(request.request_id)
-        if self.disk is not None:
-            self.disk.release(request.request_id)
+        for t in self.lower:
+            t.on_request_finished(request.request_id)
 
     def take_events(self) -> list:
-        return (self.cpu.take_events() + (self.disk.take_events() if self.disk is not None else [])
-                + (self.remote.take_events() if self.remote is not None else []))
+        events = []
+        for t in self.tiers:
+            events += t.take_events()
+        return events

@@ -276,7 +276,7 @@ class WorkerSide:
         reports, self.reports = self.reports, []
         if not reports:
             return None
-        return KVBMWorkerMetadata(reports, disk_broken=self._disk_broken)
+        return KVBMWorkerMetadata(reports, broken=("disk",) if self._disk_broken else ())
 
     def _direct_load_failed(self, key, ids: tuple[int, ...]) -> None:
         """Verified a step ago and held open since: only a failing device gets here. vLLM takes

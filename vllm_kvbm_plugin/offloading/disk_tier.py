@@ -20,10 +20,9 @@ eviction policies as our connector's tiers. Restart: the files of earlier runs a
 announced) at start. Events: Stored when a file is in place, Removed when it is evicted or found
 bad, as medium STORAGE, locality LOCAL, ownership "kvbm-disk:<fingerprint>".
 
-vLLM names a chunk by its OffloadKey (block hash + group, 36 bytes with sha256); the disk format
-names files by a 128-bit key, so the file key is a 128-bit digest of the OffloadKey and the
-OffloadKey itself (with its parent and end position, for the restart index) is in the file's
-checksummed metadata, compared on every load.
+A file is named by the 128-bit digest of vLLM's OffloadKey and carries the OffloadKey, its parent
+and end position in its checksummed metadata (chunks.py), compared on every load and read back by
+the restart index.
 
 All vLLM calls run on the scheduler thread and stay cheap: the index, pins and events live there;
 the pool threads only read and write files (and the primary tier's memory the job names), each
@@ -34,95 +33,47 @@ delays a part once, not once per syscall.
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
 import time
 from collections.abc import Iterable
 
 import msgspec
-import numpy as np
-from vllm.v1.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    ReqContext,
-    RequestOffloadingContext,
-)
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.offloading.chunks import ChunkMeta, ChunkTier, decode_meta, encode_meta, file_key
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers.index import TierIndex
+from vllm_kvbm_plugin.tiers.pinned import PinnedStores, restore
 from vllm_kvbm_plugin.tiers.policies import make_policy
 
 logger = get_logger("offloading")
 
 _PART = 4  # files: a smaller share of a job is not worth another pool task
 WRITE_PAUSE = 10.0  # s without new stores after a failed write (full disk, read-only directory)
-_FORMAT = "vllm-offload-chunk-v1"  # part of the fingerprint: how a chunk's bytes are laid out
-
-
-class _ChunkMeta(msgspec.Struct, array_like=True):
-    """A block file's metadata: which chunk it holds, for the load check and the restart index."""
-    key: bytes
-    parent: bytes | None
-    end: int
-
-
-_encode_meta = msgspec.msgpack.Encoder().encode
-_decode_meta = msgspec.msgpack.Decoder(_ChunkMeta).decode
-
-
-def file_key(key: bytes) -> tuple[int, int]:
-    """The 128-bit disk-format key of an OffloadKey."""
-    d = hashlib.blake2b(key, digest_size=16).digest()
-    return int.from_bytes(d[:8], "big"), int.from_bytes(d[8:], "big")
-
-
-def layout_fingerprint(spec, chunk_bytes: int) -> bytes:
-    """16 bytes naming everything that makes a chunk's bytes mean what they mean: model, dtype,
-    groups, chunk geometry, parallelism, KV layout. Stable across restarts of the same setup."""
-    c = spec.config
-    par = c.parallel
-    parts = (
-        _FORMAT, c.model.name, str(c.model.dtype),
-        tuple((g.tokens_per_block, g.group_id, tuple(g.layer_names)) for g in c.groups),
-        c.worker_kv_bytes_per_block, c.cache.tokens_per_hash, c.cache.blocks_per_chunk, chunk_bytes,
-        par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size,
-        getattr(c, "replicated_layout", False), getattr(c, "canonical_layout", False),
-        getattr(c, "kv_cache_layout", None),
-    )
-    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
-
-
-class KVBMDiskTier(SecondaryTierManager):
-    medium = Medium.STORAGE
+class KVBMDiskTier(ChunkTier):
+    """Our disk tier under vLLM's tiering manager (module docstring): built by vLLM's
+    SecondaryTierFactory in the EngineCore process; its index, pins and events live on the
+    scheduler thread, its pool threads only read and write files."""
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, path: str,
                  bytes_to_use: int, eviction_policy: str = "lineage", threads: int = 8,
                  fsync: bool = False, direct_io: bool = False, enable_kv_events: bool = True,
                  locality: str | None = None,
                  backpressure_detector=None):
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-disk", enable_kv_events,
+                         backpressure_detector)
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
-        self.chunk_bytes = self.block_size_bytes
-        rows = np.asarray(primary_kv_view)
-        self._rows = rows.view(np.uint8).reshape(rows.shape[0], -1)[:, : self.chunk_bytes]
-        self.fingerprint = layout_fingerprint(offloading_spec, self.chunk_bytes)
-        self.ownership = f"kvbm-disk:{self.fingerprint.hex()}"
         self.root = os.path.abspath(path)
         self.base = diskfmt.block_dir(self.root, self.fingerprint, 0)
         file_bytes = diskfmt.HEADER_SIZE + self.chunk_bytes + 128  # + metadata (~100 bytes)
         self.index = TierIndex(max(0, int(bytes_to_use) // file_bytes), make_policy(eviction_policy))
         self.fsync, self.direct_io = bool(fsync), bool(direct_io)
-        events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
-        self._events: list[OffloadingEvent] | None = [] if events_on else None
         self.threads = max(1, int(threads))
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "kvbm-disk-tier")
-        self._jobs: dict[int, tuple[list[concurrent.futures.Future], bool, list]] = {}
-        self._parent_pins: dict[bytes, bytes] = {}
+        self._stores = PinnedStores(self.index)  # each store in flight pins its parent
         self._writes_paused_until = 0.0
         self.failed_writes = self.failed_loads = 0
         try:
@@ -134,9 +85,6 @@ class KVBMDiskTier(SecondaryTierManager):
                     self.base, self.index.capacity, self.chunk_bytes, eviction_policy, len(self.index))
 
     # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
         return LookupResult.HIT if self.index.ready(key) is not None else LookupResult.MISS
 
@@ -153,18 +101,12 @@ class KVBMDiskTier(SecondaryTierManager):
                 parent = parent if parent in self.index else None
                 if key in self.index:
                     continue
-                if parent is not None:
-                    self.index.pin(parent)  # its Removed never precedes the child's Stored
-                entry, evicted = self.index.reserve(key, parent)
+                entry, evicted = self._stores.reserve(key, parent)
                 self._evicted(evicted)
                 if entry is None:
-                    if parent is not None:
-                        self.index.unpin(parent)
                     continue
-                if parent is not None:
-                    self._parent_pins[key] = parent
                 pos = job.req_context.get_offload_key_position(key) or 0
-                work.append((key, int(chunk), _encode_meta(_ChunkMeta(key, parent, pos))))
+                work.append((key, int(chunk), encode_meta(ChunkMeta(key, parent, pos))))
         self._jobs[job.job_id] = (self._spread(self._write, work), False, work)
 
     def submit_load(self, job: TransferJob) -> None:
@@ -177,8 +119,7 @@ class KVBMDiskTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
-        for job_id in [j for j, (fs, _, _) in self._jobs.items() if all(f.done() for f in fs)]:
-            futures, is_load, keys = self._jobs.pop(job_id)
+        for job_id, futures, is_load, keys in self._finished():
             try:
                 parts = [f.result() for f in futures]
                 ok_keys, seconds = set().union(*(ok for ok, _ in parts)), max(t for _, t in parts)
@@ -189,17 +130,6 @@ class KVBMDiskTier(SecondaryTierManager):
                            else self._finish_store(job_id, keys, ok_keys, seconds))
         return results
 
-    def has_pending_work(self) -> bool:
-        return bool(self._jobs)
-
-    def drain_jobs(self) -> None:
-        concurrent.futures.wait([f for fs, _, _ in self._jobs.values() for f in fs])
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events:
-            events, self._events = self._events, []
-            yield from events
-
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
         self._rows = None  # vLLM closes the primary tier's mmap next: no view of it may remain
@@ -208,14 +138,8 @@ class KVBMDiskTier(SecondaryTierManager):
     def _finish_store(self, job_id: int, work: list, ok_keys: set, seconds) -> JobResult:
         stored = []
         for key, _, _ in work:
-            parent = self._parent_pins.pop(key, None)
-            if parent is not None:
-                self.index.unpin(parent)
-            if key in ok_keys:
-                if self.index.complete(key) is not None:
-                    stored.append(key)
-            else:
-                self.index.remove(key)
+            if self._stores.settle(key, key in ok_keys)[0] is not None:
+                stored.append(key)
         if len(ok_keys) < len(work):
             self.failed_writes += len(work) - len(ok_keys)
             self._pause_writes(f"{len(work) - len(ok_keys)} of {len(work)} chunk writes failed")
@@ -247,12 +171,6 @@ class KVBMDiskTier(SecondaryTierManager):
                 gone.append(key)
         if announce:
             self._event(gone, removed=True)
-
-    def _event(self, keys: list, removed: bool) -> None:
-        if keys and self._events is not None:
-            self._events.append(OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=removed,
-                                                locality=self.locality, ownership=self.ownership,
-                                                removal_expected=True))
 
     def _pause_writes(self, why: str) -> None:
         self._writes_paused_until = time.monotonic() + WRITE_PAUSE
@@ -292,7 +210,7 @@ class KVBMDiskTier(SecondaryTierManager):
                                     [self._rows[chunk] for _, chunk in work])
         for (key, _), meta in zip(work, metas):
             try:
-                if meta is not None and _decode_meta(meta).key == key:
+                if meta is not None and decode_meta(meta).key == key:
                     ok.add(key)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
@@ -307,7 +225,7 @@ class KVBMDiskTier(SecondaryTierManager):
         for fkey, _size in diskfmt.scan(self.base):
             path = diskfmt.block_path(self.base, fkey)
             try:
-                meta = _decode_meta(diskfmt.read_meta(path) or b"")
+                meta = decode_meta(diskfmt.read_meta(path) or b"")
             except (msgspec.DecodeError, msgspec.ValidationError):
                 meta = None
             if meta is None or file_key(meta.key) != fkey:
@@ -318,14 +236,9 @@ class KVBMDiskTier(SecondaryTierManager):
                 removed += 1
                 continue
             found.append(meta)
-        announced = []
-        for meta in sorted(found, key=lambda m: m.end):
-            parent = meta.parent if meta.parent in self.index else None
-            entry, evicted = self.index.reserve(meta.key, parent)
-            self._evicted(evicted, announce=False)  # more files than bytes_to_use allows
-            if entry is not None:
-                self.index.complete(meta.key)
-                announced.append(meta.key)
-        self._event([k for k in announced if k in self.index], removed=False)
+        # more files than bytes_to_use allows: the policy evicts some, unannounced
+        kept = restore(self.index, [(m.key, m.parent, m.end, None) for m in found],
+                       lambda evicted: self._evicted(evicted, announce=False))
+        self._event(kept, removed=False)
         if removed:
             logger.info("KVBMDiskTier: removed %d unreadable chunk files under %s", removed, self.base)

@@ -28,19 +28,12 @@ import concurrent.futures
 import time
 from collections.abc import Iterable
 
-from vllm.v1.kv_offload.base import (
-    Locality,
-    LookupResult,
-    Medium,
-    OffloadingEvent,
-    ReqContext,
-    RequestOffloadingContext,
-)
+from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.offloading.disk_tier import _encode_meta, _ChunkMeta, file_key, layout_fingerprint
+from vllm_kvbm_plugin.offloading.chunks import ChunkMeta, ChunkTier, encode_meta, file_key
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
@@ -49,6 +42,9 @@ logger = get_logger("offloading")
 
 
 class _Exists(AsyncLookupManager):
+    """The tier's lookups: vLLM's AsyncLookupManager batching them onto its thread, one pipelined
+    EXISTS per batch through the tier's lookup breaker."""
+
     def __init__(self, tier: KVBMRemoteTier):
         self.tier = tier
         self.client = None
@@ -72,31 +68,25 @@ class _Exists(AsyncLookupManager):
             return [False] * len(keys)
 
 
-class KVBMRemoteTier(SecondaryTierManager):
-    medium = Medium.STORAGE
+class KVBMRemoteTier(ChunkTier):
+    """Our remote tier under vLLM's tiering manager (module docstring): built by vLLM's
+    SecondaryTierFactory in the EngineCore process, called on its scheduler thread; one I/O
+    thread per direction and a lookup thread talk to the server."""
+
     MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for their removals)
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, url: str,
                  enable_kv_events: bool = True, backpressure_detector=None):
-        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        import numpy as np
-
+        super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-remote", enable_kv_events,
+                         backpressure_detector)
         remotefmt.check_url(url)
         self.url = url
         self.locality = Locality.REMOTE
-        self.chunk_bytes = self.block_size_bytes
-        rows = np.asarray(primary_kv_view)
-        self._rows = rows.view(np.uint8).reshape(rows.shape[0], -1)[:, : self.chunk_bytes]
-        self.fingerprint = layout_fingerprint(offloading_spec, self.chunk_bytes)
-        self.ownership = f"kvbm-remote:{self.fingerprint.hex()}"
         root = (int.from_bytes(self.fingerprint[:8], "big"), int.from_bytes(self.fingerprint[8:], "big"))
         self.prefix = remotefmt.key_prefix(root, 0)
         self.breakers = {side: remotefmt.Breaker(f"offloading {side}", url) for side in ("lookup", "load", "store")}
-        events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
-        self._events: list[OffloadingEvent] | None = [] if events_on else None
         self._io = {op: concurrent.futures.ThreadPoolExecutor(1, f"kvbm-remote-{op}") for op in ("load", "store")}
         self._clients: dict = {}  # "load" / "store" -> the client its thread uses
-        self._jobs: dict[int, tuple[concurrent.futures.Future, bool, list]] = {}
         # keys this instance announced: Stored once each, Removed only for those (a value another
         # instance wrote is announced in that instance's stream)
         self._announced: collections.OrderedDict = collections.OrderedDict()
@@ -109,9 +99,6 @@ class KVBMRemoteTier(SecondaryTierManager):
         return self.prefix + diskfmt.key_hex(file_key(key))
 
     # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
         found = self._lookups.lookup(key, req_context)
         if found is None:
@@ -129,17 +116,16 @@ class KVBMRemoteTier(SecondaryTierManager):
         for key, chunk in zip(job.keys, job.chunk_ids):
             parent = parent_in_request(key, job.req_context)
             pos = job.req_context.get_offload_key_position(key) or 0
-            work.append((key, int(chunk), _encode_meta(_ChunkMeta(key, parent, pos))))
-        self._jobs[job.job_id] = (self._io["store"].submit(self._write, work), False, work)
+            work.append((key, int(chunk), encode_meta(ChunkMeta(key, parent, pos))))
+        self._jobs[job.job_id] = ([self._io["store"].submit(self._write, work)], False, work)
 
     def submit_load(self, job: TransferJob) -> None:
         work = [(key, int(chunk)) for key, chunk in zip(job.keys, job.chunk_ids)]
-        self._jobs[job.job_id] = (self._io["load"].submit(self._read, work), True, work)
+        self._jobs[job.job_id] = ([self._io["load"].submit(self._read, work)], True, work)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
-        for job_id in [j for j, (f, _, _) in self._jobs.items() if f.done()]:
-            future, is_load, work = self._jobs.pop(job_id)
+        for job_id, (future,), is_load, work in self._finished():
             try:
                 ok, lost, seconds = future.result()
             except Exception:  # a bug, never the server's answer: the keys fail, the step goes on
@@ -166,28 +152,11 @@ class KVBMRemoteTier(SecondaryTierManager):
                                          transfer_bytes=len(done) * self.chunk_bytes))
         return results
 
-    def has_pending_work(self) -> bool:
-        return bool(self._jobs)
-
-    def drain_jobs(self) -> None:
-        concurrent.futures.wait([f for f, _, _ in self._jobs.values()])
-
-    def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events:
-            events, self._events = self._events, []
-            yield from events
-
     def shutdown(self) -> None:
         self._lookups.shutdown()
         for pool in self._io.values():
             pool.shutdown(wait=True)
         self._rows = None  # vLLM closes the primary tier's mmap next: no view of it may remain
-
-    def _event(self, keys: list, removed: bool) -> None:
-        if keys and self._events is not None:
-            self._events.append(OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=removed,
-                                                locality=self.locality, ownership=self.ownership,
-                                                removal_expected=True))
 
     # ---- I/O (one thread per direction) -------------------------------------------------------
     def _call(self, op: str, fn):

@@ -1,0 +1,167 @@
+"""The CPU tier, scheduler side (EngineCore process), and `TierManager`, the index-backed tier it
+is (the disk tier and the position-independent planner's CPU tier build on it).
+
+A manager owns one tier's index and eviction policy, its pins (entries being loaded or stored, and
+the parent of an entry being stored, so a parent's BlockRemoved never precedes its child's
+BlockStored) and its events, named in vLLM's vocabulary (medium, locality, ownership), in the
+verbs of vLLM's OffloadingManager (vllm/v1/kv_offload/base.py): `lookup`, `touch`,
+`prepare_load` / `complete_load`, `prepare_store` / `complete_store`, `take_events`. What to load
+or store, and from where, is the planner's business (scheduler.py).
+"""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_events import BlockRemoved
+
+from vllm_kvbm_plugin.connector.announce import Announce, Announcer, renamed
+from vllm_kvbm_plugin.connector.base import TierOp
+from vllm_kvbm_plugin.connector.layout import Layout
+from vllm_kvbm_plugin.events.types import TIER_CPU, Tier
+from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
+from vllm_kvbm_plugin.tiers.pinned import PinnedStores
+from vllm_kvbm_plugin.tiers.policies import make_policy
+
+
+class TierManager:
+    """One tier's entries by key (a TierIndex: slots, pins, eviction policy), the parents it
+    pins, the children waiting for their parent's announcement, and its events. As the CPU tier
+    it is SchedulerSide's primary (scheduler.py calls it; EngineCore process): the tier whose
+    slots the workers copy to and from the KV cache, and the tier every other one loads into."""
+
+    label = "cpu"
+
+    def __init__(self, name: Tier, capacity: int, policy: str):
+        self.name = name
+        self.index = TierIndex(capacity, make_policy(policy))
+        self.stores = PinnedStores(self.index)  # each store in flight pins its parent
+        self.waiting: dict = {}  # key -> children stored before it was announced (announced after it)
+        self.storing: set = set()  # keys prepared for a store whose outcome the workers owe
+        self.events: list = []
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key) -> bool:
+        return key in self.index
+
+    def lookup(self, key) -> bool:
+        """Whether `key` is stored and ready to load."""
+        return self.index.ready(key) is not None
+
+    def touch(self, key) -> None:
+        self.index.touch(key)
+
+    def slot(self, key) -> int:
+        return self.index.entries[key].slot
+
+    def announcement(self, key) -> Announcer:
+        """The events `key` was announced with here, renamed for another tier (its copy there)."""
+        meta = self.index.entries[key].meta
+
+        def announce(name: Tier) -> Announce:
+            if meta is None or not meta.events:
+                return Announce(())
+            return Announce(renamed(meta.events, name), meta.vhash)
+        return announce
+
+    def prepare_load(self, key) -> Entry:
+        """Protect a ready entry from eviction until complete_load."""
+        self.index.pin(key)
+        return self.index.entries[key]
+
+    def complete_load(self, key) -> None:
+        self.index.unpin(key)
+
+    def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
+        """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no
+        room. Its parent stays pinned until complete_store."""
+        entry, evicted = self.stores.reserve(key, parent, announce(self.name))
+        self._evicted(evicted)
+        if entry is not None:
+            self.storing.add(key)
+        return entry
+
+    def complete_store(self, key, ok: bool) -> None:
+        """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
+        self.storing.discard(key)
+        e, parent = self.stores.settle(key, ok)
+        if e is not None:
+            self._announce_after(key, e, parent)
+        elif not ok:
+            self.waiting.pop(key, None)
+
+    def remove(self, key) -> None:
+        """`key` is gone (found corrupt or missing): drop it and announce the removal."""
+        self.storing.discard(key)
+        self._evicted([(key, self.index.remove(key))])
+
+    def take_events(self) -> list:
+        events, self.events = self.events, []
+        return events
+
+    def busy(self) -> int:
+        return self.index.busy()
+
+    def has_pending_work(self) -> bool:
+        """Stores the workers have yet to report (see SchedulerSide.has_pending_push_work)."""
+        return bool(self.storing)
+
+    # ---- the rest of the contract (base.SchedulerTier) -----------------------------------------
+    def settle(self, op: TierOp, key, ok: bool) -> None:
+        """A store into a slot of this tier: the workers' copies from the KV cache (Verb.STORE),
+        or from another tier (Verb.FETCH, settled there first)."""
+        self.complete_store(key, ok)
+
+    def release(self, req_id: str) -> None:
+        return  # loads pin their entries (prepare_load), the planner unpins them
+
+    def on_request_finished(self, req_id: str) -> None:
+        return
+
+    def on_schedule_end(self, meta) -> None:
+        return
+
+    def worker_failed(self) -> None:
+        return
+
+    def accounting(self) -> dict:
+        return {self.label: {"blocks": len(self), "busy": self.busy()}}
+
+    def _announce(self, entry: Entry) -> None:
+        a = entry.meta
+        if a is not None and a.events and not a.announced:
+            self.events += a.events
+            a.announced = True
+
+    def _announce_after(self, key, entry: Entry, parent) -> None:
+        """Announce `key` once its parent is announced here (a router drops a block whose parent
+        it does not hold): now, after the parent, or never when the parent left unannounced
+        (e.g. its bytes never came); the entry serves loads all the same."""
+        if parent is not None:
+            p = self.index.entries.get(parent)
+            if p is None:
+                return
+            if p.meta is not None and p.meta.events and not p.meta.announced:
+                self.waiting.setdefault(parent, []).append(key)
+                return
+        self._announce(entry)
+        for child in self.waiting.pop(key, ()):
+            c = self.index.ready(child)
+            if c is not None:
+                self._announce_after(child, c, None)
+
+    def _evicted(self, evicted: list) -> None:
+        """Entries that left the tier: announce their removals, one event per group."""
+        by_group: dict[int, list] = {}
+        for key, e in evicted:
+            self.waiting.pop(key, None)
+            if e is not None and e.meta is not None and e.meta.announced:
+                for ev in e.meta.events:
+                    by_group.setdefault(ev.group_idx, []).append(e.meta.vhash)
+        for g, hashes in by_group.items():
+            self.events.append(BlockRemoved(block_hashes=hashes, medium=self.name.medium, group_idx=g,
+                                            locality=self.name.locality, ownership=self.name.ownership))
+
+
+def cpu_tier(layout: Layout, policy: str) -> TierManager:
+    return TierManager(TIER_CPU, layout.cpu_slots, policy)

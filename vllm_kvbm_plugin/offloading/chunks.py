@@ -1,0 +1,100 @@
+"""What our vLLM secondary tiers (KVBMDiskTier, KVBMRemoteTier) share: how a primary-tier chunk is
+named and described in our block format, and the scaffolding around vLLM's SecondaryTierManager.
+
+vLLM names a chunk by its OffloadKey (block hash + group, 36 bytes with sha256); the disk format
+names blocks by a 128-bit key, so the file key is a 128-bit digest of the OffloadKey and the
+OffloadKey itself (with its parent and end position, for a restart index) is in the block's
+checksummed metadata (`ChunkMeta`), compared on every load.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+from collections.abc import Iterable
+
+import msgspec
+import numpy as np
+from vllm.v1.kv_offload.base import Medium, OffloadingEvent, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+_FORMAT = "vllm-offload-chunk-v1"  # part of the fingerprint: how a chunk's bytes are laid out
+
+
+class ChunkMeta(msgspec.Struct, array_like=True):
+    """A block's metadata: which chunk it holds, for the load check and the restart index."""
+    key: bytes
+    parent: bytes | None
+    end: int
+
+
+encode_meta = msgspec.msgpack.Encoder().encode
+decode_meta = msgspec.msgpack.Decoder(ChunkMeta).decode
+
+
+def file_key(key: bytes) -> tuple[int, int]:
+    """The 128-bit disk-format key of an OffloadKey."""
+    d = hashlib.blake2b(key, digest_size=16).digest()
+    return int.from_bytes(d[:8], "big"), int.from_bytes(d[8:], "big")
+
+
+def layout_fingerprint(spec, chunk_bytes: int) -> bytes:
+    """16 bytes naming everything that makes a chunk's bytes mean what they mean: model, dtype,
+    groups, chunk geometry, parallelism, KV layout. Stable across restarts of the same setup."""
+    c = spec.config
+    par = c.parallel
+    parts = (
+        _FORMAT, c.model.name, str(c.model.dtype),
+        tuple((g.tokens_per_block, g.group_id, tuple(g.layer_names)) for g in c.groups),
+        c.worker_kv_bytes_per_block, c.cache.tokens_per_hash, c.cache.blocks_per_chunk, chunk_bytes,
+        par.world_size, par.tp_size, par.pp_size, par.pcp_size, par.dcp_size,
+        getattr(c, "replicated_layout", False), getattr(c, "canonical_layout", False),
+        getattr(c, "kv_cache_layout", None),
+    )
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+class ChunkTier(SecondaryTierManager):
+    """The base of KVBMDiskTier and KVBMRemoteTier (built by vLLM's tiering manager in the
+    EngineCore process, called on its scheduler thread): the primary tier's chunks as byte rows
+    (`_rows`), the layout fingerprint and the tier's ownership ("<kind>:<fingerprint>"), the jobs
+    in flight (job id -> (futures, is_load, work)) and the events, if the engine publishes them."""
+
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, kind: str,
+                 enable_kv_events: bool, backpressure_detector=None):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.chunk_bytes = self.block_size_bytes
+        rows = np.asarray(primary_kv_view)
+        self._rows = rows.view(np.uint8).reshape(rows.shape[0], -1)[:, : self.chunk_bytes]
+        self.fingerprint = layout_fingerprint(offloading_spec, self.chunk_bytes)
+        self.ownership = f"{kind}:{self.fingerprint.hex()}"
+        events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
+        self._events: list[OffloadingEvent] | None = [] if events_on else None
+        self._jobs: dict[int, tuple[list[concurrent.futures.Future], bool, list]] = {}
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        concurrent.futures.wait([f for fs, _, _ in self._jobs.values() for f in fs])
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events:
+            events, self._events = self._events, []
+            yield from events
+
+    def _finished(self) -> list:
+        """The jobs whose futures are all done, taken out: (job id, futures, is_load, work)."""
+        done = [j for j, (fs, _, _) in self._jobs.items() if all(f.done() for f in fs)]
+        return [(j, *self._jobs.pop(j)) for j in done]
+
+    def _event(self, keys: list, removed: bool) -> None:
+        if keys and self._events is not None:
+            self._events.append(OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=removed,
+                                                locality=self.locality, ownership=self.ownership,
+                                                removal_expected=True))
