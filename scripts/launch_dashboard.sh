@@ -26,30 +26,8 @@ if ! "$PLOT/bin/python" -c "import matplotlib" 2> /dev/null; then
 fi
 MODEL=$("$PY" -m vllm_kvbm_plugin.cli tiny-model llama 2> /dev/null | tail -n 1)
 
-WORK=$(mktemp -d -t kvbm-dashboard-XXXXXX)
-chmod 700 "$WORK"
-PIDS=()
-cleanup() {  # each process leads its own session (setsid): stop it and its children by its PID
-  local rc=$? pid
-  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2> /dev/null || true; done
-  for pid in "${PIDS[@]}"; do
-    for _ in $(seq 1 30); do kill -0 "$pid" 2> /dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$pid" 2> /dev/null || true
-  done
-  if [ "${KEEP_WORKDIR:-0}" = 1 ]; then echo "[dashboard] logs kept in $WORK"; else rm -rf "$WORK"; fi
-  exit $rc
-}
-trap cleanup EXIT INT TERM
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-wait_http() {  # $1 = pid, $2 = url, $3 = log file
-  local deadline=$((SECONDS + READY_TIMEOUT))
-  until curl -sf "$2" > /dev/null; do
-    if ! kill -0 "$1" 2> /dev/null || [ $SECONDS -ge "$deadline" ]; then
-      echo "[dashboard] ERROR: $2 not ready; last lines of $3:" >&2; tail -n 40 "$3" >&2; exit 1
-    fi
-    sleep 1
-  done
-}
+TAG=dashboard
+source "$ROOT/scripts/launch_lib.sh"  # $WORK, $PIDS, cleanup on exit, free_port, wait_http
 
 PORT=$(free_port) PROM_PORT=$(free_port) REDIS_PORT=$(free_port)
 setsid redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save "" --appendonly no --maxmemory 256mb \
@@ -63,7 +41,7 @@ setsid prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WOR
   --web.listen-address="127.0.0.1:$PROM_PORT" > "$WORK/prometheus.log" 2>&1 &
 PIDS+=($!)
 # the tier sizes the load is built for: 12 CPU slots and 30 disk slots of the tiny Llama's 16 KiB
-KTC="{\"kv_connector\":\"KVBMConnector\",\"kv_connector_module_path\":\"vllm_kvbm_plugin.connector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":196608,\"disk_path\":\"$WORK/disk\",\"disk_bytes_to_use\":491520,\"remote_url\":\"redis://127.0.0.1:$REDIS_PORT/0\"}}"
+KTC="{\"kv_connector\":\"KVBMConnector\",\"kv_connector_module_path\":\"vllm_kvbm_plugin.connector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":196608,\"disk_path\":\"$WORK/disk\",\"disk_bytes_to_use\":491520,\"remote_url\":\"redis://127.0.0.1:$REDIS_PORT/0\",\"measure_roofline\":true}}"
 # dev mode for POST /reset_prefix_cache (vLLM's own cache only; the tiers keep their blocks)
 VLLM_SERVER_DEV_MODE=1 setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --dtype bfloat16 --max-model-len 1024 --enforce-eager --block-size 32 --enable-prefix-caching \

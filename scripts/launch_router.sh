@@ -19,33 +19,8 @@ MODEL=${1:-$("$PY" -m vllm_kvbm_plugin.cli tiny-model qwen3next 2>/dev/null | ta
 EXTRA=()
 [ $# -ge 1 ] || EXTRA=(--mamba-ssm-cache-dtype float32)
 
-WORK=$(mktemp -d -t kvbm-router-XXXXXX)
-chmod 700 "$WORK"
-PIDS=()
-cleanup() {
-  local rc=$? pid
-  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
-  for pid in "${PIDS[@]}"; do
-    for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
-  done
-  if [ "${KEEP_WORKDIR:-0}" = 1 ]; then echo "[launch] logs kept in $WORK"; else rm -rf "$WORK"; fi
-  exit $rc
-}
-trap cleanup EXIT INT TERM
-
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-
-wait_http() {  # $1 = pid, $2 = url, $3 = log file
-  local deadline=$((SECONDS + READY_TIMEOUT))
-  until curl -sf "$2" > /dev/null; do
-    if ! kill -0 "$1" 2>/dev/null || [ $SECONDS -ge "$deadline" ]; then
-      echo "[launch] ERROR: $2 not ready (process exited or ${READY_TIMEOUT}s passed); last log lines of $3:" >&2
-      tail -n 40 "$3" >&2; exit 1
-    fi
-    sleep 1
-  done
-}
+TAG=router
+source "$ROOT/scripts/launch_lib.sh"  # $WORK, $PIDS, cleanup on exit, free_port, wait_http
 
 WORKER_ARGS=()
 URLS=()
@@ -62,7 +37,7 @@ for i in 0 1; do
   WORKER_ARGS+=(--worker "http://127.0.0.1:$port,$events,$replay")
 done
 for i in 0 1; do wait_http "${PIDS[$i]}" "${URLS[$i]}/v1/models" "$WORK/worker-$i.log"; done
-echo "[launch] workers ready after ${SECONDS}s: ${URLS[*]} (model $MODEL)"
+echo "[router] workers ready after ${SECONDS}s: ${URLS[*]} (model $MODEL)"
 
 RPORT=$(free_port)
 SEED_ARGS=()
@@ -71,7 +46,7 @@ setsid "$PY" -m vllm_kvbm_plugin.cli route "${WORKER_ARGS[@]}" --topic kv --port
   > "$WORK/router.log" 2>&1 &
 PIDS+=($!)
 wait_http "${PIDS[2]}" "http://127.0.0.1:$RPORT/health" "$WORK/router.log"
-echo "[launch] router on http://127.0.0.1:$RPORT"
+echo "[router] router on http://127.0.0.1:$RPORT"
 
 "$PY" - "http://127.0.0.1:$RPORT" <<'PY'
 """The workload: GROUPS_N prefixes, ROUNDS requests each (prefix + a fresh suffix), interleaved by
