@@ -33,12 +33,12 @@ def _best(reps: int, run) -> float:
 
 def copy_peaks(kv_bytes, pool_bytes, reps: int = 3) -> dict[str, float]:
     """Bytes/s of one contiguous copy each way between two uint8 tensors of the same length (a
-    stretch of the KV cache's storage and of the pool). The KV stretch is restored afterwards."""
+    stretch of the KV cache's storage and of the pool). The KV stretch is restored afterwards from
+    a host copy (no device memory beyond what vLLM allocated)."""
     import torch
 
     n = kv_bytes.numel()
-    saved = torch.empty(n, dtype=torch.uint8, device=kv_bytes.device)
-    saved.copy_(kv_bytes)
+    saved = kv_bytes.to("cpu", copy=True)
     sync = torch.cuda.synchronize if kv_bytes.is_cuda else (lambda: None)
 
     def copy(dst, src):
@@ -48,6 +48,7 @@ def copy_peaks(kv_bytes, pool_bytes, reps: int = 3) -> dict[str, float]:
     to_pool = _best(reps, lambda: copy(pool_bytes, kv_bytes))
     from_pool = _best(reps, lambda: copy(kv_bytes, pool_bytes))
     kv_bytes.copy_(saved)
+    sync()
     return {"copy_to_pool": n / to_pool, "copy_from_pool": n / from_pool}
 
 
