@@ -31,9 +31,7 @@ def step(*prompts):
 
 
 def spec(model, steps, events=True, **extra):
-    llm = {**MODELS[model], "max_model_len": 2048}
-    if extra is not None:
-        llm["kv_transfer_config"] = offloading(**extra)
+    llm = {**MODELS[model], "max_model_len": 2048, "kv_transfer_config": offloading(**extra)}
     return {"model": model, "events": events, "steps": steps, "llm": llm}
 
 

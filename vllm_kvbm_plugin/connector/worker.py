@@ -120,7 +120,11 @@ class WorkerSide:
             if self.disk_base is not None and not self._disk_broken:
                 peaks.update(roofline.disk_peaks(self.disk_base))
             if self.remote is not None:
-                peaks.update(roofline.remote_peaks(remotefmt.connect(self.cfg.remote_url), self.slot_bytes))
+                client = remotefmt.connect(self.cfg.remote_url)
+                try:
+                    peaks.update(roofline.remote_peaks(client, self.slot_bytes))
+                finally:
+                    client.close()  # the measurement's own connection; RemoteIO keeps its own
         except Exception as e:  # a tier that cannot be measured is left out, never fatal
             logger.warning("KVBMConnector: roofline measurement incomplete (%s)", e)
         self.peaks = roofline.per_direction(peaks)
