@@ -154,3 +154,34 @@ def event_hash_converter():
         return out
 
     return convert
+
+
+def plan_kv_cache(vllm_config, layer_specs: dict, memory: int):
+    """(worker KVCacheConfig, scheduler KVCacheConfig, scheduler block size, hash block size) for
+    one worker's layer specs and KV memory, as vLLM's engine core plans them at startup (groups,
+    padded pages, tensors shared by the groups). 0.33 groups the layers in a step of its own
+    (kv_cache_planning.get_global_kv_cache_groups); 0.32 inside get_kv_cache_configs."""
+    from vllm.v1.core import kv_cache_utils as utils
+
+    planning = getattr(utils, "get_kv_cache_configs", None)
+    if planning is not None:  # 0.32
+        configs = planning(vllm_config, [layer_specs], [memory])
+    else:  # 0.33
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+        groups = get_global_kv_cache_groups(vllm_config, [layer_specs])
+        configs = get_kv_cache_configs(vllm_config, [layer_specs], [memory], groups)
+    (worker,) = configs
+    worker.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+    sched = utils.generate_scheduler_kv_cache_config(configs)
+    cache = vllm_config.cache_config
+    cache.num_gpu_blocks = sched.num_blocks
+    cache.block_size = min(g.kv_cache_spec.block_size for g in sched.kv_cache_groups
+                           if g.kv_cache_spec.prefix_cacheable)
+    utils.update_kv_cache_capacity(vllm_config, sched)
+    block_size, hash_block_size = utils.resolve_kv_cache_block_sizes(sched, vllm_config)
+    alignment = utils.resolve_cache_hit_alignment_tokens(sched, vllm_config, block_size, hash_block_size)
+    for c in (worker, sched):
+        c.hash_block_size = hash_block_size
+        c.cache_hit_alignment_tokens = alignment
+    return worker, sched, block_size, hash_block_size

@@ -67,20 +67,27 @@ class KVBMOffloadingSpec(TieringOffloadingSpec):
         if vllm_has_a_worker():
             return super().get_worker(kv_caches)
         if self._worker is None:
-            if self.config.canonical_layout:
-                raise ValueError("KVBMOffloadingSpec on the CPU platform: canonical_layout is not supported")
-            rank = 0 if self.replicated_layout else self.config.parallel.rank
-            region = SharedOffloadRegion(engine_id=self.config.engine_id, num_chunks=self.num_chunks, rank=rank,
-                                         kv_bytes_per_chunk=self.kv_bytes_per_chunk,
-                                         cpu_page_size=self.cpu_page_size_per_worker)
-            try:
-                self._worker = KVBMCPUWorker(kv_caches, region, self.blocks_per_chunk)
-            except Exception:
-                region.cleanup()
-                raise
-            logger.info("KVBMOffloadingSpec: CPU-platform worker, %d chunks of %d bytes", self.num_chunks,
-                        self.kv_bytes_per_chunk)
+            self._worker = cpu_platform_worker(self, kv_caches)
         return self._worker
+
+
+def cpu_platform_worker(spec, kv_caches) -> "KVBMCPUWorker":
+    """A KVBMCPUWorker over the shared-memory primary tier of `spec` (vLLM's CPUOffloadingSpec or a
+    subclass), where vLLM's own CPUOffloadingWorker would put its pages."""
+    if spec.config.canonical_layout:
+        raise ValueError("KVBMOffloadingSpec on the CPU platform: canonical_layout is not supported")
+    rank = 0 if spec.replicated_layout else spec.config.parallel.rank
+    region = SharedOffloadRegion(engine_id=spec.config.engine_id, num_chunks=spec.num_chunks, rank=rank,
+                                 kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+                                 cpu_page_size=spec.cpu_page_size_per_worker)
+    try:
+        worker = KVBMCPUWorker(kv_caches, region, spec.blocks_per_chunk)
+    except Exception:
+        region.cleanup()
+        raise
+    logger.info("KVBMOffloadingSpec: CPU-platform worker, %d chunks of %d bytes", spec.num_chunks,
+                spec.kv_bytes_per_chunk)
+    return worker
 
 
 def _words(t: torch.Tensor, what: str) -> np.ndarray:

@@ -81,6 +81,33 @@ def _config_only_model(max_len: int) -> str:
     return d
 
 
+def vllm_config_of(cfg: HarnessConfig, kv_transfer_config) -> VllmConfig:
+    """vLLM's config for a harness: the model, scheduler and cache settings of `cfg`."""
+    bs = cfg.block_size
+    model_dir = cfg.model_dir or _config_only_model(cfg.max_model_len)
+    return VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True,
+                                 dtype="float32", max_model_len=cfg.max_model_len),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
+            async_scheduling=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=bs,
+            enable_prefix_caching=True,
+            mamba_cache_mode="align" if cfg.hybrid else "none",
+            prefix_match_unit=cfg.hash_block_size if cfg.hybrid else None,
+        ),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=cfg.events, publisher="null"),
+        parallel_config=ParallelConfig(tensor_parallel_size=cfg.workers),
+        kv_transfer_config=kv_transfer_config,
+    )
+
+
 class SchedulerHarness:
     """vLLM's real Scheduler in the calling process (a test's or a benchmark's), with simulated
     model outputs (module docstring): owns the scheduler, its published event batches, and with
@@ -89,42 +116,10 @@ class SchedulerHarness:
 
     def __init__(self, cfg: HarnessConfig):
         self.cfg = cfg
-        bs = cfg.block_size
-        model_dir = cfg.model_dir or _config_only_model(cfg.max_model_len)
-        self.vllm_config = VllmConfig(
-            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True,
-                                     dtype="float32", max_model_len=cfg.max_model_len),
-            scheduler_config=SchedulerConfig(
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_model_len=cfg.max_model_len,
-                is_encoder_decoder=False,
-                enable_chunked_prefill=True,
-                async_scheduling=False,
-            ),
-            cache_config=CacheConfig(
-                block_size=bs,
-                enable_prefix_caching=True,
-                mamba_cache_mode="align" if cfg.hybrid else "none",
-                prefix_match_unit=cfg.hash_block_size if cfg.hybrid else None,
-            ),
-            kv_events_config=KVEventsConfig(enable_kv_cache_events=cfg.events, publisher="null"),
-            parallel_config=ParallelConfig(tensor_parallel_size=cfg.workers),
-            kv_transfer_config=None if cfg.connector is None else KVTransferConfig(
-                kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
-                kv_role="kv_both", kv_connector_extra_config=cfg.connector),
-        )
-        groups = []
-        if cfg.hybrid:
-            groups.append(KVCacheGroupSpec(["model.layers.0.mixer"], MambaSpec(
-                block_size=bs, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")))
-        groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FullAttentionSpec(
-            block_size=bs, num_kv_heads=1, head_size=64, dtype=torch.float32)))
-        kv_cache_config = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
-                                        kv_cache_groups=groups)
-        self.vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
-        sched_bs, hbs = resolve_kv_cache_block_sizes(kv_cache_config, self.vllm_config)
-        kv_cache_config.hash_block_size = hbs
+        self.vllm_config = vllm_config_of(cfg, None if cfg.connector is None else KVTransferConfig(
+            kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
+            kv_role="kv_both", kv_connector_extra_config=cfg.connector))
+        kv_cache_config, sched_bs, hbs = self._kv_cache_config()
         self.hash_block_size = hbs
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -148,8 +143,28 @@ class SchedulerHarness:
             cache_size=cfg.max_num_batched_tokens, vllm_config=self.vllm_config)
         self._ids = itertools.count()
         self.cached_tokens: dict[str, int] = {}  # request id -> tokens it started with (prefix cache + tiers)
-        self.workers = [] if cfg.connector is None else [
-            SimulatedWorker(self.vllm_config, kv_cache_config, rank) for rank in range(cfg.workers)]
+        self.workers = self._workers(kv_cache_config)
+
+    def _workers(self, kv_cache_config) -> list:
+        return [] if self.cfg.connector is None else [
+            SimulatedWorker(self.vllm_config, kv_cache_config, rank) for rank in range(self.cfg.workers)]
+
+    def _kv_cache_config(self):
+        """(scheduler KVCacheConfig, scheduler block size, hash block size): a Mamba group (hybrid)
+        and an attention group of one layer each, every group's block `block_size`."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        groups = []
+        if cfg.hybrid:
+            groups.append(KVCacheGroupSpec(["model.layers.0.mixer"], MambaSpec(
+                block_size=bs, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")))
+        groups.append(KVCacheGroupSpec(["model.layers.1.self_attn.attn"], FullAttentionSpec(
+            block_size=bs, num_kv_heads=1, head_size=64, dtype=torch.float32)))
+        kv_cache_config = KVCacheConfig(num_blocks=cfg.num_blocks, kv_cache_tensors=[],
+                                        kv_cache_groups=groups)
+        self.vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+        sched_bs, hbs = resolve_kv_cache_block_sizes(kv_cache_config, self.vllm_config)
+        kv_cache_config.hash_block_size = hbs
+        return kv_cache_config, sched_bs, hbs
 
     @property
     def batches(self) -> list[ev.KVEventBatch]:
@@ -183,23 +198,7 @@ class SchedulerHarness:
         rids = list(out.num_scheduled_tokens)
         for r in out.scheduled_new_reqs:
             self.cached_tokens.setdefault(r.req_id, r.num_computed_tokens)
-        kv_output = None
-        if self.workers:
-            computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
-            new_ids = set(computed)
-            cached = out.scheduled_cached_reqs
-            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-            spans = {}
-            for rid in rids:
-                req = self.scheduler.requests[rid]
-                start = computed[rid]
-                spans[rid] = (req.all_token_ids, start, start + out.num_scheduled_tokens[rid],
-                              self.scheduler.kv_cache_manager.get_block_ids(rid), rid in new_ids)
-            meta = None
-            for w in self.workers:
-                wm = w.run_step(out, spans)
-                meta = wm if meta is None else (meta.aggregate(wm) if wm is not None else meta)
-            kv_output = KVConnectorOutput(kv_connector_worker_meta=meta)
+        kv_output = self._run_workers(out, rids)
         # like the model runner: a chunk that leaves the prompt unfinished samples nothing
         reqs = self.scheduler.requests
         sampled = [[] if reqs[r].num_computed_tokens < reqs[r].num_tokens else [7] for r in rids]
@@ -207,6 +206,32 @@ class SchedulerHarness:
             req_ids=rids, req_id_to_index={r: i for i, r in enumerate(rids)},
             sampled_token_ids=sampled, kv_connector_output=kv_output))
         return out.total_num_scheduled_tokens
+
+    def _run_workers(self, out, rids: list[str]) -> KVConnectorOutput | None:
+        """The workers' part of a step: the connector's plans and the simulated forward."""
+        if not self.workers:
+            return None
+        spans = self._spans(out, rids)
+        meta = None
+        for w in self.workers:
+            wm = w.run_step(out, spans)
+            meta = wm if meta is None else (meta.aggregate(wm) if wm is not None else meta)
+        return KVConnectorOutput(kv_connector_worker_meta=meta)
+
+    def _spans(self, out, rids: list[str]) -> dict:
+        """request id -> (its tokens, first and end position computed this step, its block ids per
+        group, whether it is new this step)."""
+        computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        new_ids = set(computed)
+        cached = out.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        spans = {}
+        for rid in rids:
+            req = self.scheduler.requests[rid]
+            start = computed[rid]
+            spans[rid] = (req.all_token_ids, start, start + out.num_scheduled_tokens[rid],
+                          self.scheduler.kv_cache_manager.get_block_ids(rid), rid in new_ids)
+        return spans
 
     def settle(self) -> None:
         """Let the workers' background disk writes finish and their reports reach the scheduler."""
