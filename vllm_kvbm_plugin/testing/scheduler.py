@@ -116,9 +116,7 @@ class SchedulerHarness:
 
     def __init__(self, cfg: HarnessConfig):
         self.cfg = cfg
-        self.vllm_config = vllm_config_of(cfg, None if cfg.connector is None else KVTransferConfig(
-            kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
-            kv_role="kv_both", kv_connector_extra_config=cfg.connector))
+        self.vllm_config = vllm_config_of(cfg, self._kv_transfer_config())
         kv_cache_config, sched_bs, hbs = self._kv_cache_config()
         self.hash_block_size = hbs
         from vllm.v1.structured_output import StructuredOutputManager
@@ -144,6 +142,11 @@ class SchedulerHarness:
         self._ids = itertools.count()
         self.cached_tokens: dict[str, int] = {}  # request id -> tokens it started with (prefix cache + tiers)
         self.workers = self._workers(kv_cache_config)
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        return None if self.cfg.connector is None else KVTransferConfig(
+            kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
+            kv_role="kv_both", kv_connector_extra_config=self.cfg.connector)
 
     def _workers(self, kv_cache_config) -> list:
         return [] if self.cfg.connector is None else [
