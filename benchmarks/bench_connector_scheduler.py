@@ -92,10 +92,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--native", action="store_true", help="only the table of the four stacks (native_table)")
     args = ap.parse_args()
     prompts = workload(args.requests)
     print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.2f}M prompt tokens, 2 output tokens each; "
           f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f}")
+    if args.native:
+        return native_table(prompts, args.reps)
     for name, geometry in GEOMETRIES.items():
         runs = {False: [], True: []}
         for _ in range(args.reps):
@@ -113,6 +116,73 @@ def main() -> None:
             print(f"{name}, {p} pass: scheduler {best[False] * 1e3:.0f} ms in {steps[False]} steps without a "
                   f"connector, {best[True] * 1e3:.0f} ms in {steps[True]} steps with KVBMConnector -> "
                   f"{best[True] / best[False]:.3f}x (tokens served by the prefix cache and tier: {served})")
+
+
+# --- vLLM's own OffloadingConnector on the same workload (issue 29 item 5) ---
+STACKS = ("none", "KVBMConnector", "OffloadingConnector+vLLM spec", "OffloadingConnector+KVBMOffloadingSpec")
+
+
+def run_native(geometry: dict, prompts, kvbm_spec: bool) -> dict:
+    """run()'s passes with vLLM's OffloadingConnector as the scheduler's connector: vLLM's default
+    CPUOffloadingSpec or KVBMOffloadingSpec (LineageCachePolicy), a CPU tier of 1 GiB, the same
+    KV cache groups (one state group and one attention group for the hybrid). vLLM's worker role
+    runs each step's copies (testing.offloading_scheduler), untimed, without the KV oracle."""
+    from vllm_kvbm_plugin.testing.offloading_scheduler import OffloadingHarness, OffloadingHarnessConfig
+
+    h = OffloadingHarness(OffloadingHarnessConfig(
+        max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16, mamba_layers=1, oracle=False,
+        kvbm_spec=kvbm_spec, offloading={"cpu_bytes_to_use": 1 << 30}, **geometry))
+    sched, spent = h.scheduler, [0.0, 0]
+    sched.kv_event_publisher.publish = lambda batch: None
+    gc.collect()
+    gc.freeze()
+
+    def timed(f):
+        def call(*args, **kwargs):
+            t0 = time.process_time()
+            out = f(*args, **kwargs)
+            spent[0] += time.process_time() - t0
+            return out
+        return call
+
+    sched.schedule = timed(sched.schedule)
+    sched.update_from_output = timed(sched.update_from_output)
+    result = {}
+    try:
+        for name in ("store", "hit"):
+            if name == "hit":
+                h.settle()
+                h.reset_prefix_cache()
+            spent[:] = [0.0, 0]
+            ids = [h.add(p, max_tokens=2) for p in prompts]
+            while sched.has_unfinished_requests():
+                h.step()
+                spent[1] += 1
+            result[name] = tuple(spent)
+            result[f"{name}_served"] = sum(h.cached_tokens[r] for r in ids)
+    finally:
+        gc.unfreeze()
+        h.close()
+    return result
+
+
+def native_table(prompts, reps: int) -> None:
+    """The four stacks on each geometry, runs alternating, best of `reps` each: scheduler ms per
+    pass, ms per step, and the ratio to no connector."""
+    for name, geometry in GEOMETRIES.items():
+        runs = {s: [] for s in STACKS}
+        for _ in range(reps):
+            runs["none"].append(run(geometry, prompts, False))
+            runs["KVBMConnector"].append(run(geometry, prompts, True))
+            runs["OffloadingConnector+vLLM spec"].append(run_native(geometry, prompts, False))
+            runs["OffloadingConnector+KVBMOffloadingSpec"].append(run_native(geometry, prompts, True))
+        for p in ("store", "hit"):
+            none = min(r[p][0] for r in runs["none"])
+            print(f"{name}, {p} pass (best of {reps}):")
+            for stack, rs in runs.items():
+                best_s, steps = min(r[p][0] for r in rs), rs[0][p][1]
+                print(f"  {stack:40s} {best_s * 1e3:8.0f} ms {steps:5d} steps {best_s * 1e3 / steps:7.2f} ms/step "
+                      f"{best_s / none:6.2f}x  served {rs[0][f'{p}_served']}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ class OffloadingHarnessConfig(HarnessConfig):
     num_blocks: int = 128
     max_model_len: int = 1024
     max_num_batched_tokens: int = 512
+    oracle: bool = True  # the stand-in forward and its checks (benchmarks that time the scheduler skip them)
 
 
 class OffloadingHarness(SchedulerHarness):
@@ -85,7 +86,7 @@ class OffloadingHarness(SchedulerHarness):
 
     def _workers(self, kv_cache_config) -> list:
         self.preempted = 0  # requests vLLM preempted so far
-        return [OffloadingWorkerStandIn(self.vllm_config, self.worker_kv_cache_config)]
+        return [OffloadingWorkerStandIn(self.vllm_config, self.worker_kv_cache_config, self.cfg.oracle)]
 
     def _run_workers(self, out, rids):
         self.preempted += len(out.preempted_req_ids or ())
@@ -146,7 +147,7 @@ class OffloadingWorkerStandIn:
     this harness's KV cache config, driven like the model runner drives it, with a stand-in
     forward and the KV oracle `check` (module docstring)."""
 
-    def __init__(self, vllm_config, kv_cache_config):
+    def __init__(self, vllm_config, kv_cache_config, oracle: bool = True):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
         from vllm.v1.worker.utils import allocate_kv_cache
@@ -154,6 +155,7 @@ class OffloadingWorkerStandIn:
         from vllm_kvbm_plugin.offloading.spec import KVBMOffloadingSpec, cpu_platform_worker
 
         self.num_blocks = kv_cache_config.num_blocks
+        self.oracle = oracle
         self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"),
                                            vllm_config.cache_config.get_resolved_kv_cache_layout())
         self.attention, self.state = [], []  # (group index, float32 view) per layer
@@ -196,9 +198,10 @@ class OffloadingWorkerStandIn:
         c.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
             c.start_load_kv(None)
-        self.check(spans)
-        for tokens, start, end, block_ids, _new in spans.values():
-            self._forward(tokens, start, end, block_ids)
+        if self.oracle:
+            self.check(spans)
+            for tokens, start, end, block_ids, _new in spans.values():
+                self._forward(tokens, start, end, block_ids)
         if not out.has_sync_kv_loads:
             c.start_load_kv(None)
         c.wait_for_save()
