@@ -93,12 +93,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--native", action="store_true", help="only the table of the four stacks (native_table)")
+    ap.add_argument("--geometry", default="", help="with --native: only geometries whose name contains this")
     args = ap.parse_args()
     prompts = workload(args.requests)
     print(f"{args.requests} requests, {sum(map(len, prompts)) / 1e6:.2f}M prompt tokens, 2 output tokens each; "
           f"vLLM {vllm.__version__}, load average {os.getloadavg()[0]:.2f}")
     if args.native:
-        return native_table(prompts, args.reps)
+        return native_table(prompts, args.reps, args.geometry)
     for name, geometry in GEOMETRIES.items():
         runs = {False: [], True: []}
         for _ in range(args.reps):
@@ -166,10 +167,12 @@ def run_native(geometry: dict, prompts, kvbm_spec: bool) -> dict:
     return result
 
 
-def native_table(prompts, reps: int) -> None:
-    """The four stacks on each geometry, runs alternating, best of `reps` each: scheduler ms per
-    pass, ms per step, and the ratio to no connector."""
+def native_table(prompts, reps: int, only: str = "") -> None:
+    """The four stacks on each geometry (whose name contains `only`), runs alternating, best of
+    `reps` each: scheduler ms per pass, ms per step, and the ratio to no connector."""
     for name, geometry in GEOMETRIES.items():
+        if only not in name:
+            continue
         runs = {s: [] for s in STACKS}
         for _ in range(reps):
             runs["none"].append(run(geometry, prompts, False))
