@@ -1,7 +1,8 @@
 """Hybrid models through vLLM's own OffloadingConnector with KVBMOffloadingSpec (our CPU worker, our
 policy, KVBMDiskTier and KVBMRemoteTier): attention blocks and the recurrent state (GDN, Mamba2)
 offloaded and loaded back. Every hit must give the tokens, and the first-token logprobs, of an
-engine that caches nothing (the oracle of test_hybrid_prefix_oracle.py)."""
+engine that caches nothing (the oracle of test_hybrid_prefix_oracle.py); the router index predicts
+the hits from the recorded events; damaged disk files and Redis values are misses."""
 
 import random
 
