@@ -226,6 +226,23 @@ def ttft(llm, prompt, scheduled: list) -> tuple[float, float, int, list]:
     return t, (scheduled[0] - t0 if scheduled else t), out.num_cached_tokens, list(out.outputs[0].token_ids)
 
 
+def profiled(call, res: dict):
+    """call() under cProfile; its top functions by cumulative time go to res["profile"]."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(call)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).sort_stats("cumulative")
+    stats.print_stats(28)
+    # the connectors' own parts, and how many steps and forwards the hit took
+    stats.print_stats("offloading|kv_offload|vllm_kvbm_plugin|_model_forward|scheduler.py.*schedule", 30)
+    res["profile"] = text.getvalue()
+    return out
+
+
 def engine_phase(args) -> dict:
     llm = engine(args.kind, args.disk, args.model, args.dtype)
     scheduled = watch_scheduling(llm)
@@ -235,7 +252,10 @@ def engine_phase(args) -> dict:
             t_re, _, _, tok = ttft(llm, p, scheduled)
             llm.reset_prefix_cache()
             time.sleep(1)  # background disk writes finish first (2 cores)
-            t_cpu, t_sched, cached, tok2 = ttft(llm, p, scheduled)
+            if args.profile and i == args.reps - 1:  # the last CPU-tier hit, traced
+                t_cpu, t_sched, cached, tok2 = profiled(lambda: ttft(llm, p, scheduled), res)
+            else:
+                t_cpu, t_sched, cached, tok2 = ttft(llm, p, scheduled)
             assert tok == tok2, "a CPU-tier hit changed the output"
             llm.reset_prefix_cache()
             if i:
@@ -259,7 +279,7 @@ def run_phase(kind: str, phase: str, disk: str, args) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, __file__, "--phase", phase, "--kind", kind, "--disk", disk, "--out", f.name,
                         "--tokens", str(args.tokens), "--reps", str(args.reps), "--model", args.model,
-                        "--dtype", args.dtype],
+                        "--dtype", args.dtype] + (["--profile"] if args.profile else []),
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.load(open(f.name))
 
@@ -305,6 +325,8 @@ def main() -> None:
     ap.add_argument("--remote", action="store_true", help="only the tier I/O of KVBMRemoteTier against raw "
                                                           "redis-py, on a redis-server of its own")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile one CPU-tier hit per connector and print "
+                    "its top functions (where the TTFT goes)")
     ap.add_argument("--skip-io", action="store_true", help="only the TTFT part")
     ap.add_argument("--phase", choices=["store", "disk"])
     ap.add_argument("--kind", choices=["ours", "fs", "kvbm"])
@@ -328,7 +350,8 @@ def main() -> None:
         print_io(args, tier_io(args), ("KVBMDiskTier", "vLLM fs", "fs"), "disk hit")
     if args.skip_engine:
         return
-    med, tokens, disk = {}, {}, {"ours": ([], [], []), "fs": ([], [], [])}
+    med, tokens, disk = {}, {}, {"ours": ([], [], []), "fs": ([], [], []), "kvbm": ([], [], [])}
+    profiles = {}
     with tempfile.TemporaryDirectory() as d:
         for kind in ("ours", "fs", "kvbm"):
             store = run_phase(kind, "store", os.path.join(d, kind), args)
@@ -336,10 +359,12 @@ def main() -> None:
             med[kind + "_cpu"] = statistics.median(store["cpu"])
             med[kind + "_cpu_sched"] = statistics.median(store["cpu_sched"])
             tokens[kind] = store["tokens"]
+            if "profile" in store:
+                profiles[kind] = store["profile"]
         rounds = []  # per round: {kind: (median TTFT, median until scheduled)}
         for r in range(args.disk_rounds):  # the two tiers take turns, back to back: the same machine noise
             rounds.append({})
-            for kind in (("ours", "fs") if r % 2 == 0 else ("fs", "ours")):  # neither always goes first
+            for kind in (("ours", "fs", "kvbm") if r % 2 == 0 else ("kvbm", "fs", "ours")):  # none always first
                 hit = run_phase(kind, "disk", os.path.join(d, kind), args)
                 disk[kind][0].extend(hit["disk"])
                 disk[kind][1].extend(hit["disk_sched"])
@@ -357,8 +382,8 @@ def main() -> None:
           f"({med['kvbm_cpu_sched'] * 1e3:.1f} + {(med['kvbm_cpu'] - med['kvbm_cpu_sched']) * 1e3:.1f})"
           f" -> ours-spec/KVBMConnector = {med['ours_cpu'] / med['kvbm_cpu']:.2f}x")
     print(f"  disk hit (new process, {args.disk_rounds} rounds x {args.reps} prompts, fewest cached tokens "
-          f"per process: ours {disk['ours'][2]}, fs {disk['fs'][2]}):")
-    for kind, name in (("ours", "KVBMDiskTier"), ("fs", "vLLM fs")):
+          f"per process: ours {disk['ours'][2]}, fs {disk['fs'][2]}, KVBMConnector {disk['kvbm'][2]}):")
+    for kind, name in (("ours", "KVBMDiskTier"), ("fs", "vLLM fs"), ("kvbm", "KVBMConnector")):
         print(f"    {name:12} {med[kind + '_disk'] * 1e3:7.1f} ms = {med[kind + '_disk_sched'] * 1e3:6.1f} ms until "
               f"scheduled + {(med[kind + '_disk'] - med[kind + '_disk_sched']) * 1e3:6.1f} ms load and forward; "
               f"all (until scheduled): {' '.join(f'{x * 1e3:.0f}({y * 1e3:.0f})' for x, y in zip(*disk[kind][:2]))}")
@@ -368,6 +393,11 @@ def main() -> None:
               f"range {per_round[0]:.2f}-{per_round[-1]:.2f}; medians of all runs "
               f"{med['ours_' + name] / med['fs_' + name]:.2f}x; best runs "
               f"{min(disk['ours'][i]) / min(disk['fs'][i]):.2f}x")
+    per_round = sorted(rd["ours"][0] / rd["kvbm"][0] for rd in rounds)
+    print(f"    ours-spec/KVBMConnector disk-hit TTFT: per round median {statistics.median(per_round):.2f}x, "
+          f"range {per_round[0]:.2f}-{per_round[-1]:.2f}; medians of all runs {med['ours_disk'] / med['kvbm_disk']:.2f}x")
+    for kind, text in profiles.items():
+        print(f"\n  cProfile of one CPU-tier hit, {kind}:\n{text}")
     same = len({json.dumps(t) for t in tokens.values()}) == 1
     print(f"  outputs identical across every run: {same}")
 

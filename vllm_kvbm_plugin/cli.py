@@ -167,7 +167,7 @@ def _route(args) -> int:
         print(f"vllm-kvbm route: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed), policy=args.policy,
+    router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed, connector=args.connector), policy=args.policy,
                     silence_s=args.silence_warning)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve(router, args.host, args.port)
@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="default policy (a request's X-KVBM-Policy header overrides it)")
     r.add_argument("--hash-algo", default="sha256", help="the workers' --prefix-caching-hash-algo")
     r.add_argument("--hash-seed", default=None, help="the workers' PYTHONHASHSEED, if set")
+    r.add_argument("--connector", choices=("KVBMConnector", "OffloadingConnector"), default="KVBMConnector",
+                   help="the workers' offloading connector, whose rule serves their tiers (OffloadingConnector: "
+                        "vLLM's, with KVBMOffloadingSpec)")
     r.add_argument("--silence-warning", type=float, default=30.0, metavar="SECONDS",
                    help=SILENCE_HELP.format("after its worker served a request"))
     r.set_defaults(func=_route)

@@ -64,6 +64,26 @@ def block_extra_keys(pool, request, start: int, end: int, mm_idx: int):
     return _generate_extra_keys(request, start, end, mm_idx)
 
 
+def request_extra_keys(request, start: int, end: int, mm_idx: int):
+    """(extra keys, next mm index) of a request's tokens [start, end) as vLLM hashes them, where
+    no BlockPool is at hand (the offloading connector's events): generate_block_hash_extra_keys
+    has this signature on 0.32 and 0.33 (0.33's EAGLE lookahead keys are GPU-pool only)."""
+    global _generate_extra_keys
+    if _generate_extra_keys is None:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys as _generate_extra_keys
+    return _generate_extra_keys(request, start, end, mm_idx)
+
+
+def offloading_placeholders_have_kind() -> bool:
+    """Whether vLLM's OffloadingEventsTracker gives a chunk it has no payload for its group's kind
+    (0.33: it takes `group_specs`); 0.32 announces a bare hash."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+
+    return "group_specs" in inspect.signature(OffloadingEventsTracker.__init__).parameters
+
+
 def units_with_extra_keys(request, unit: int, lo: int, hi: int):
     """The hash units in [lo, hi) whose extra keys can be non-empty: all of them with a LoRA,
     cache salt or prompt embeddings, else only those overlapping an image (or other mm item)."""

@@ -12,12 +12,36 @@ def batches(result) -> list:
     return list(recording.read(io.StringIO("\n".join(json.dumps(r) for r in result["events"]))))
 
 
-def validate(result) -> Validator:
+def validate(*results) -> Validator:
+    """One run's stream, or several runs' streams one after another as one router would merge
+    them (each its own publisher: a remote tier is one index shared by all)."""
     v = Validator()
-    for seq, b in batches(result):
-        v.apply(b, seq)
+    for i, result in enumerate(results):
+        for seq, b in batches(result):
+            v.apply(b, seq, stream=i if len(results) > 1 else None)
     return v
 
 
 def outputs(result) -> list[dict]:
     return [o for s in result["steps"] for o in s.get("outputs", [])]
+
+
+def index_predictions(result, prompts: list, config=None, instance="engine") -> list[tuple[int, int]]:
+    """(what events.index.KVIndex predicts, num_cached_tokens served) per output, the index fed
+    the batches recorded before that output's step was sent (`prompts`: the token ids of every
+    output, in order; `config`: the index's WorkerConfig)."""
+    from vllm_kvbm_plugin.events.index import KVIndex
+
+    index = KVIndex(config)
+    recorded, applied, out = batches(result), 0, []
+    prompts = iter(prompts)
+    for step in result["steps"]:
+        if "outputs" not in step:
+            continue
+        for seq, b in recorded[applied:step["events_before"]]:
+            index.apply(instance, b, seq)
+        applied = step["events_before"]
+        for o in step["outputs"]:
+            m = index.match(next(prompts)).get((instance, 0))
+            out.append((m.tokens if m else 0, o["num_cached_tokens"]))
+    return out

@@ -1,15 +1,17 @@
 """Hybrid models through vLLM's own OffloadingConnector with KVBMOffloadingSpec (our CPU worker, our
 policy, KVBMDiskTier and KVBMRemoteTier): attention blocks and the recurrent state (GDN, Mamba2)
 offloaded and loaded back. Every hit must give the tokens, and the first-token logprobs, of an
-engine that caches nothing (the oracle of test_hybrid_prefix_oracle.py)."""
+engine that caches nothing (the oracle of test_hybrid_prefix_oracle.py); the router index predicts
+the hits from the recorded events; damaged disk files and Redis values are misses."""
 
 import random
 
 import pytest
 
+from vllm_kvbm_plugin.events.index import WorkerConfig
 from vllm_kvbm_plugin.tiers import disk
 
-from .helpers import outputs, validate
+from .helpers import index_predictions, outputs, validate
 from .test_hybrid_prefix_oracle import TOL, logprob_gap
 from .test_offloading_engine import flip_high_bytes
 
@@ -18,6 +20,15 @@ rng = random.Random(30)
 P = [rng.randrange(10, 2000) for _ in range(700)]
 Q = P[:500] + [rng.randrange(10, 2000) for _ in range(150)]
 MODELS = {"qwen3next": {"mamba_ssm_cache_dtype": "float32"}, "granite-hybrid": {"max_num_batched_tokens": 96}}
+
+
+WARM_UP = {"prompts": [[5]], "max_tokens": 1}
+
+
+def router_config(result) -> WorkerConfig:
+    """What a router knows of these engines: their sizes and the offloading connector."""
+    return WorkerConfig(hash_block_size=result["hash_block_size"], block_size=result["block_size"],
+                        connector="OffloadingConnector")
 
 
 def offloading(**extra):
@@ -62,13 +73,20 @@ def test_cpu_then_disk_in_a_new_process(run_engine, model, reference, tmp_path):
         same(got, reference[ref])
     rep = validate(r).report()
     assert rep["errors"] == 0, rep["first_problems"]
-    # a new process on the same disk: the restart index, promoted through the CPU tier
-    r2 = run_engine(spec(model, [step(P)], disk_path=str(tmp_path)))
-    (o,) = outputs(r2)
+    assert _tiers_announced(rep) >= {"CPU", "STORAGE:LOCAL"}
+    # the router index, fed the stream (GPU units, CPU and disk tier events), predicts every hit
+    predicted = index_predictions(r, [P, P, Q], router_config(r))
+    assert all(p == served for p, served in predicted), predicted
+    # a new process on the same disk: the restart index, promoted through the CPU tier (a first
+    # one-token step announces the restart index, as any first step of a server would)
+    r2 = run_engine(spec(model, [WARM_UP, step(P)], disk_path=str(tmp_path)))
+    _, o = outputs(r2)
     print(f"  disk hit in a new process: {o['num_cached_tokens']}")
     assert 0 < o["num_cached_tokens"] <= again["num_cached_tokens"]
     same(o, reference["P"])
     assert validate(r2).errors == 0
+    # the disk tier's restart index is announced: the index predicts the hit from that stream alone
+    assert index_predictions(r2, WARM_UP["prompts"] + [P], router_config(r2)) == [(0, 0), (o["num_cached_tokens"],) * 2]
     # every file damaged (bytes flipped, truncated, or another file's entry): all misses, whether
     # the restart scan or the load finds the damage
     files = sorted(tmp_path.rglob("*.kvb"))
@@ -87,6 +105,11 @@ def test_cpu_then_disk_in_a_new_process(run_engine, model, reference, tmp_path):
     assert validate(r3).errors == 0
 
 
+def _tiers_announced(report) -> set:
+    """"CPU", "STORAGE:LOCAL", "STORAGE:REMOTE": the offload tiers a validator report saw stores in."""
+    return {":".join(t.split(":")[:2]) for t, c in report["tiers"].items() if t != "GPU" and c["stored"]}
+
+
 def test_remote_tier_hits_in_a_second_process(run_engine, model, reference, redis_server):
     remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": redis_server.url}]
     r = run_engine(spec(model, [step(P)], secondary_tiers=remote))
@@ -96,5 +119,31 @@ def test_remote_tier_hits_in_a_second_process(run_engine, model, reference, redi
     print(f"\n{model}: remote hit in a second process: {o['num_cached_tokens']}")
     assert o["num_cached_tokens"] > 0
     same(o, reference["P"])
-    rep = validate(r2).report()
+    # the second process chains its stores to entries the first one announced: one merged stream
+    rep = validate(r, r2).report()
+    assert rep["errors"] == 0, rep["first_problems"]
+    assert "STORAGE:REMOTE" in _tiers_announced(validate(r).report())
+    # every value of the store damaged (bytes flipped, truncated, or another entry's value): all
+    # misses found at the load, counted by the tier, never a wrong state
+    client = redis_server.client()
+    names = sorted(client.scan_iter("*"))
+    assert names
+    values = [client.get(n) for n in names]
+    for i, (n, v) in enumerate(zip(names, values)):
+        if i % 3 == 0:
+            v = bytearray(v)
+            for off in range(len(v) // 2 + 1, len(v) - 64, 257 * 2):
+                v[off] ^= 0xC0
+        elif i % 3 == 1:
+            v = v[:-7]
+        else:
+            v = values[(i + 1) % len(values)] if len(values) > 1 else b""
+        client.set(n, bytes(v))
+    r3 = run_engine(spec(model, [step(P)], secondary_tiers=remote))
+    (o,) = outputs(r3)
+    assert o["num_cached_tokens"] == 0
+    same(o, reference["P"])
+    (tier,) = r3["offload_tiers"]
+    assert tier["type"] == "KVBMRemoteTier" and tier["failed_loads"] > 0, tier
+    rep = validate(r, r2, r3).report()
     assert rep["errors"] == 0, rep["first_problems"]

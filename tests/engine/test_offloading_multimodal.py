@@ -5,7 +5,9 @@ to the block holding the first image token; every output equals a run without of
 
 import pytest
 
-from .helpers import outputs, validate
+from vllm_kvbm_plugin.events.types import BlockStored
+
+from .helpers import batches, outputs, validate
 from .test_multimodal_engine import CASES, TEXT_ONLY, UNIT, image_prompt
 from .test_offloading_hybrid import offloading
 
@@ -33,6 +35,26 @@ def expected_hits(same_image: bool) -> list[int]:
     return out
 
 
+def tier_image_keys(result) -> int:
+    """Checks that every offload-tier event (CPU, STORAGE) carries, per block, the extra_keys the
+    GPU events gave the same hash (image identity and offset); returns how many tier blocks carry
+    an image key."""
+    gpu, tier = {}, []
+    for _, b in batches(result):
+        for e in b.events:
+            if isinstance(e, BlockStored):
+                keys = e.extra_keys or [None] * len(e.block_hashes)
+                for h, k in zip(e.block_hashes, keys):
+                    if e.medium in (None, "GPU"):
+                        gpu[h] = k
+                    else:
+                        tier.append((e.medium, h, k))
+    assert tier, "no tier events"
+    wrong = [(m, h, k, gpu.get(h, "not on GPU")) for m, h, k in tier if h not in gpu or gpu[h] != k]
+    assert not wrong, wrong[:5]
+    return sum(k is not None for _, _, k in tier)
+
+
 def run(run_engine, steps, **extra):
     return run_engine({"model": MODEL, "steps": steps, "llm": {**LLM, "kv_transfer_config": offloading(**extra)}})
 
@@ -58,6 +80,8 @@ def test_images_hit_cpu_then_disk_in_a_new_process(run_engine, plain, tmp_path):
     assert [o["tokens"] for o in other] == blue
     rep = validate(r).report()
     assert rep["errors"] == 0, rep["first_problems"]
+    assert {t.split(":")[0] for t in rep["tiers"]} == {"GPU", "CPU", "STORAGE"}
+    assert tier_image_keys(r) > 0
     r2 = run(run_engine, [{"prompts": RED}], disk_path=str(tmp_path))
     assert [o["num_cached_tokens"] for o in outputs(r2)] == expected_hits(True)
     assert [o["tokens"] for o in outputs(r2)] == red
@@ -66,11 +90,14 @@ def test_images_hit_cpu_then_disk_in_a_new_process(run_engine, plain, tmp_path):
 def test_images_hit_the_remote_tier_in_a_second_process(run_engine, plain, redis_server):
     red, blue = plain
     remote = [{"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": redis_server.url}]
-    run(run_engine, [{"prompts": RED}], secondary_tiers=remote)
+    r1 = run(run_engine, [{"prompts": RED}], secondary_tiers=remote)
+    assert any(t.startswith("STORAGE:REMOTE") for t in validate(r1).report()["tiers"])
+    assert tier_image_keys(r1) > 0
     r2 = run(run_engine, [{"prompts": RED}, {"prompts": BLUE}], secondary_tiers=remote)
     n = len(RED)
     assert [o["num_cached_tokens"] for o in outputs(r2)[:n]] == expected_hits(True)
     assert [o["num_cached_tokens"] for o in outputs(r2)[n:]] == expected_hits(False)
     assert [o["tokens"] for o in outputs(r2)] == red + blue
-    rep = validate(r2).report()
+    rep = validate(r1, r2).report()  # r2 chains its remote stores to r1's: one merged stream
     assert rep["errors"] == 0, rep["first_problems"]
+    assert tier_image_keys(r2) > 0

@@ -280,3 +280,42 @@ def test_long_prompts_hash_in_chunks_and_stop_past_an_unheld_block():
     assert served(index, ids[:3200]) == 0  # the checkpoint at 3200 is the last token: n - 1 rule
     looked = index._lookup_chunks(H.event_hash_chunks(ids, 32, 299), 5)
     assert 105 <= len(looked.kv_masks) <= 192  # stopped in the chunk after the first unheld block
+
+
+@pytest.mark.parametrize("tier_first", [False, True])
+def test_bare_tier_hashes_take_their_groups_kind_from_gpu_events(tier_first):
+    """vLLM 0.32's offloading placeholders (a hash, block size 0, no kind) for a Mamba group's
+    state, before or after the group's GPU events: a state checkpoint, not an attention block."""
+    index = KVIndex(WorkerConfig(hash_block_size=32, block_size=160))
+    p = toks(400)
+    hs = H.event_hashes(p, 32)
+    tier = batch(stored(hs[:10], p[:320], 32, group=1, medium="CPU"),
+                 stored([hs[9]], [], 0, group=0, kind=None, medium="CPU"))
+    gpu = batch(stored([toks(1)[0]], toks(32), 32, group=1), stored([toks(1)[0]], toks(160), 160, group=0, kind="mamba"))
+    for seq, b in enumerate([tier, gpu] if tier_first else [gpu, tier]):
+        index.apply("w", b, seq=seq)
+    m = index.match(p)[("w", None)]
+    assert m.tokens == 320 and m.tiers[TIER_CPU] == 320
+    # the same state without it: no checkpoint, no tier hit (a hybrid needs the state)
+    index.apply("w", batch(BlockRemoved(block_hashes=[hs[9]], medium="CPU", group_idx=0)), seq=2)
+    assert index.match(p)[("w", None)].tokens == 0
+
+
+@pytest.mark.parametrize("medium", ["CPU", "STORAGE"])
+def test_offloading_connector_takes_a_partial_tail_state_from_the_cpu_tier_only(medium):
+    """Whole blocks and their states in a tier, and a state 32 tokens into the next block: vLLM's
+    OffloadingConnector serves that partial tail from the CPU tier, not from a STORAGE tier
+    (KVBMConnector from either)."""
+    p = toks(400)
+    hs = H.event_hashes(p, 32)
+    where = {"medium": medium, **({"locality": "LOCAL", "ownership": "kvbm-disk:x"} if medium == "STORAGE" else {})}
+    tier = batch(stored(hs[:11], p[:352], 32, group=1, **where), stored([hs[9]], [], 0, group=0, kind="mamba", **where),
+                 stored([hs[10]], [], 0, group=0, kind="mamba", **where))
+    got = {}
+    for connector in ("KVBMConnector", "OffloadingConnector"):
+        index = KVIndex(WorkerConfig(hash_block_size=32, block_size=160, connector=connector))
+        index.apply("w", tier, seq=0)
+        got[connector] = served(index, p)
+    assert got == {"KVBMConnector": 352, "OffloadingConnector": 352 if medium == "CPU" else 320}
+    with pytest.raises(ValueError, match="valid: KVBMConnector, OffloadingConnector"):
+        WorkerConfig(connector="LMCache")

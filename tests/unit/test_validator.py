@@ -262,3 +262,18 @@ def test_cli_validate_counts_reuse_reports_when_told(tmp_path, capsys):
     assert report["errors"] == 0 and report["reuse_reports"] == 2
     recording.write(open(events, "a"), [(2, KVEventBatch(ts=0.0, events=[stored([3, 3], parent=2)]))])
     assert cli.main(["validate", str(events), "--reuse-reports"]) == 1
+
+
+def test_bare_tier_hashes_validate_in_any_group():
+    """vLLM's offloading placeholders (block size 0, no tokens) of an attention or a Mamba group."""
+    v = run(stored([1], bs=0, n_tokens=0, medium="CPU"), stored([2], bs=0, n_tokens=0, kind="mamba", medium="CPU"),
+            removed([2], medium="CPU"))
+    assert v.errors == 0
+    assert run(stored([3], bs=0, n_tokens=4, kind="mamba", medium="CPU")).report()["by_rule"]["token_count"] == 1
+
+
+def test_a_unit_may_chain_to_a_whole_block_but_not_the_other_way():
+    """A partial tail of 2-token units after a whole 6-token chunk (vLLM's offloading connector)."""
+    assert run(stored([1], bs=6, medium="CPU"), stored([2], parent=1, bs=2, medium="CPU")).errors == 0
+    assert run(stored([1], bs=2, medium="CPU"), stored([2], parent=1, bs=6, medium="CPU")).errors == 1
+    assert run(stored([1], bs=4, medium="CPU"), stored([2], parent=1, bs=6, medium="CPU")).errors == 1

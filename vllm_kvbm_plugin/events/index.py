@@ -13,7 +13,11 @@ data-parallel rank), all KV cache groups and tiers (GPU, CPU, STORAGE local or r
   irregular: some carry no hash, some one hash for several blocks).
 - Offload tiers (KVBMConnector's CPU and disk): after the GPU hit, the connector's own rule: the
   longest run of tier blocks from the GPU hit's block, and for hybrid models the largest X with a
-  tier state at X (see connector/scheduler.py `_plan`).
+  tier state at X (see connector/scheduler.py `_plan`). vLLM's OffloadingConnector with our spec
+  (`WorkerConfig.connector`) follows the same rule, except that a state inside a block (a hybrid's
+  partial tail) counts from the CPU tier only: vLLM asks the tiers for it only once the whole
+  blocks are in the CPU tier, and does not wait for a secondary tier to promote it
+  (docs/offloading.md, "partial tail").
 
 The prompt's hashes are computed as vLLM computes them (events/prompt_hashes.py, `PromptHasher`).
 Where they cannot be computed (xxhash with vLLM's random per-process seed, or without the
@@ -38,6 +42,7 @@ from typing import Any, NamedTuple
 
 from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher, event_extra_keys, unit_extra_keys
 from vllm_kvbm_plugin.events.types import (
+    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -53,6 +58,7 @@ STATE_KINDS = frozenset({"mamba"})
 # groups that keep only some blocks (sliding windows): not modelled, never block a match
 IGNORED_KINDS = frozenset({"sliding_window", "sliding_window_mla", "chunked_local_attention"})
 TIER_GPU = Tier(MEDIUM_GPU)
+CONNECTORS = ("KVBMConnector", "OffloadingConnector")  # WorkerConfig.connector: whose tier rule
 _MAX_PENDING = 10_000  # batches kept per stale instance while waiting for the missing ones
 
 
@@ -74,6 +80,14 @@ class WorkerConfig:
     seed: str | None = None  # the worker's PYTHONHASHSEED, if set
     hash_block_size: int | None = None
     block_size: int | None = None
+    # whose rule serves the offload tiers: "KVBMConnector", or "OffloadingConnector" (vLLM's, with
+    # any tiers): a hybrid's state inside a block (a partial tail) then comes from the CPU tier
+    # only, since vLLM loads it only when it is there at the lookup (module docstring)
+    connector: str = "KVBMConnector"
+
+    def __post_init__(self):
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"WorkerConfig.connector: {self.connector!r}; valid: {', '.join(CONNECTORS)}")
 
 
 class WorkerMatch(NamedTuple):
@@ -109,6 +123,7 @@ class _Worker:
         self.as_int: bool | None = None  # event hash form, seen on the first hash
         self.holders: dict[tuple, _Holder] = {}  # (tier, group) -> holder
         self.hybrid = False
+        self.group_kinds: dict = {}  # group -> kind, from GPU events (tier events may lack it)
         self.bits = 0  # every holder bit of this worker
         self._tier_bits: dict | None = None
         # learned (parent, tokens, extra keys) -> hash, for workers whose hashes cannot be computed
@@ -264,6 +279,10 @@ class KVIndex:
         if kind in IGNORED_KINDS:
             return
         tier = _tier(ev)
+        if kind is None and tier != TIER_GPU:  # a bare tier event (vLLM's offloading placeholders)
+            kind = w.group_kinds.get(ev.group_idx)
+        elif kind is not None and tier == TIER_GPU and ev.group_idx not in w.group_kinds:
+            self._learn_group_kind(w, ev.group_idx, kind)
         holder = self._holder(w, tier, ev.group_idx, kind)
         is_state = kind in STATE_KINDS
         if tier == TIER_GPU and not is_state:
@@ -282,6 +301,14 @@ class KVIndex:
         self.stats["stored"] += len(hashes)
         if w.learns and not is_state and ev.token_ids and ev.block_size == w.unit:
             self._learn(w, ev)
+
+    def _learn_group_kind(self, w: _Worker, group, kind: str) -> None:
+        """A group's kind, from its GPU events: also the kind of its tier holders that were
+        announced without one (vLLM 0.32's offloading placeholders, a disk tier's restart index)."""
+        w.group_kinds[group] = kind
+        for (tier, g), holder in w.holders.items():
+            if g == group and holder.kind is None and tier != TIER_GPU:
+                self._holder(w, tier, g, kind)
 
     def _learn(self, w: _Worker, ev: BlockStored) -> None:
         bs, parent, keys = ev.block_size, ev.parent_block_hash, ev.extra_keys
@@ -433,9 +460,12 @@ class KVIndex:
         if others:
             B = w.block_size or unit
             args = (gpu, n, unit, B, w.hybrid, looked.kv_masks, looked.state_masks, looked.checkpoints)
+            native = w.config.connector == "OffloadingConnector"
             for t in others:
-                result[t] = max(gpu, _tier_hit(*args, [tiers_bits[t]]))
-            total = max(gpu, _tier_hit(*args, [tiers_bits[t] for t in others]))
+                mid = [tiers_bits[t]] if not native or t.medium == MEDIUM_CPU else []
+                result[t] = max(gpu, _tier_hit(*args, [tiers_bits[t]], mid))
+            mid = [tiers_bits[t] for t in others if not native or t.medium == MEDIUM_CPU]
+            total = max(gpu, _tier_hit(*args, [tiers_bits[t] for t in others], mid))
         return WorkerMatch(total, result, stale)
 
     def held(self, instance, dp=None, tier: Tier = TIER_GPU, group=None) -> set:
@@ -479,13 +509,13 @@ def _last_checkpoint(checkpoints: list[int], state_masks: list[int], bits: int, 
     return 0
 
 
-def _tier_hit(gpu, n, unit, B, hybrid, kv_masks, state_masks, checkpoints, tiers) -> int:
+def _tier_hit(gpu, n, unit, B, hybrid, kv_masks, state_masks, checkpoints, tiers, mid_tiers) -> int:
     """KVBMConnector's hit after a GPU hit of `gpu` tokens (connector/scheduler.py `_plan`) with
     entries in any of `tiers` [(kv bits, state bits)]: blocks from the GPU hit's block on, and for
     hybrid models the largest X with a tier state at X. 0 when the tiers add nothing. The partial
     KV entry a mid-block state needs is never announced: it is taken to be held with the state."""
 
-    def held(masks, u, which):  # unit u (1-based) held in one tier by all its groups of a kind
+    def held(masks, u, which, tiers=tiers):  # unit u (1-based) held in one tier by all its groups of a kind
         if u < 1 or u > len(masks):
             return False
         m = masks[u - 1]
@@ -508,7 +538,7 @@ def _tier_hit(gpu, n, unit, B, hybrid, kv_masks, state_masks, checkpoints, tiers
             if u <= lo:
                 break
             continue
-        if u // r > full or not held(state_masks, u, 1):
+        if u // r > full or not held(state_masks, u, 1, tiers if u % r == 0 else mid_tiers):
             continue
         # X inside a block: the connector also needs the block's KV up to X, which it stores with
         # the state as an entry it never announces; a state event stands for both

@@ -5,11 +5,13 @@ announced, where a tier is vLLM's (medium, locality, ownership): two STORAGE tie
 locality or ownership are separate indexes, and a BlockRemoved removes from the tier it names.
 Old recordings whose disk tier says medium `DISK` (our name before vLLM's vocabulary) validate with
 `DISK` as a medium of its own; it is never taken for STORAGE. Rules checked:
-- unknown_parent: a BlockStored whose parent hash is not held at the same block size;
+- unknown_parent: a BlockStored whose parent hash is not held at the same block size (in an
+  offload tier, or a multiple of it: a block's hash is also its last unit's);
 - duplicate_store: a hash stored again while still held at the same block size (with
   `reuse_reports`, a reuse report instead: see `Validator`);
 - unknown_removal: a BlockRemoved hash that is not held at any block size of its group;
-- token_count: len(token_ids) != len(block_hashes) * block_size;
+- token_count: len(token_ids) != len(block_hashes) * block_size (a bare hash, block_size 0 as
+  vLLM's offloading connector announces a chunk it has no payload for, carries no tokens);
 - extra_keys (only given the prompts, `Prompt`): a block whose token chain is a prefix of a prompt
   must carry exactly the images overlapping its tokens, as vLLM 0.32 puts them in events: one
   `(identifier, offset of the image start from the block start)` pair per image, in prompt order,
@@ -206,12 +208,15 @@ class Validator:
         held = index.sizes.setdefault(ev.block_size, set())
         hashes = ev.block_hashes
         n_tokens = len(ev.token_ids)
-        if sparse:
+        if ev.block_size <= 0:  # a bare hash (vLLM's offloading placeholders): no tokens to count
+            if n_tokens:
+                self._problem("token_count", seq, f"{n_tokens} tokens with block size {ev.block_size} in {_where(gkey)}", gkey)
+        elif sparse:
             if n_tokens % ev.block_size or n_tokens < len(hashes) * ev.block_size:
                 self._problem("token_count", seq, f"{n_tokens} tokens for {len(hashes)} hashes of {ev.block_size} (sparse group) in {_where(gkey)}", gkey)
         elif n_tokens != len(hashes) * ev.block_size:
             self._problem("token_count", seq, f"{n_tokens} tokens for {len(hashes)} hashes of {ev.block_size} in {_where(gkey)}", gkey)
-        if not sparse and ev.parent_block_hash is not None and ev.parent_block_hash not in held:
+        if not sparse and ev.parent_block_hash is not None and not self._parent_held(index, ev):
             self._problem("unknown_parent", seq, f"parent {_short(ev.parent_block_hash)} of {_short(hashes[0]) if hashes else '-'} not held in {_where(gkey)} at block size {ev.block_size}", gkey)
         # set operations run in C, so the validator keeps up with large streams
         dup = held.intersection(hashes)
@@ -229,6 +234,17 @@ class Validator:
         self.stored_hashes += len(hashes)
         index.stored += len(hashes)
         self.stored_by[f"{ev.medium}/g{ev.group_idx}/{ev.kv_cache_spec_kind}/{ev.block_size}"] += len(hashes)
+
+    @staticmethod
+    def _parent_held(index: "_Index", ev: BlockStored) -> bool:
+        """The parent is held at the event's block size; in an offload tier also at a multiple of
+        it: a block's hash is also its last unit's, and vLLM's offloading connector chains a
+        partial tail of hash units to the whole chunk before it. (GPU events chain exactly.)"""
+        h, bs = ev.parent_block_hash, ev.block_size
+        if h in index.sizes.get(bs, ()):
+            return True
+        return ev.medium not in (None, MEDIUM_GPU) and bs > 0 and any(
+            h in held for size, held in index.sizes.items() if size % bs == 0)
 
     def _check_extra_keys(self, ev: BlockStored, seq) -> None:
         """Place each block on the prompts its token chain is a prefix of and compare its extra_keys.

@@ -16,9 +16,11 @@ pipelined EXISTS per request and step, on its thread; RETRY meanwhile), loads an
 one I/O thread each. Failure is a miss: a Breaker (tiers/remote.py) per thread stops asking a
 server that is down, slow or paused, and hits resume when it is back.
 
-Events (with the engine's KV events on): Stored when a write is first acknowledged, Removed when a
-load finds a value this instance announced gone or bad, as medium STORAGE, locality REMOTE,
-ownership "kvbm-remote:<fingerprint>". The server's own evictions are not seen from here.
+Events (with the engine's KV events on): Stored when a write is first acknowledged, unless the
+server held the value already (another instance wrote and announced it: a router's remote index is
+one for all instances); Removed when a load finds a value this instance announced gone, or finds a
+value bad and deletes it, whoever wrote it; as medium STORAGE, locality REMOTE, ownership
+"kvbm-remote:<fingerprint>". The server's own evictions are not seen from here.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ class _Exists(AsyncLookupManager):
         except Exception as e:  # the breaker logs it: misses until the server is back
             t.breakers["lookup"].failure(e)
             return [False] * len(keys)
+
+
+def _remember(keys: collections.OrderedDict, key, limit: int) -> None:
+    """Add `key` (as the newest), forgetting the oldest beyond `limit`."""
+    keys[key] = True
+    keys.move_to_end(key)
+    while len(keys) > limit:
+        keys.popitem(last=False)
 
 
 class KVBMRemoteTier(ChunkTier):
@@ -127,26 +137,26 @@ class KVBMRemoteTier(ChunkTier):
         results = []
         for job_id, (future,), is_load, work in self._finished():
             try:
-                ok, lost, seconds = future.result()
+                ok, other, seconds = future.result()  # other: a load's lost keys, a store's existing ones
             except Exception:  # a bug, never the server's answer: the keys fail, the step goes on
                 logger.exception("KVBMRemoteTier: I/O job %d failed", job_id)
-                ok, lost, seconds = set(), [], None
+                ok, other, seconds = set(), {}, None
             keys = [w[0] for w in work]
             done = [k for k in keys if k in ok]
             if is_load:
                 self.failed_loads += len(keys) - len(done)
-                if lost:
-                    self._lookups.mark_miss(lost)
-                    self._event([k for k in lost if self._announced.pop(k, False)], removed=True)
+                if other:
+                    self._lookups.mark_miss(other)
+                    # announced here and gone, or bad and deleted here (whoever announced it)
+                    self._event([k for k, bad in other.items() if self._announced.pop(k, False) or bad], removed=True)
                 results.append(JobResult(job_id, success=len(done) == len(keys),
                                          successful_keys=tuple(done) if done and len(done) < len(keys) else None,
                                          transfer_time=seconds, transfer_bytes=len(done) * self.chunk_bytes))
             else:
                 self.failed_writes += len(keys) - len(done)
-                fresh = [k for k in done if k not in self._announced]
-                self._announced.update(dict.fromkeys(fresh, True))
-                while len(self._announced) > self.MAX_ANNOUNCED:
-                    self._announced.popitem(last=False)  # its removal will never be announced by us
+                fresh = [k for k in done if k not in self._announced and k not in other]
+                for k in fresh:  # one forgotten here will never have its removal announced by us
+                    _remember(self._announced, k, self.MAX_ANNOUNCED)
                 self._event(fresh, removed=False)
                 results.append(JobResult(job_id, success=len(done) == len(keys), transfer_time=seconds,
                                          transfer_bytes=len(done) * self.chunk_bytes))
@@ -174,20 +184,23 @@ class KVBMRemoteTier(ChunkTier):
             breaker.failure(e)
             return None
 
-    def _write(self, work: list) -> tuple[set, list, float]:
+    def _write(self, work: list) -> tuple[set, set, float]:
+        """(keys written, those of them the server already held, seconds)."""
         t0 = time.perf_counter()
 
         def write(client) -> list:
             pipe = client.pipeline(transaction=False)
             for key, chunk, meta in work:
-                pipe.set(self.name(key), b"".join(remotefmt.value_parts(file_key(key), self.fingerprint,
-                                                                        self._rows[chunk], meta)))
+                name = self.name(key)
+                pipe.exists(name)  # held already (another instance's write): not announced again
+                pipe.set(name, b"".join(remotefmt.value_parts(file_key(key), self.fingerprint, self._rows[chunk], meta)))
             return pipe.execute(raise_on_error=False)
 
-        replies = self._call("store", write) or [None] * len(work)
-        return {key for (key, _, _), r in zip(work, replies) if r is True}, [], time.perf_counter() - t0
+        replies = self._call("store", write) or [None] * (2 * len(work))
+        ok = {key for (key, _, _), r in zip(work, replies[1::2]) if r is True}
+        return ok, {key for (key, _, _), r in zip(work, replies[0::2]) if key in ok and r == 1}, time.perf_counter() - t0
 
-    def _read(self, work: list) -> tuple[set, list, float]:
+    def _read(self, work: list) -> tuple[set, dict, float]:
         t0 = time.perf_counter()
         names = [self.name(key) for key, _ in work]
         fkeys = [file_key(key) for key, _ in work]
@@ -195,11 +208,12 @@ class KVBMRemoteTier(ChunkTier):
 
         outcomes = self._call("load", lambda c: remotefmt.fetch_values(c, names, fkeys, self.fingerprint, outs))
         if outcomes is None:
-            return set(), [], time.perf_counter() - t0
+            return set(), {}, time.perf_counter() - t0
         bad = [n for n, o in zip(names, outcomes) if o == remotefmt.BAD]
         if bad:
             logger.warning("KVBMRemoteTier: %d value(s) damaged, truncated or of another layout: deleted (misses)",
                            len(bad))
             self._call("store", lambda c: remotefmt.delete_values(c, bad))  # a multi-key DEL fails on a cluster
         ok = {key for (key, _), o in zip(work, outcomes) if o == remotefmt.OK}
-        return ok, [key for key, _ in work if key not in ok], time.perf_counter() - t0
+        lost = {key: o == remotefmt.BAD for (key, _), o in zip(work, outcomes) if key not in ok}
+        return ok, lost, time.perf_counter() - t0

@@ -6,7 +6,7 @@ defaults, and a worker of ours where vLLM has none (the CPU platform).
                                   "spec_module_path": "vllm_kvbm_plugin.offloading",
                                   "cpu_bytes_to_use": N, "disk_path": DIR, "disk_bytes_to_use": M}
 
-Defaults: eviction_policy LineageCachePolicy (ours); with `disk_path`, one KVBMDiskTier secondary
+Defaults: eviction_policy LineageCachePolicy (ours); self_describing_kv_events true; with `disk_path`, one KVBMDiskTier secondary
 tier there (`disk_bytes_to_use`, default 10 GiB; `disk_eviction_policy`, default lineage) unless
 `secondary_tiers` is given. Everything else is TieringOffloadingSpec's.
 
@@ -42,6 +42,9 @@ DEFAULT_DISK_BYTES = 10 << 30
 def with_defaults(extra: dict) -> dict:
     """kv_connector_extra_config with our defaults filled in."""
     extra = dict(extra)
+    # tier events with hashes, parents, tokens and (patches/offload_events.py) image keys, as a
+    # router needs them; vLLM's default is a bare hash per chunk
+    extra.setdefault("self_describing_kv_events", True)
     if "eviction_policy" not in extra:
         extra["eviction_policy"] = "LineageCachePolicy"
         extra["cache_policy_module_path"] = MODULE

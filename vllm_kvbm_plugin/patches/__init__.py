@@ -3,6 +3,7 @@
 - `hash_granularity`: keep the user's --block-size as the hash granularity of hybrid models.
 - `sub_block_events`: KV events per hash unit for inflated full-attention blocks (the
   bookkeeping is `events.unit_tracker.UnitTracker`; this module only wires it into vLLM).
+- `offload_events`: image keys on, and parents-first order of, the OffloadingConnector's tier events.
 - `pic_blend`: the selective recompute of position-independent loads, in CPU attention.
 - `wrapping`: the tools every patch uses (`wrap_method`, `add_class_default`, `remove_all`).
 
@@ -31,10 +32,10 @@ def apply_all() -> list[str]:
             compat.vllm_minor(),
         )
         return []
-    from vllm_kvbm_plugin.patches import hash_granularity, pic_blend, sub_block_events
+    from vllm_kvbm_plugin.patches import hash_granularity, offload_events, pic_blend, sub_block_events
 
     applied = []
-    for module in (hash_granularity, sub_block_events, pic_blend):
+    for module in (hash_granularity, sub_block_events, offload_events, pic_blend):
         if module.apply():
             applied.append(module.NAME)
     return applied

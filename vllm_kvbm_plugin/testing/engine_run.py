@@ -13,7 +13,8 @@ with "logprobs" the first generated token's top-k as [[token, logprob], ...]. "s
 multiplies every cached Mamba/linear-attention state page by x (in-process engines only): tests use
 it to show their oracle notices a wrong recurrent state.
 RESULT: {"steps": [...per-step outputs...], "events": [recorded batches], "subscriber": {...},
-         "group_metadata": [...], "hash_block_size": int, "block_size": int}
+         "group_metadata": [...], "hash_block_size": int, "block_size": int, "offload_tiers": [...]}
+A step with outputs has "events_before": the batches recorded before its requests were sent.
 Events go through vLLM's real ZMQ publisher on ipc:// sockets and our Subscriber.
 """
 
@@ -84,6 +85,15 @@ def _settle(llm, connector, timeout_s: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+def _offload_tier_counters(kv_connector) -> list:
+    """Per secondary tier of vLLM's OffloadingConnector (in-process): its type and our tiers'
+    failure counters (loads of damaged or foreign entries, failed writes); [] for other connectors."""
+    sched = getattr(kv_connector, "connector_scheduler", None)
+    tiers = getattr(getattr(sched, "manager", None), "secondary_tiers", None) or []
+    return [{"type": type(t).__name__, "failed_loads": getattr(t, "failed_loads", None),
+             "failed_writes": getattr(t, "failed_writes", None)} for t in tiers]
+
+
 def start_engine(spec: dict):
     """(LLM, Subscriber of its KV events or None) for a scenario spec's "model", "llm" and "events"."""
     from vllm import LLM
@@ -146,6 +156,7 @@ def run(spec: dict) -> dict:
                 records.extend(got)
 
     for step in spec["steps"]:
+        before = len(records)  # what a router had received when this step's requests arrived
         if step.get("reset"):
             ok = llm.reset_prefix_cache()
             llm.generate([TokensPrompt(prompt_token_ids=[5])], SamplingParams(max_tokens=1),
@@ -157,7 +168,7 @@ def run(spec: dict) -> dict:
             sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
                                 extra_args=step.get("extra_args"), logprobs=step.get("logprobs"))
             outs = llm.generate([_prompt(p) for p in step["prompts"]], sp, use_tqdm=False)
-            steps.append({"outputs": [_output(o) for o in outs]})
+            steps.append({"outputs": [_output(o) for o in outs], "events_before": before})
         drain(300)
     core = llm.llm_engine.engine_core
     engine_core = getattr(core, "engine_core", None)
@@ -169,12 +180,14 @@ def run(spec: dict) -> dict:
         kv_connector = getattr(sched, "connector", None)
         if kv_connector is not None:  # KVBMConnector, or vLLM's OffloadingConnector with our tiers
             _settle(llm, kv_connector)
+        offload_tiers = _offload_tier_counters(kv_connector)
         side = getattr(kv_connector, "_sched", None)
         if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
             connector = side.accounting()  # a leak (an entry still pinned) shows here
     else:
         metadata = core.call_utility("get_kv_cache_group_metadata")
         hbs = bs = connector = None
+        offload_tiers = []
     drain(1000)
     result = {
         "worker_hash_block_size": llm.collective_rpc(_worker_hash_block_size),
@@ -185,6 +198,7 @@ def run(spec: dict) -> dict:
         "hash_block_size": hbs,
         "connector": connector if engine_core is not None else None,
         "block_size": bs,
+        "offload_tiers": offload_tiers,
     }
     if sub is not None:
         sub.close()

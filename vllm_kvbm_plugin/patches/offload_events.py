@@ -1,0 +1,130 @@
+"""The tier events of vLLM's OffloadingConnector (CPU, and our STORAGE tiers) as a router needs them.
+
+With `self_describing_kv_events` (KVBMOffloadingSpec turns it on) vLLM's OffloadingEventsTracker
+(distributed/kv_transfer/kv_connector/v1/offloading/events.py, 0.32 and 0.33) announces each
+offloaded chunk with its hashes, parent and tokens, but:
+
+- with `extra_keys=None` ("Deferred" in vLLM): an image request's tier blocks then look like a
+  text request's with the same token ids, though their hashes differ. We fill in the keys vLLM put
+  into those hashes, per block, exactly as its GPU events carry them (`_build_event_metadata` for
+  whole chunks, `_record_partial_tail` for a hybrid model's partial tail, one key per hash unit);
+- in the order of the manager's keys, so a chunk can come before its parent in one batch. We put
+  each run of stores in a batch parents first, as GPU events are;
+- (0.32) a chunk the tracker has no payload for (a Mamba group's state, a disk tier's restart
+  index) as a bare hash without its group's kind, so a router cannot tell a state from an
+  attention block. 0.33 gives these placeholders their group's kind; on 0.32 we do the same.
+
+Inert unless the tracker is self-describing and the request has extra keys (images, LoRA, salt).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from vllm.distributed.kv_events import BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+from vllm_kvbm_plugin import compat
+from vllm_kvbm_plugin.patches.wrapping import add_class_default, wrap_method
+
+NAME = "offload_events"
+
+
+def apply() -> bool:
+    changed = wrap_method(OffloadingEventsTracker, "_build_event_metadata", _wrap_build)
+    changed |= wrap_method(OffloadingEventsTracker, "_record_partial_tail", _wrap_partial_tail)
+    changed |= wrap_method(OffloadingEventsTracker, "take_events", _wrap_take_events)
+    if not compat.offloading_placeholders_have_kind():
+        changed |= add_class_default(OffloadingEventsTracker, "_kvbm_group_specs", None)
+        changed |= wrap_method(OffloadingConnectorScheduler, "__init__", _wrap_scheduler_init)
+        changed |= wrap_method(OffloadingEventsTracker, "_placeholder_stored", _wrap_placeholder)
+    return changed
+
+
+def _wrap_scheduler_init(orig):
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        tracker = getattr(self, "_events_tracker", None)
+        if tracker is not None and tracker.self_describing_enabled:
+            tracker._kvbm_group_specs = {g.group_idx: g.kv_event_group_spec for g in self.config.kv_group_configs}
+    return __init__
+
+
+def _wrap_placeholder(orig):
+    def _placeholder_stored(self, key, medium, locality, ownership):
+        ev = orig(self, key, medium, locality, ownership)
+        spec = self._kvbm_group_specs and self._kvbm_group_specs.get(ev.group_idx)
+        if not spec:
+            return ev
+        return msgspec.structs.replace(ev, kv_cache_spec_kind=spec.kv_cache_spec_kind,
+                                       kv_cache_spec_sliding_window=spec.kv_cache_spec_sliding_window)
+    return _placeholder_stored
+
+
+def _fill_extra_keys(meta, req, start: int) -> None:
+    """Per block of `meta` (tokens from `start` on): the keys vLLM hashed it with."""
+    if meta.extra_keys is not None or not compat.has_extra_keys(req):
+        return
+    bs, keys, mm_idx = meta.block_size, [], 0
+    for i in range(len(meta.block_hashes)):
+        k, mm_idx = compat.request_extra_keys(req, start + i * bs, start + (i + 1) * bs, mm_idx)
+        keys.append(k)
+    if any(k is not None for k in keys):
+        meta.extra_keys = tuple(keys)
+
+
+def _wrap_build(orig):
+    def _build_event_metadata(self, req, group_config, chunk_idx):
+        meta = orig(self, req, group_config, chunk_idx)
+        _fill_extra_keys(meta, req, chunk_idx * group_config.tokens_per_chunk)
+        return meta
+    return _build_event_metadata
+
+
+def _wrap_partial_tail(orig):
+    def _record_partial_tail(self, req, group_config, boundary_tokens, offload_key):
+        orig(self, req, group_config, boundary_tokens, offload_key)
+        meta = self._pending_event_metadata.get(offload_key)
+        if meta is not None:
+            _fill_extra_keys(meta, req, boundary_tokens - len(meta.token_ids))
+    return _record_partial_tail
+
+
+def _wrap_take_events(orig):
+    def take_events(self, events):
+        out, run = [], []
+        for ev in orig(self, events):
+            if isinstance(ev, BlockStored):
+                run.append(ev)
+                continue
+            out += parents_first(run)
+            run = []
+            out.append(ev)
+        out += parents_first(run)
+        return out
+    return take_events
+
+
+def parents_first(stored: list) -> list:
+    """`stored` reordered so that an event whose parent another of them stores (same medium,
+    ownership and group) comes after that one; otherwise in the given order."""
+    if len(stored) < 2:
+        return stored
+    by_last = {}
+    for i, ev in enumerate(stored):
+        if ev.block_hashes:
+            by_last[(ev.medium, ev.ownership, ev.group_idx, ev.block_hashes[-1])] = i
+    out, done = [], [False] * len(stored)
+
+    def emit(i: int) -> None:
+        chain = []
+        while i is not None and not done[i]:
+            done[i] = True  # marked before its parent: a cycle cannot loop
+            chain.append(i)
+            ev = stored[i]
+            i = by_last.get((ev.medium, ev.ownership, ev.group_idx, ev.parent_block_hash))
+        out.extend(stored[j] for j in reversed(chain))
+
+    for i in range(len(stored)):
+        emit(i)
+    return out
