@@ -77,7 +77,7 @@ class Soak:
     # --- setup -------------------------------------------------------------------------------
     def mount(self) -> None:
         """A tmpfs of disk_bytes + 25 % as the disk tier's filesystem, so it can be filled."""
-        size = self.args.disk_bytes + self.args.disk_bytes // 4
+        size = self.args.disk_bytes + self.args.disk_bytes // 4 + (4 << 20)
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(self.disk_root)],
                            capture_output=True, text=True)
         self.mounted = r.returncode == 0
@@ -218,6 +218,7 @@ class Soak:
                 self.server.start()
             finally:
                 self.restarting.clear()
+            self.stop_at = max(self.stop_at, time.monotonic() + self.args.after_restart_s)
             return f"SIGKILLed, back after {time.monotonic() - t0:.0f} s"
         files = self.block_files()
         if not files:
@@ -247,8 +248,11 @@ class Soak:
     def injector(self, start: float) -> None:
         a = self.args
         rng = random.Random(a.seed + 1)
-        kinds = [k for k in FAULTS for _ in range(a.repeat)]
-        rng.shuffle(kinds)
+        kinds = []
+        for _ in range(a.repeat):  # rounds of every kind, the engine kill last (its restart is long)
+            round_ = [k for k in FAULTS if k != "engine_kill"]
+            rng.shuffle(round_)
+            kinds += round_ + ["engine_kill"]
         span = a.minutes * 60 - a.warmup_s - 10
         slots = [a.warmup_s + span * (i + rng.uniform(0.1, 0.6)) / len(kinds) for i in range(len(kinds))]
         for kind, at in zip(kinds, slots):
@@ -400,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disk-bytes", type=int, default=None, help="default: two thirds of the prefixes' KV")
     p.add_argument("--warmup-s", type=float, default=15)
     p.add_argument("--sample-s", type=float, default=2)
+    p.add_argument("--after-restart-s", type=float, default=20,
+                   help="load kept up at least this long after the engine's restart")
     p.add_argument("--json", default=None, help="write faults, samples and checks here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, event streams)")
     args = p.parse_args(argv)
