@@ -113,7 +113,7 @@ class Soak:
         out = self.work / f"events-{self.lifetime}.jsonl"
         self.subscriber = subprocess.Popen(
             [sys.executable, "-m", "vllm_kvbm_plugin.cli", "subscribe", "--endpoint", self.events, "--topic", "kv",
-             "--quiet", "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".summary"), "w"),
             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
     def stop_subscriber(self) -> None:
@@ -139,6 +139,10 @@ class Soak:
         else:
             shutil.rmtree(self.work, ignore_errors=True)
 
+    def running(self) -> bool:
+        """Load and sampling go on until the end, and through an engine restart begun before it."""
+        return time.monotonic() < self.stop_at or self.restarting.is_set()
+
     # --- load --------------------------------------------------------------------------------
     def prompt(self, rng: random.Random) -> list[int]:
         return self.rng_prefix(rng) + [rng.randrange(10, 2000) for _ in range(self.args.block_size + 5)]
@@ -148,7 +152,7 @@ class Soak:
 
     def client(self, n: int) -> None:
         rng = random.Random(self.args.seed * 1000 + n)
-        while time.monotonic() < self.stop_at:
+        while self.running():
             prompt = self.prompt(rng)
             body = {"model": "model", "prompt": prompt, "max_tokens": self.args.output_len, "temperature": 0,
                     "ignore_eos": True, "return_token_ids": True}
@@ -271,7 +275,7 @@ class Soak:
 
     # --- sampling ----------------------------------------------------------------------------
     def sampler(self, start: float) -> None:
-        while time.monotonic() < self.stop_at:
+        while self.running():
             disk = 0
             for p in self.disk_root.rglob("*"):
                 try:
@@ -337,6 +341,7 @@ class Soak:
         streams = sorted(self.work.glob("events-*.jsonl"))
         v = subprocess.run([sys.executable, "-m", "vllm_kvbm_plugin.cli", "validate", *map(str, streams)],
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        events = sum(len(f.read_text().splitlines()) for f in streams)
         cached = sum(r.get("cached", 0) for r in ok)
         checks = [
             ("every fault kind at least %d x" % a.repeat,
@@ -349,14 +354,15 @@ class Soak:
              f"(disk_bytes_to_use + one block file in flight)"),
             ("RSS after warm-up within 10 % of its first sample", rss_growth <= 0.10, f"{rss_growth:+.1%} worst lifetime"),
             ("no leaked file descriptors", fd_growth <= 0.10, f"{fd_growth:+.1%} worst lifetime"),
-            ("event streams validate with 0 errors", v.returncode == 0,
-             f"{len(streams)} streams: {(v.stdout + v.stderr).strip()[-300:]}"),
+            ("event streams validate with 0 errors", v.returncode == 0 and events > 0,
+             f"{len(streams)} streams, {events} batches; validator exit {v.returncode}"
+             f"{'' if v.returncode == 0 else ': ' + (v.stdout + v.stderr).strip()[-600:]}"),
         ]
         redis_mem = [s["redis"] for s in self.samples if s["redis"] is not None]
         print(f"\n[soak] {a.minutes} min, {len(self.records)} requests ({len(ok)} answered, {cached} tokens cached), "
               f"{len(self.faults)} faults; redis used_memory max {max(redis_mem, default=0) >> 20} MiB; "
-              f"RSS first/last {self.samples[0]['rss'] >> 20 if self.samples else 0}/"
-              f"{self.samples[-1]['rss'] >> 20 if self.samples else 0} MiB", flush=True)
+              f"RSS max {max((s['rss'] for s in self.samples), default=0) >> 20} MiB, "
+              f"{self.lifetime} engine lifetimes", flush=True)
         for name, passed, detail in checks:
             print(f"  [{'PASS' if passed else 'FAIL'}] {name}: {detail}")
         if a.json:
