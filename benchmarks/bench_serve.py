@@ -215,7 +215,8 @@ def plot(json_path: pathlib.Path, png: pathlib.Path, python: str | None) -> None
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="model path (default: tiny llama-big, built locally)")
+    p.add_argument("--model", default=None, help="model path (default: the tiny --model-kind, built locally)")
+    p.add_argument("--model-kind", default="llama-big", help="tiny model to build: llama-big, or qwen3next (hybrid)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--prompts", type=int, default=120)
@@ -244,7 +245,7 @@ def main() -> None:
     bad += [s for s in servers if s not in SERVERS and s != "lmcache"]
     if bad:
         p.error(f"unknown {bad}; datasets: prefix_repetition, random; servers: {', '.join([*SERVERS, 'lmcache'])}")
-    args.model = args.model or str(build("llama-big"))
+    args.model = args.model or str(build(args.model_kind))
     print(f"[bench] {args.prompts} prompts, {args.prefixes} prefixes of {args.prefix_len}+{args.suffix_len} tokens, "
           f"output {args.output_len}, concurrency {args.max_concurrency}, rate {args.request_rate or 'inf'}; "
           f"vLLM's cache {kv_blocks(args)} blocks of {args.block_size}", flush=True)
