@@ -88,7 +88,7 @@ def lmcache_runs() -> str | None:
     py = LMCACHE_VENV / "bin" / "python"
     if not py.exists():
         return f"{LMCACHE_VENV} missing (benchmarks/lmcache_venv.sh builds it)"
-    probe = subprocess.run([str(py), "-c", "import lmcache; from lmcache.integration.vllm import vllm_multi_process_adapter"],
+    probe = subprocess.run([str(py), "-c", "from lmcache.integration.vllm import vllm_multi_process_adapter"],
                            capture_output=True, text=True, timeout=300)
     return None if probe.returncode == 0 else "lmcache does not import: " + probe.stderr.strip()[-300:]
 
@@ -214,7 +214,8 @@ def plot(json_path: pathlib.Path, png: pathlib.Path, python: str | None) -> None
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the tiny --model-kind, built locally)")
     p.add_argument("--model-kind", default="llama-big", help="tiny model to build: llama-big, or qwen3next (hybrid)")
     p.add_argument("--dtype", default="float32")

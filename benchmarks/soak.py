@@ -179,6 +179,10 @@ class Soak:
                 time.sleep(0.5)
 
     # --- faults ------------------------------------------------------------------------------
+    def disk_write_failures(self) -> int:
+        """Disk writes that failed as a whole so far (the worker logs each pause)."""
+        return self.server.tail(1 << 30).count("disk tier write failed")
+
     def block_files(self) -> list[pathlib.Path]:
         return sorted(p for p in (self.disk_root / "kv").rglob("*.kvb") if p.is_file() and not p.is_symlink())
 
@@ -200,18 +204,20 @@ class Soak:
             st = os.statvfs(self.disk_root)
             free = st.f_bavail * st.f_frsize
             fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                chunk = b"\0" * (1 << 20)
-                try:
-                    while True:
-                        os.write(fd, chunk)
-                except OSError:
-                    pass
+            failed_before = self.disk_write_failures()
+            try:  # the space the tier frees by evicting is taken too, until the hold ends
+                hold_until = time.monotonic() + rng.uniform(4, 8)
+                while time.monotonic() < hold_until:
+                    try:
+                        while True:
+                            os.write(fd, b"\0" * 4096)
+                    except OSError:
+                        time.sleep(0.05)
             finally:
                 os.close(fd)
-            time.sleep(rng.uniform(4, 8))
-            filler.unlink()
-            return f"filled {free >> 20} MiB, freed"
+                filler.unlink()
+            failed = self.disk_write_failures() - failed_before
+            return f"filled {free >> 20} MiB for a while, freed; {failed} write failures logged"
         if kind == "engine_kill":
             self.restarting.set()
             t0 = time.monotonic()
@@ -352,7 +358,8 @@ class Soak:
             ("0 hangs (answer or refusal within %d s)" % HANG_S, not hangs, len(hangs)),
             ("disk never above its bound", max_disk <= bound, f"max {max_disk >> 10} KiB, bound {bound >> 10} KiB "
              f"(disk_bytes_to_use + one block file in flight)"),
-            ("RSS after warm-up within 10 % of its first sample", rss_growth <= 0.10, f"{rss_growth:+.1%} worst lifetime"),
+            ("RSS after warm-up within 10 % of its first sample", rss_growth <= 0.10,
+             f"{rss_growth:+.1%} worst lifetime"),
             ("no leaked file descriptors", fd_growth <= 0.10, f"{fd_growth:+.1%} worst lifetime"),
             ("event streams validate with 0 errors", v.returncode == 0 and events > 0,
              f"{len(streams)} streams, {events} batches; validator exit {v.returncode}"
@@ -416,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, event streams)")
     args = p.parse_args(argv)
     working = args.prefixes * args.prefix_blocks
-    args.gpu_blocks = args.gpu_blocks or max(math.ceil(working * 2 / 3), args.concurrency * (args.prefix_blocks + 3) + 8)
+    running = args.concurrency * (args.prefix_blocks + 3) + 8  # what the requests in flight need
+    args.gpu_blocks = args.gpu_blocks or max(math.ceil(working * 2 / 3), running)
     model = args.model or str(build(args.model_kind))
     cfg = json.loads((pathlib.Path(model) / "config.json").read_text())
     block_bytes = (2 * cfg["num_hidden_layers"] * args.block_size * cfg["num_key_value_heads"]

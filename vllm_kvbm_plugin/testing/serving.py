@@ -202,7 +202,8 @@ def summarize(m: dict) -> dict:
     for (name, labels), v in m.items():
         lab = dict(labels)
         if name == "vllm:kvbm_bytes_total" and v:
-            moved[f"{lab.get('tier')}:{lab.get('direction')}"] = moved.get(f"{lab.get('tier')}:{lab.get('direction')}", 0) + v
+            key = f"{lab.get('tier')}:{lab.get('direction')}"
+            moved[key] = moved.get(key, 0) + v
         elif name in ("vllm:kv_offload_load_bytes_total", "vllm:kv_offload_store_bytes_total") and v:
             key = f"{lab.get('transfer_type', lab.get('tier', 'cpu'))}:{name.split('_')[2]}"
             moved[key] = moved.get(key, 0) + v
