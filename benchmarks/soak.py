@@ -341,7 +341,7 @@ class Soak:
         mismatched = self.replay()
         counts = collections.Counter(f["kind"] for f in self.faults if "skipped" not in f["what"]
                                      and "injector error" not in f["what"])
-        bound = a.disk_bytes + self.block_file_size()
+        bound = int(a.disk_bytes * (1 + a.disk_slack)) + self.block_file_size()
         max_disk = max((s["disk"] for s in self.samples), default=0)
         rss_growth, fd_growth = self.growth("rss"), self.growth("fds")
         streams = sorted(self.work.glob("events-*.jsonl"))
@@ -357,7 +357,7 @@ class Soak:
              f"{len(errors)} ({len(window_errors)} inside it){': ' + str(errors[0]['error'])[:200] if errors else ''}"),
             ("0 hangs (answer or refusal within %d s)" % HANG_S, not hangs, len(hangs)),
             ("disk never above its bound", max_disk <= bound, f"max {max_disk >> 10} KiB, bound {bound >> 10} KiB "
-             f"(disk_bytes_to_use + one block file in flight)"),
+             f"(disk_bytes_to_use{f' + {a.disk_slack:.0%}' if a.disk_slack else ''} + one block file in flight)"),
             ("RSS after warm-up within 10 % of its first sample", rss_growth <= 0.10,
              f"{rss_growth:+.1%} worst lifetime"),
             ("no leaked file descriptors", fd_growth <= 0.10, f"{fd_growth:+.1%} worst lifetime"),
@@ -419,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=2)
     p.add_argument("--after-restart-s", type=float, default=20,
                    help="load kept up at least this long after the engine's restart")
+    p.add_argument("--disk-slack", type=float, default=0.0,
+                   help="disk bytes allowed above disk_bytes_to_use, as a fraction (default 0: the bound is strict)")
     p.add_argument("--json", default=None, help="write faults, samples and checks here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, event streams)")
     args = p.parse_args(argv)
