@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import resource
+import time
 
 import msgspec
 from vllm.distributed.kv_events import BlockStored
@@ -67,7 +68,7 @@ class DiskTier(TierManager):
         super().__init__(storage_tier(f"kvbm-disk:{root_hex}"),
                          layout.disk_slots, policy)
         self.bases = [layout.rank_dir(r) for r in range(layout.world)]
-        self.writes_on = True
+        self.writes_resume = 0.0  # monotonic time stores resume after a worker's disk failed
         self.prefetching: set = set()
         self.held: dict = {}  # key -> _Held
         self.opens: list = []  # to send with the next metadata
@@ -115,7 +116,7 @@ class DiskTier(TierManager):
     def prepare_write(self, key, parent, end: int, announce: Announcer) -> bytes | None:
         """prepare_store for a write-through from a CPU slot: the file's metadata blob (where the
         entry ends and its events, announced again after a restart), or None."""
-        if not self.writes_on or key in self or (parent is not None and parent not in self):
+        if time.monotonic() < self.writes_resume or key in self or (parent is not None and parent not in self):
             return None
         if self.prepare_store(key, parent, announce) is None:
             return None
@@ -123,11 +124,12 @@ class DiskTier(TierManager):
         return diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
 
     def stop_writes(self) -> None:
-        """A worker's disk failed as a whole (unwritable, full): keep serving what the tier holds."""
-        if self.writes_on:
-            self.writes_on = False
-            logger.warning("KVBMConnector: disk writes failed; the disk tier stops storing and keeps "
-                           "serving what it holds")
+        """A worker's disk failed as a whole (unwritable, full): keep serving what the tier holds,
+        store again after a pause (a full disk frees up)."""
+        if time.monotonic() >= self.writes_resume:
+            logger.warning("KVBMConnector: disk writes failed; the disk tier stops storing for %.0f s and "
+                           "keeps serving what it holds", diskfmt.WRITE_PAUSE_S)
+        self.writes_resume = time.monotonic() + diskfmt.WRITE_PAUSE_S
 
     # ---- loads: prefetches into CPU slots, and direct loads from open files --------------
     def prefetch(self, key) -> None:

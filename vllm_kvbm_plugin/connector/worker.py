@@ -63,7 +63,9 @@ class WorkerSide:
         self._disk_results: queue.SimpleQueue = queue.SimpleQueue()
         self._disk_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
-        self._disk_broken = False
+        self._disk_broken = False  # the tier directory was unusable at start: no disk writes at all
+        self._disk_resume = 0.0  # monotonic time disk writes resume after failing as a whole
+        self._disk_failed = False  # such a failure, not yet reported to the scheduler side
         self.held: dict = {}  # key -> open, verified block file (direct disk loads)
         self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
         self.stats = KVBMStats()
@@ -280,7 +282,8 @@ class WorkerSide:
         reports, self.reports = self.reports, []
         if not reports:
             return None
-        return KVBMWorkerMetadata(reports, broken=("disk",) if self._disk_broken else ())
+        failed, self._disk_failed = self._disk_failed, False
+        return KVBMWorkerMetadata(reports, broken=("disk",) if self._disk_broken or failed else ())
 
     def _direct_load_failed(self, key, ids: tuple[int, ...]) -> None:
         """Verified a step ago and held open since: only a failing device gets here. vLLM takes
@@ -311,8 +314,11 @@ class WorkerSide:
         for _ in range(n - ok):
             self._failed(operation)
 
+    def _disk_writes_on(self) -> bool:
+        return not self._disk_broken and time.monotonic() >= self._disk_resume
+
     def _submit_write(self, key, slot: int, blob: bytes) -> None:
-        if self._disk_broken:
+        if not self._disk_writes_on():
             self._disk_results.put((key, False))
             return
         if self._writer is None:
@@ -328,10 +334,10 @@ class WorkerSide:
     def _write_batch(self, jobs: list) -> None:
         """Write block files from their slots (pinned by the scheduler until reported) in one call
         that holds no GIL. A name taken by something not ours fails that block alone; any other
-        error ends disk writes for good (the scheduler then stops asking)."""
+        error (a full disk) pauses disk writes for WRITE_PAUSE_S, here and on the scheduler side."""
         ok = [False] * len(jobs)
         t0 = time.perf_counter()
-        if not self._disk_broken:
+        if self._disk_writes_on():
             keys = [key for key, _, _ in jobs]
             try:
                 errors = diskfmt.write_blocks(self._paths(keys), keys, self.fingerprint,
@@ -344,9 +350,11 @@ class WorkerSide:
                     ok[i] = True
                 elif isinstance(e, diskfmt.BlockRefused):
                     logger.warning("KVBMConnector: disk block %s not stored (%s)", diskfmt.key_hex(key), e)
-                elif not self._disk_broken:
-                    self._disk_broken = True
-                    logger.warning("KVBMConnector: disk tier write failed (%s); no more disk writes", e)
+                elif self._disk_writes_on():
+                    self._disk_resume = time.monotonic() + diskfmt.WRITE_PAUSE_S
+                    self._disk_failed = True
+                    logger.warning("KVBMConnector: disk tier write failed (%s); disk writes pause for %.0f s",
+                                   e, diskfmt.WRITE_PAUSE_S)
         self._disk_done("write", sum(ok), len(jobs), t0)
         for (key, _, _), good in zip(jobs, ok):
             self._disk_results.put((key, good))

@@ -71,6 +71,7 @@ _DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the page siz
 _DIRECT_CHUNK = fileio.DIRECT_CHUNK  # direct-write buffer
 _DIRECT_MIN = 64 << 10  # a smaller payload is written through the page cache
 _DIRECT_O = getattr(os, "O_DIRECT", 0)  # Linux
+WRITE_PAUSE_S = 10.0  # s without new block files after writes failed as a whole (full disk), then retried
 MAX_META = 8 << 20  # a header claiming more metadata is not ours (real blobs are a few KiB)
 # O_NONBLOCK: opening a FIFO never waits for a writer (it has no effect on reads of regular files)
 _RFLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
