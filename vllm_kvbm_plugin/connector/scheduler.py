@@ -141,13 +141,9 @@ class SchedulerSide:
         )
 
     def tier(self, label: str):
-        """The tier of that label, or None (not configured)."""
+        """The tier of that label ("cpu", "disk", "remote", ...), or None (not configured): how
+        stats, tests and tools find one tier (the planner goes through `tiers`)."""
         return self._by_label.get(label)
-
-    # the tiers by name, for stats, tests and tools (the planner goes through `tiers`)
-    cpu = property(lambda self: self.tier("cpu"))
-    disk = property(lambda self: self.tier("disk"))
-    remote = property(lambda self: self.tier("remote"))
 
     def bind(self, kv_cache_manager) -> None:
         self.kv_cache_manager = kv_cache_manager
