@@ -181,7 +181,7 @@ def test_tier_entries_are_left_out_of_garbage_collections(tmp_path):
                       if gc.is_tracked(k)]
         return found
 
-    h = harness(False, disk_path=str(tmp_path))
+    h = harness(False, disk_path=str(tmp_path), pic_index_always=True)
     h.serve(PROMPT)
     h.serve(PROMPT[:100] + [7] * 100)  # a second child of a stored block
     gc.collect()  # tuples of atoms are untracked by the collection that first sees them

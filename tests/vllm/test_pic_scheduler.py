@@ -100,6 +100,7 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, wo
                                        num_blocks=num_blocks, max_model_len=1024, workers=workers,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        connector={"cpu_bytes_to_use": cpu_bytes, "pic_recompute_ratio": 0,
+                                                  "pic_index_always": True,
                                                   **connector}))
     for w in h.workers:
         w.__class__ = worker

@@ -130,6 +130,9 @@ class SchedulerSide:
         self.meta = KVBMMetadata()
         self.loads_pinned: list = []
         self.kv_cache_manager = None  # bound later (block ids of the requests)
+        # numba loads the key kernels from its cache at their first call (~0.7 s here): at startup,
+        # not in the first request's scheduler step
+        layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.root)
         logger.info(
             "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s",
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
@@ -450,28 +453,39 @@ class SchedulerSide:
         n_full = computed_after_step // B
         if prompt_only:
             n_full = min(n_full, req.num_prompt_tokens // B)
-        block_ids = None
         i = st.stored_upto
-        while i < n_full:
-            k, parent = self._block_key(st, i), self._block_key(st, i - 1) if i else None
-            if parent is not None and parent not in self.primary:
-                break  # a tier holds whole prefixes: no block without its parent
-            announce = self.events.announcer(req, i * B, (i + 1) * B, KV)
-            if k not in self.primary:
-                entry = self.primary.prepare_store(k, parent, announce)
-                if entry is None:
-                    break
-                if block_ids is None:
-                    block_ids = self.kv_cache_manager.get_block_ids(req_id)
-                self.meta.stores.append(Store(k, KV, tuple(block_ids[g][i] for g in self.layout.groups[KV]),
-                                              entry.slot))
-                if self.pic is not None:
-                    self.pic.stored(req, i, k, parent)
-            else:
-                self.primary.touch(k)
-            self._write_through(k, parent, (i + 1) * B, announce)
-            i += 1
-        st.stored_upto = max(st.stored_upto, i)
+        if i < n_full:
+            r = self.layout.units_per_block
+            keys = st.unit_keys if len(st.unit_keys) >= n_full * r else self._unit_keys(st, n_full * r)
+            cpu, announcer, lower = self.primary, self.events.announcer, self.lower
+            pic = self.pic if self.pic is not None and self.pic.indexing else None
+            stores, groups, block_ids = self.meta.stores, self.layout.groups[KV], None
+            parent = keys[i * r - 1] if i else None
+            if parent is not None and parent not in cpu:
+                n_full = i  # a tier holds whole prefixes: no block without its parent
+            # each block's parent is the block before it, which the loop just stored or found
+            # held (pinned by reserve while its child is stored): checked once, above
+            while i < n_full:
+                k = keys[(i + 1) * r - 1]
+                if k in cpu:
+                    cpu.touch(k)
+                    if lower:
+                        self._write_through(k, parent, (i + 1) * B, announcer(req, i * B, (i + 1) * B, KV))
+                else:
+                    announce = announcer(req, i * B, (i + 1) * B, KV)  # events built once announced
+                    entry = cpu.prepare_store(k, parent, announce)
+                    if entry is None:
+                        break
+                    if block_ids is None:
+                        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+                    stores.append(Store(k, KV, tuple(block_ids[g][i] for g in groups), entry.slot))
+                    if pic is not None:
+                        pic.stored(req, i, k, parent)
+                    if lower:
+                        self._write_through(k, parent, (i + 1) * B, announce)
+                parent = k
+                i += 1
+            st.stored_upto = max(st.stored_upto, i)
         x = computed_after_step
         if (self.layout.hybrid and x % self.hash_unit == 0 and x >= self.hash_unit
                 and (x % B == 0 or x <= req.num_prompt_tokens) and not (prompt_only and x > req.num_prompt_tokens)
