@@ -214,7 +214,7 @@ class SchedulerSide:
         for position, tier in self._waiting:
             if not tier.prepare_lookup(request.request_id, self._candidates(st, start, limit, position)):
                 return None, False  # its lookup is still running: wait a step
-        plan = self._plan(st, start, limit, self._held)
+        plan = self._plan(st, start, limit, self._held if self.lower else self.primary.lookup)
         if plan is None:
             self._release_claim(request.request_id)
             return 0, False
@@ -291,14 +291,16 @@ class SchedulerSide:
         """The longest hit past block `start` (tokens, entries it needs) whose entries all pass
         `held`, or None. A hit never covers token `limit`."""
         B, r = self.block_size, self.layout.units_per_block
+        n = (limit + 1) // B  # blocks a hit could cover
+        keys = st.unit_keys if len(st.unit_keys) >= n * r else self._unit_keys(st, n * r)
         full = start  # blocks [start, full) are held
-        while (full + 1) * B <= limit and held(self._block_key(st, full)):
+        while (full + 1) * B <= limit and held(keys[(full + 1) * r - 1]):
             full += 1
         if not self.layout.hybrid:
             hit = full * B
-            if (full + 1) * B == limit + 1 and held(self._block_key(st, full)):
+            if (full + 1) * B == limit + 1 and held(keys[(full + 1) * r - 1]):
                 full, hit = full + 1, limit  # the last block whole: vLLM computes only its last token
-            return (hit, [_Need(self._block_key(st, i), KV, i) for i in range(start, full)]) if full > start else None
+            return (hit, [_Need(keys[(i + 1) * r - 1], KV, i) for i in range(start, full)]) if full > start else None
         unit = self.hash_unit
         keys = self._unit_keys(st, limit // unit)
         for u in range(limit // unit, start * r, -1):  # the hit ends after unit u-1: X = u * unit
