@@ -132,7 +132,8 @@ class SchedulerSide:
         self.kv_cache_manager = None  # bound later (block ids of the requests)
         # numba loads the key kernels from its cache at their first call (~0.7 s here): at startup,
         # not in the first request's scheduler step
-        layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.root)
+        if layout.keyer is not None:
+            layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.root)
         logger.info(
             "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s",
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
