@@ -53,7 +53,8 @@ def main() -> None:
               kv_transfer_config={"kv_connector": "KVBMConnector",
                                   "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                                   "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30,
-                                                                                      "pic_recompute_ratio": args.ratio}})
+                                                                                      "pic_recompute_ratio": args.ratio,
+                                                                                      "pic_index_always": True}})
     rng = random.Random(12)
     times: dict[str, list] = {"full": [], "pic": [], "prefix": []}
     cached = {}

@@ -91,7 +91,8 @@ def child(args) -> None:
                                   "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                                   "kv_role": "kv_both",
                                   "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30,
-                                                                "pic_recompute_ratio": args.child}})
+                                                                "pic_recompute_ratio": args.child,
+                                                                "pic_index_always": True}})
     sp = SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True, logprobs=-1)
     vocab = llm.llm_engine.model_config.get_vocab_size()
 

@@ -46,6 +46,9 @@ class KVBMConfig:
     # recomputed (patches/pic_blend.py; 0.15 is CacheBlend's); 0: the loaded KV is used as is. Off
     # by default: the recompute runs every reused token through the model (no TTFT gain left)
     pic_recompute_ratio: float = 0.0
+    # index the CPU tier's blocks for position-independent loads from startup; off: from the first
+    # `kvbm-pic:` request on (until then no request could use the index: docs/reuse.md)
+    pic_index_always: bool = False
     # measure this machine's peak per transfer kind when the worker starts (tiers/roofline.py, a few
     # seconds): the log line and vllm:kvbm_transfer_peak_bytes_per_second then show the share reached
     measure_roofline: bool = False
@@ -89,7 +92,7 @@ class KVBMConfig:
         r = cfg.pic_recompute_ratio
         if not isinstance(r, (int, float)) or isinstance(r, bool) or not 0 <= r <= 1:
             raise ValueError(f"{CONNECTOR_NAME}: pic_recompute_ratio must be a number in [0, 1], got {r!r}")
-        for name in ("offload_prompt_only", "disk_fsync", "measure_roofline"):
+        for name in ("offload_prompt_only", "disk_fsync", "measure_roofline", "pic_index_always"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"{CONNECTOR_NAME}: {name} must be true or false, got {getattr(cfg, name)!r}")
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):

@@ -94,7 +94,7 @@ def run(spec: dict) -> dict:
         return sum(1 for _ in server.client().scan_iter(match="kvbm:*"))
 
     def breakers_ready() -> bool:
-        return side.remote.breaker.allow_soon() and worker.remote.breaker.allow_soon()
+        return side.tier("remote").breaker.allow_soon() and worker.remote.breaker.allow_soon()
 
     try:
         # 1. a request stores; the server is SIGKILLed between requests; the next is a miss
@@ -110,8 +110,8 @@ def run(spec: dict) -> dict:
             facts["writing_at_kill"] = 0
 
             def kill_when_writing():
-                if server.proc is not None and side.remote.writing:
-                    facts["writing_at_kill"] = len(side.remote.writing)
+                if server.proc is not None and side.tier("remote").writing:
+                    facts["writing_at_kill"] = len(side.tier("remote").writing)
                     server.kill()
         gen("burst", max_tokens=24, on_step=kill_when_writing if on else None)
         # 3. restarted again: stores resume and a stored prefix is a remote hit, same engine
@@ -125,21 +125,21 @@ def run(spec: dict) -> dict:
             facts["stored_after_restart"] = until(lambda: stored() >= 12, 10)
         gen("fill")  # evicts both from the 64-slot CPU tier
         llm.reset_prefix_cache()
-        fetched = side.remote.counters["fetched"] if on else 0
+        fetched = side.tier("remote").counters["fetched"] if on else 0
         gen("hit")
         if on:
-            facts["fetched_for_hit"] = side.remote.counters["fetched"] - fetched
+            facts["fetched_for_hit"] = side.tier("remote").counters["fetched"] - fetched
         # 4. CLIENT PAUSE 3000 while requests (one of them stored on the server) run
         if on:
             time.sleep(0.3)  # the writes behind of the fillers are done
             server.client().execute_command("CLIENT", "PAUSE", 3000)
             t_pause = time.monotonic()
             calls.clear()
-            felt = sum(side.remote.counters[k] for k in ("lookup_timeouts", "lookup_failures", "fetch_misses"))
+            felt = sum(side.tier("remote").counters[k] for k in ("lookup_timeouts", "lookup_failures", "fetch_misses"))
         gen("paused")
         if on:
             facts["pause_run_s"] = time.monotonic() - t_pause
-            facts["pause_misses"] = sum(side.remote.counters[k] for k in
+            facts["pause_misses"] = sum(side.tier("remote").counters[k] for k in
                                         ("lookup_timeouts", "lookup_failures", "fetch_misses")) - felt
             facts["longest"] = {n: max((s for c, s in calls if c == n), default=0.0) for n, _ in calls}
             facts["steps_timed"] = sum(1 for c, _ in calls if c == "schedule")
@@ -149,8 +149,8 @@ def run(spec: dict) -> dict:
         if on:
             time.sleep(0.3)
             gen("after_pause")
-            facts["counters"] = dict(side.remote.counters)
-            facts["breakers"] = {"scheduler": [side.remote.breaker.opened, side.remote.breaker.closed],
+            facts["counters"] = dict(side.tier("remote").counters)
+            facts["breakers"] = {"scheduler": [side.tier("remote").breaker.opened, side.tier("remote").breaker.closed],
                                  "worker": [worker.remote.breaker.opened, worker.remote.breaker.closed]}
             from vllm_kvbm_plugin.testing.engine_run import metric_totals
 

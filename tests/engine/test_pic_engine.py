@@ -41,7 +41,8 @@ def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_
         llm["kv_transfer_config"] = {"kv_connector": "KVBMConnector", "kv_connector_module_path":
                                      "vllm_kvbm_plugin.connector", "kv_role": "kv_both",
                                      "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes,
-                                                                   "pic_recompute_ratio": ratio}}
+                                                                   "pic_recompute_ratio": ratio,
+                                                                   "pic_index_always": True}}
     out = tmp_path / (name or ("pic" if connector else "cold"))
     out.mkdir()
     (out / "spec.json").write_text(json.dumps({"model": model, "llm": llm, "steps": steps}))

@@ -202,7 +202,7 @@ def test_every_panel_returns_series(tmp_path, prometheus_binary):
         port, prom_port = free_port(), free_port()
         disk = tmp_path / "disk"
         extra = {"cpu_bytes_to_use": 12 * SLOT, "disk_path": str(disk), "disk_bytes_to_use": 30 * SLOT,
-                 "remote_url": redis.url, "measure_roofline": True}
+                 "remote_url": redis.url, "measure_roofline": True, "pic_index_always": True}
         ktc = {"kv_connector": "KVBMConnector", "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                "kv_role": "kv_both", "kv_connector_extra_config": extra}
         serve_log = tmp_path / "serve.log"

@@ -88,7 +88,7 @@ def test_disk_tier_after_restart_uses_vllms_storage_vocabulary(tmp_path, hybrid)
     first = harness(hybrid, disk_path=str(tmp_path))
     first.serve(PROMPT)
     second = harness(hybrid, disk_path=str(tmp_path), cpu_bytes_to_use=1)  # a new engine, no CPU tier
-    assert second.connector.cpu.index.capacity == 0
+    assert second.connector.tier("cpu").index.capacity == 0
     assert second.serve(PROMPT) == 192  # direct loads from the files of the first run
     assert idle(second)
     stored = [ev for h in (first, second) for ev in events(h) if ev.medium not in ("GPU", MEDIUM_CPU)]
@@ -146,7 +146,7 @@ def test_pending_push_work_keeps_an_idle_engine_stepping_only_while_work_is_in_f
     busy_loop(first)
     stored = [ev for ev in events(first) if isinstance(ev, BlockStored) and ev.medium == MEDIUM_STORAGE]
     assert sum(len(ev.block_hashes) for ev in stored) == 6
-    assert idle(first) and len(first.connector.cpu) == len(first.connector.disk) == 6  # cached, not work
+    assert idle(first) and len(first.connector.tier("cpu")) == len(first.connector.tier("disk")) == 6  # cached, not work
     assert not first.scheduler.connector.has_pending_push_work()
 
     # a new engine without a CPU tier: the request waits a step while the workers verify its six
@@ -154,7 +154,7 @@ def test_pending_push_work_keeps_an_idle_engine_stepping_only_while_work_is_in_f
     second = harness(False, disk_path=str(tmp_path), cpu_bytes_to_use=1)
     second.add(PROMPT, max_tokens=2)
     assert second.step() == 0 and second.connector.accounting()["direct"] == 6
-    assert all(h.ready for h in second.connector.disk.held.values())
+    assert all(h.ready for h in second.connector.tier("disk").held.values())
     assert not second.scheduler.connector.has_pending_push_work()
     busy_loop(second)
     assert second.cached_tokens == {"r0": 192} and idle(second)
@@ -170,7 +170,7 @@ def test_tier_entries_are_left_out_of_garbage_collections(tmp_path):
 
     def tracked(side) -> list:
         found = []
-        for tier in (side.cpu, side.disk):
+        for tier in (side.tier("cpu"), side.tier("disk")):
             for e in tier.index.entries.values():
                 a = e.meta
                 parts = [e] if a is None else [e, a, a.events] + [f for ev in a.events for f in (
@@ -181,16 +181,16 @@ def test_tier_entries_are_left_out_of_garbage_collections(tmp_path):
                       if gc.is_tracked(k)]
         return found
 
-    h = harness(False, disk_path=str(tmp_path))
+    h = harness(False, disk_path=str(tmp_path), pic_index_always=True)
     h.serve(PROMPT)
     h.serve(PROMPT[:100] + [7] * 100)  # a second child of a stored block
     gc.collect()  # tuples of atoms are untracked by the collection that first sees them
-    assert len(h.connector.cpu) == 9 and len(h.connector.disk) == 9
+    assert len(h.connector.tier("cpu")) == 9 and len(h.connector.tier("disk")) == 9
     assert h.connector.pic is not None and h.connector.pic.indexes  # the index is on for this model
     assert tracked(h.connector) == []
     restarted = harness(False, disk_path=str(tmp_path))
     gc.collect()
-    assert len(restarted.connector.disk) == 9 and tracked(restarted.connector) == []
+    assert len(restarted.connector.tier("disk")) == 9 and tracked(restarted.connector) == []
 
 
 def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_path):
@@ -209,11 +209,11 @@ def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_pat
     second = harness(False, workers=2, disk_path=str(tmp_path))
     assert second.serve(PROMPT) == 0  # rank 0 verified its block 0, rank 1 did not: a miss
     assert second.connector.accounting()["reports_pending"] == 0
-    assert idle(second) and len(second.connector.disk) == 6  # the new run stored its blocks again
+    assert idle(second) and len(second.connector.tier("disk")) == 6  # the new run stored its blocks again
     second.reset_prefix_cache()
-    second.connector.cpu.index.capacity = 0  # make the next hit read the files again
-    for key in list(second.connector.cpu.index.entries):
-        second.connector.cpu.index.remove(key)
+    second.connector.tier("cpu").index.capacity = 0  # make the next hit read the files again
+    for key in list(second.connector.tier("cpu").index.entries):
+        second.connector.tier("cpu").index.remove(key)
     assert second.serve(PROMPT) == 192  # rewritten on both ranks: a hit, every byte checked
     assert idle(second)
 

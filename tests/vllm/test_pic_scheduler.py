@@ -100,6 +100,7 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, wo
                                        num_blocks=num_blocks, max_model_len=1024, workers=workers,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        connector={"cpu_bytes_to_use": cpu_bytes, "pic_recompute_ratio": 0,
+                                                  "pic_index_always": True,
                                                   **connector}))
     for w in h.workers:
         w.__class__ = worker
@@ -108,14 +109,14 @@ def harness(tmp_path, cpu_bytes=1 << 22, num_blocks=96, rope=ROPE, workers=1, wo
 
 
 def pinned(h) -> int:
-    return h.connector.cpu.busy()
+    return h.connector.tier("cpu").busy()
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_reordered_documents_load_with_k_rerotated(tmp_path, workers):
     h = harness(tmp_path, workers=workers)
     planner = h.connector.pic
-    assert planner is not None and h.connector.cpu is planner.cpu
+    assert planner is not None and h.connector.tier("cpu") is planner.cpu
     assert h.serve(prompt([0, 1, 2, 3])) == 0
     h.reset_prefix_cache()
     # the same documents reordered, salted: no exact hit (the salt is in its keys), so the
@@ -199,8 +200,8 @@ def test_evicted_blocks_leave_the_index(tmp_path):
     h.serve(prompt([0, 1, 2, 3]))  # 18 full blocks into a 12-slot tier: the LRU ones go
     planner = h.connector.pic
     index = planner.indexes[None]
-    assert len(index) == len(h.connector.cpu) == 12
-    assert set(planner.namespace_of) == set(h.connector.cpu.index.entries)
+    assert len(index) == len(h.connector.tier("cpu")) == 12
+    assert set(planner.namespace_of) == set(h.connector.tier("cpu").index.entries)
     h.reset_prefix_cache()
     # the evicted blocks (the preamble and documents 0-1) are gone: no exact hit, no run to continue
     assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 0

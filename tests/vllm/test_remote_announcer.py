@@ -134,7 +134,7 @@ def test_two_instances_and_the_announcer_each_entry_once_and_server_removals(ser
     server.kill()
     time.sleep(0.3)
     server.start()
-    time.sleep(a.connector.remote.breaker.MIN_BACKOFF + 0.1)
+    time.sleep(a.connector.tier("remote").breaker.MIN_BACKOFF + 0.1)
     r = prompt()
     assert a.serve(r) == 0
     assert idle(a)

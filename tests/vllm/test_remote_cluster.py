@@ -55,7 +55,7 @@ def test_instance_b_hits_what_a_stored_across_the_cluster(cluster, workers):
     per_node = [sum(1 for _ in s.client().scan_iter(match="kvbm:*")) for s in cluster.nodes]  # block values
     assert sum(n > 0 for n in per_node) >= 2, per_node  # the client spread the entries
     assert b.serve(p) == 192  # B's first request: loaded from the cluster, every block's KV checked
-    assert b.connector.remote.counters["fetched"] > 0
+    assert b.connector.tier("remote").counters["fetched"] > 0
 
 
 def ours(node) -> set:
@@ -77,7 +77,7 @@ def test_a_fresh_instance_is_connected_to_every_node_before_its_first_request(cl
         time.sleep(0.02)
     # the scheduler side (its lookups) and every worker (its fetches) on every master, no request yet
     assert new() == [1 + workers] * len(cluster.nodes)
-    assert b.connector.remote.counters["lookups"] == 0
+    assert b.connector.tier("remote").counters["lookups"] == 0
 
 
 @needs_server
@@ -95,10 +95,10 @@ def test_a_node_down_is_a_miss_and_hits_resume_when_it_is_back(cluster):
         deadline = time.monotonic() + 20
         hit = 0
         while hit < 192 and time.monotonic() < deadline:  # the breakers' backoffs end, both probe
-            time.sleep(a.connector.remote.breaker.MIN_BACKOFF + 0.1)
+            time.sleep(a.connector.tier("remote").breaker.MIN_BACKOFF + 0.1)
             q = prompt()
             assert a.serve(q) == 0
-            time.sleep(b.connector.remote.breaker.MIN_BACKOFF + 0.1)
+            time.sleep(b.connector.tier("remote").breaker.MIN_BACKOFF + 0.1)
             hit = b.serve(q)
         assert hit == 192  # without restarting either instance
         assert not errors

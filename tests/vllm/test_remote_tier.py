@@ -46,11 +46,11 @@ def test_instance_b_hits_what_instance_a_stored(server, hybrid, n, hit):
     assert a.serve(p) == 0
     assert server.client().dbsize() > 0
     assert b.serve(p) == hit  # B never computed it: loaded from the server, KV checked
-    assert b.connector.remote.counters["fetched"] > 0
+    assert b.connector.tier("remote").counters["fetched"] > 0
     assert idle(a) and idle(b)
     remote = [ev for batch in a.batches for ev in batch.events
               if isinstance(ev, BlockStored) and ev.medium == MEDIUM_STORAGE]
-    assert remote and all(ev.locality == LOCALITY_REMOTE and ev.ownership == a.connector.remote.name.ownership
+    assert remote and all(ev.locality == LOCALITY_REMOTE and ev.ownership == a.connector.tier("remote").name.ownership
                           for ev in remote)
     for h in (a, b):  # each instance's stream (vLLM's, CPU, remote tier) is consistent
         v = Validator()
@@ -70,7 +70,7 @@ def thread_errors():
 
 def wait_backoff(h: SchedulerHarness) -> None:
     """Let the breakers' first backoff end, so the next call probes the server."""
-    time.sleep(h.connector.remote.breaker.MIN_BACKOFF + 0.1)
+    time.sleep(h.connector.tier("remote").breaker.MIN_BACKOFF + 0.1)
 
 
 def test_server_killed_between_requests_is_a_miss_and_hits_resume_after_restart(server, thread_errors):
@@ -79,7 +79,7 @@ def test_server_killed_between_requests_is_a_miss_and_hits_resume_after_restart(
     assert a.serve(p) == 0
     server.kill()
     assert b.serve(p) == 0  # a miss, computed; every step checked the KV
-    assert b.connector.remote.breaker.opened == 1
+    assert b.connector.tier("remote").breaker.opened == 1
     assert a.serve(prompt()) == 0  # A's writes fail too: never an error
     server.start()  # empty, same port
     wait_backoff(a)
@@ -87,7 +87,7 @@ def test_server_killed_between_requests_is_a_miss_and_hits_resume_after_restart(
     assert server.client().dbsize() > 0  # A stores again without a restart
     wait_backoff(b)
     assert b.serve(q) == 192  # and B hits again
-    assert not b.connector.remote.breaker.is_open()
+    assert not b.connector.tier("remote").breaker.is_open()
     assert idle(a) and idle(b)
     assert not thread_errors
 
@@ -104,7 +104,7 @@ def test_server_killed_during_a_write_burst(server, thread_errors):
         assert time.monotonic() < deadline
     a.settle()
     assert set(ids) <= set(a.cached_tokens)
-    seen = a.connector.remote.counters  # writes that failed, or lookups (then no more writes were tried)
+    seen = a.connector.tier("remote").counters  # writes that failed, or lookups (then no more writes were tried)
     assert seen["write_failures"] + seen["lookup_failures"] > 0, seen
     assert idle(a)
     assert not thread_errors
@@ -134,7 +134,7 @@ def test_client_pause_never_stalls_a_step(server, thread_errors):
     assert time.monotonic() - t_pause < 3.0, "the test must run while the server is paused"
     assert longest < (budget_ms + 50) / 1000, f"a step took {longest * 1000:.0f} ms"
     b.settle()
-    assert b.connector.remote.counters["fetched"] == 0  # every remote lookup was a miss
+    assert b.connector.tier("remote").counters["fetched"] == 0  # every remote lookup was a miss
     assert not thread_errors
 
 
@@ -161,7 +161,7 @@ def test_bad_values_are_misses_and_deleted(server, damage):
     p = prompt()
     assert a.serve(p) == 0
     # the value of block 2 (keys are per block; find it by B's own key naming)
-    name = b.connector.remote.names(_block_key(b, p, 2))[0].encode()
+    name = b.connector.tier("remote").names(_block_key(b, p, 2))[0].encode()
     c = server.client()
     value = c.get(name)
     assert value is not None
@@ -172,7 +172,7 @@ def test_bad_values_are_misses_and_deleted(server, damage):
     else:  # the same key written by another model or layout: its header names another fingerprint
         c.set(name, value[:24] + bytes(16) + value[40:])
     assert b.serve(p) == 2 * 32  # the leading run before the bad value
-    assert b.connector.remote.counters["fetch_misses"] == 1
+    assert b.connector.tier("remote").counters["fetch_misses"] == 1
     assert c.get(name) == value  # deleted, then B wrote the block it computed: the good bytes again
 
 
@@ -204,7 +204,7 @@ def test_an_evicted_block_key_secret_is_written_back(server):
     a = instance(server.url)
     c = server.client()
     secret = c.get(REMOTE_NAME)
-    assert secret is not None and a.connector.remote.secret_hex == secret.decode()
+    assert secret is not None and a.connector.tier("remote").secret_hex == secret.decode()
     c.delete(REMOTE_NAME)  # as an eviction would
     assert a.serve(prompt()) == 0  # its lookup
     assert c.get(REMOTE_NAME) == secret

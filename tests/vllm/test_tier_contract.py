@@ -1,7 +1,8 @@
 """A tier added through the contract alone (connector/base.py), inside vLLM's real Scheduler: a
-fake tier defined here, appended to scheduler.SECONDARY_TIERS after the disk tier, holding slot
-bytes in a dict its worker half (a hook on the real WorkerSide's report) fills and reads. A second
-instance with fresh CPU and disk tiers (same tier secret) finds the prompt there: looked up, fetched into CPU slots,
+fake tier defined here, appended to scheduler.SECONDARY_TIERS as a fourth tier after the disk and
+remote tiers (a real redis-server), holding slot bytes in a dict its worker half (a hook on the real
+WorkerSide's report) fills and reads. A second instance with fresh CPU tier, its disk files deleted
+and the server emptied (same tier secret) finds the prompt in the fake tier only: looked up, fetched into CPU slots,
 loaded into the KV cache (SimulatedWorker.check compares every loaded token with a recompute),
 stored by the first instance, and each request released."""
 
@@ -99,7 +100,7 @@ class FakeTier:
         return []
 
 
-def instance(monkeypatch, store: dict, disk_path) -> tuple[SchedulerHarness, FakeTier]:
+def instance(monkeypatch, store: dict, disk_path, url: str) -> tuple[SchedulerHarness, FakeTier]:
     made = []
 
     def create(layout, cfg):
@@ -107,7 +108,7 @@ def instance(monkeypatch, store: dict, disk_path) -> tuple[SchedulerHarness, Fak
         return made[-1]
     monkeypatch.setattr(scheduler, "SECONDARY_TIERS", [*BUILT_IN, create])  # one line: the new tier
     h = SchedulerHarness(HarnessConfig(hybrid=False, block_size=32, hash_block_size=None, num_blocks=64, connector={
-        "cpu_bytes_to_use": 1 << 24, "disk_path": str(disk_path)}))
+        "cpu_bytes_to_use": 1 << 24, "disk_path": str(disk_path), "remote_url": url, "remote_events": "instance"}))
     fake = made[0]
     side = h.workers[0].side
     build = side.build_worker_meta
@@ -125,27 +126,31 @@ def instance(monkeypatch, store: dict, disk_path) -> tuple[SchedulerHarness, Fak
     return h, fake
 
 
-def test_a_fake_tier_is_looked_up_loaded_stored_and_released(tmp_path, monkeypatch):
+def test_a_fake_tier_is_looked_up_loaded_stored_and_released(tmp_path, monkeypatch, redis_server):
     store: dict = {}
-    a, fake_a = instance(monkeypatch, store, tmp_path)
-    assert [t.label for t in a.connector.tiers] == ["cpu", "disk", "fake"]
+    a, fake_a = instance(monkeypatch, store, tmp_path, redis_server.url)
+    assert [t.label for t in a.connector.tiers] == ["cpu", "disk", "remote", "fake"]
     assert a.serve(PROMPT) == 0
     assert len(fake_a.stored) == len(store) == 6 and not fake_a.loaded  # written through from the CPU slots
     assert len(fake_a.finished) == 1
 
+    a.settle()
+    assert redis_server.client().dbsize() > 0  # the remote tier, before the fake one, stored them too
     for f in tmp_path.rglob("*.kvb"):  # the disk tier's blocks (its secret, hence the keys, stays)
         f.unlink()
-    b, fake_b = instance(monkeypatch, store, tmp_path)  # fresh CPU and disk tiers
+    redis_server.client().flushall()
+    b, fake_b = instance(monkeypatch, store, tmp_path, redis_server.url)  # fresh CPU tier, empty disk and remote
     rid = b.add(PROMPT, max_tokens=2)
     b.run(timeout=30)
     b.settle()
     assert b.cached_tokens[rid] == 192  # every KV token checked against a recompute on load
     assert fake_b.looked_up >= set(store) and fake_b.loaded == set(store)
+    assert b.connector.tier("remote").counters["fetched"] == 0  # looked up there first, missed
     assert fake_b.finished == {rid}
     acc = b.connector.accounting()
     assert acc["fake"] == {"fetching": 0, "writing": 0} and acc["cpu"]["busy"] == 0 and acc["reports_pending"] == 0
     assert not b.connector.has_pending_push_work()
-    assert len(b.connector.disk) == 6  # the fetched entries went on to the disk tier, not back to the fake one
+    assert len(b.connector.tier("disk")) == 6  # the fetched entries went on to the disk tier, not back to the fake one
     for h in (a, b):
         v = Validator()
         for batch in h.batches:

@@ -62,9 +62,10 @@ class EventBuilder:
         hashes, unit = request.block_hashes, self.layout.hash_unit
         if len(hashes) < end // unit:
             return Announce(())
-        conv = self.to_event_hashes
-        vhash = conv([hashes[end // unit - 1]])[0]
-        parent = conv([hashes[start // unit - 1]])[0] if start else None
+        if start:  # one conversion for both
+            parent, vhash = self.to_event_hashes([hashes[start // unit - 1], hashes[end // unit - 1]])
+        else:
+            parent, vhash = None, self.to_event_hashes([hashes[end // unit - 1]])[0]
         extra = None
         if compat.has_extra_keys(request):
             extra = to_event_extra_keys([compat.block_extra_keys(self.pool, request, start, end, 0)[0]])

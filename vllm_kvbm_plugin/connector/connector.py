@@ -87,7 +87,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             stats, remote = self._worker.get_stats(), self._worker.remote
         else:
-            stats, remote = None, self._sched.remote
+            stats, remote = None, self._sched.tier("remote")
         if remote is None:
             return stats
         if self._remote_counters is None:

@@ -35,7 +35,10 @@ class TierManager:
         self.index = TierIndex(capacity, make_policy(policy))
         self.stores = PinnedStores(self.index)  # each store in flight pins its parent
         self.waiting: dict = {}  # key -> children stored before it was announced (announced after it)
-        self.storing: set = set()  # keys prepared for a store whose outcome the workers owe
+        # keys prepared for a store whose outcome the workers owe -> the announcer of its events,
+        # built when first needed (`events_of`: the store landed, or a child waits on it), not for
+        # stores that fail
+        self.storing: dict = {}
         self.events: list = []
 
     def __len__(self) -> int:
@@ -54,9 +57,18 @@ class TierManager:
     def slot(self, key) -> int:
         return self.index.entries[key].slot
 
+    def events_of(self, key) -> Announce | None:
+        """The events of the entry of `key` (built now if its store has not landed yet)."""
+        entry = self.index.entries[key]
+        build = self.storing.get(key)
+        if build is not None:
+            entry.meta = build(self.name)
+            self.storing[key] = None
+        return entry.meta
+
     def announcement(self, key) -> Announcer:
         """The events `key` was announced with here, renamed for another tier (its copy there)."""
-        meta = self.index.entries[key].meta
+        meta = self.events_of(key)
 
         def announce(name: Tier) -> Announce:
             if meta is None or not meta.events:
@@ -75,16 +87,18 @@ class TierManager:
     def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
         """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no
         room. Its parent stays pinned until complete_store."""
-        entry, evicted = self.stores.reserve(key, parent, announce(self.name))
+        entry, evicted = self.stores.reserve(key, parent)
         self._evicted(evicted)
         if entry is not None:
-            self.storing.add(key)
+            self.storing[key] = announce
         return entry
 
     def complete_store(self, key, ok: bool) -> None:
         """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
-        self.storing.discard(key)
         e, parent = self.stores.settle(key, ok)
+        if e is not None:
+            self.events_of(key)
+        self.storing.pop(key, None)
         if e is not None:
             self._announce_after(key, e, parent)
         elif not ok:
@@ -92,7 +106,7 @@ class TierManager:
 
     def remove(self, key) -> None:
         """`key` is gone (found corrupt or missing): drop it and announce the removal."""
-        self.storing.discard(key)
+        self.storing.pop(key, None)
         self._evicted([(key, self.index.remove(key))])
 
     def take_events(self) -> list:
@@ -141,6 +155,8 @@ class TierManager:
             p = self.index.entries.get(parent)
             if p is None:
                 return
+            if parent in self.storing:  # its store has not landed: its events decide whether to wait
+                self.events_of(parent)
             if p.meta is not None and p.meta.events and not p.meta.announced:
                 self.waiting.setdefault(parent, []).append(key)
                 return

@@ -120,7 +120,7 @@ class DiskTier(TierManager):
             return None
         if self.prepare_store(key, parent, announce) is None:
             return None
-        events = self.index.entries[key].meta.events
+        events = self.events_of(key).events
         return diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
 
     def stop_writes(self) -> None:

@@ -41,6 +41,10 @@ _ENTRY_OF_KIND = {"full_attention": KV, "mla_attention": KV, "mamba": STATE}
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
+    """What both halves of KVBMConnector agree on about vLLM's KV cache and the tiers: which groups
+    hold KV and which recurrent state, block and hash-unit sizes, slot size and counts, the key root
+    and (scheduler side) the Keyer. Built once per process from vLLM's config (`from_vllm`)."""
+
     groups: dict  # EntryKind -> tuple of KV cache group indices
     spec_kinds: tuple[str, ...]  # vLLM's kv_cache_spec_kind per group (for events)
     layer_names: tuple[tuple[str, ...], ...]  # per group

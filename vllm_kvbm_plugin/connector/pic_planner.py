@@ -139,6 +139,9 @@ class PicPlanner:
         self.indexes: dict = {}  # namespace -> SubseqIndex over whole blocks
         self.namespace_of: dict = {}  # tier key -> namespace
         self.queued: dict = {}  # tier key -> (namespace, tokens, parent, position): stored, to index
+        # whether stored blocks are indexed: only a `kvbm-pic:` request reads the index, so until
+        # the first one comes (or `pic_index_always`) indexing would be pure scheduler cost
+        self.indexing = bool(getattr(cfg, "pic_index_always", False))
         self.claims: dict[str, _PicClaim] = {}
         self.blending: dict[str, list] = {}  # recompute: req id -> segments vLLM has yet to compute (pinned)
         self.recompute = _recompute(cfg, self.kv_groups)  # selective recompute (layer 3) or loads only
@@ -174,6 +177,8 @@ class PicPlanner:
     def stored(self, request, block: int, key, parent) -> None:
         """The CPU tier took block `block` of `request` under `key`. Indexed later (`flush`):
         the scheduler stores while it plans a step, which a request's loads and fetches wait for."""
+        if not self.indexing:
+            return
         ns = _namespace(request)
         if ns is False or key in self.namespace_of or key in self.queued:
             return
@@ -212,6 +217,10 @@ class PicPlanner:
         self.release(request.request_id)
         if not wants(request):
             return 0
+        if not self.indexing:
+            logger.info("KVBMConnector: first %r request: the CPU tier's blocks stored from now on are "
+                        "indexed for position-independent loads", SALT_PREFIX)
+            self.indexing = True
         self.flush()
         self.stats["lookups"] += 1
         end = start = computed + hit

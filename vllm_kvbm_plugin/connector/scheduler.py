@@ -130,6 +130,10 @@ class SchedulerSide:
         self.meta = KVBMMetadata()
         self.loads_pinned: list = []
         self.kv_cache_manager = None  # bound later (block ids of the requests)
+        # numba loads the key kernels from its cache at their first call (~0.7 s here): at startup,
+        # not in the first request's scheduler step
+        if layout.keyer is not None:
+            layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.root)
         logger.info(
             "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s",
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
@@ -141,13 +145,9 @@ class SchedulerSide:
         )
 
     def tier(self, label: str):
-        """The tier of that label, or None (not configured)."""
+        """The tier of that label ("cpu", "disk", "remote", ...), or None (not configured): how
+        stats, tests and tools find one tier (the planner goes through `tiers`)."""
         return self._by_label.get(label)
-
-    # the tiers by name, for stats, tests and tools (the planner goes through `tiers`)
-    cpu = property(lambda self: self.tier("cpu"))
-    disk = property(lambda self: self.tier("disk"))
-    remote = property(lambda self: self.tier("remote"))
 
     def bind(self, kv_cache_manager) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -215,7 +215,7 @@ class SchedulerSide:
         for position, tier in self._waiting:
             if not tier.prepare_lookup(request.request_id, self._candidates(st, start, limit, position)):
                 return None, False  # its lookup is still running: wait a step
-        plan = self._plan(st, start, limit, self._held)
+        plan = self._plan(st, start, limit, self._held if self.lower else self.primary.lookup)
         if plan is None:
             self._release_claim(request.request_id)
             return 0, False
@@ -292,14 +292,16 @@ class SchedulerSide:
         """The longest hit past block `start` (tokens, entries it needs) whose entries all pass
         `held`, or None. A hit never covers token `limit`."""
         B, r = self.block_size, self.layout.units_per_block
+        n = (limit + 1) // B  # blocks a hit could cover
+        keys = st.unit_keys if len(st.unit_keys) >= n * r else self._unit_keys(st, n * r)
         full = start  # blocks [start, full) are held
-        while (full + 1) * B <= limit and held(self._block_key(st, full)):
+        while (full + 1) * B <= limit and held(keys[(full + 1) * r - 1]):
             full += 1
         if not self.layout.hybrid:
             hit = full * B
-            if (full + 1) * B == limit + 1 and held(self._block_key(st, full)):
+            if (full + 1) * B == limit + 1 and held(keys[(full + 1) * r - 1]):
                 full, hit = full + 1, limit  # the last block whole: vLLM computes only its last token
-            return (hit, [_Need(self._block_key(st, i), KV, i) for i in range(start, full)]) if full > start else None
+            return (hit, [_Need(keys[(i + 1) * r - 1], KV, i) for i in range(start, full)]) if full > start else None
         unit = self.hash_unit
         keys = self._unit_keys(st, limit // unit)
         for u in range(limit // unit, start * r, -1):  # the hit ends after unit u-1: X = u * unit
@@ -454,28 +456,39 @@ class SchedulerSide:
         n_full = computed_after_step // B
         if prompt_only:
             n_full = min(n_full, req.num_prompt_tokens // B)
-        block_ids = None
         i = st.stored_upto
-        while i < n_full:
-            k, parent = self._block_key(st, i), self._block_key(st, i - 1) if i else None
-            if parent is not None and parent not in self.primary:
-                break  # a tier holds whole prefixes: no block without its parent
-            announce = self.events.announcer(req, i * B, (i + 1) * B, KV)
-            if k not in self.primary:
-                entry = self.primary.prepare_store(k, parent, announce)
-                if entry is None:
-                    break
-                if block_ids is None:
-                    block_ids = self.kv_cache_manager.get_block_ids(req_id)
-                self.meta.stores.append(Store(k, KV, tuple(block_ids[g][i] for g in self.layout.groups[KV]),
-                                              entry.slot))
-                if self.pic is not None:
-                    self.pic.stored(req, i, k, parent)
-            else:
-                self.primary.touch(k)
-            self._write_through(k, parent, (i + 1) * B, announce)
-            i += 1
-        st.stored_upto = max(st.stored_upto, i)
+        if i < n_full:
+            r = self.layout.units_per_block
+            keys = st.unit_keys if len(st.unit_keys) >= n_full * r else self._unit_keys(st, n_full * r)
+            cpu, announcer, lower = self.primary, self.events.announcer, self.lower
+            pic = self.pic if self.pic is not None and self.pic.indexing else None
+            stores, groups, block_ids = self.meta.stores, self.layout.groups[KV], None
+            parent = keys[i * r - 1] if i else None
+            if parent is not None and parent not in cpu:
+                n_full = i  # a tier holds whole prefixes: no block without its parent
+            # each block's parent is the block before it, which the loop just stored or found
+            # held (pinned by reserve while its child is stored): checked once, above
+            while i < n_full:
+                k = keys[(i + 1) * r - 1]
+                if k in cpu:
+                    cpu.touch(k)
+                    if lower:
+                        self._write_through(k, parent, (i + 1) * B, announcer(req, i * B, (i + 1) * B, KV))
+                else:
+                    announce = announcer(req, i * B, (i + 1) * B, KV)  # events built once announced
+                    entry = cpu.prepare_store(k, parent, announce)
+                    if entry is None:
+                        break
+                    if block_ids is None:
+                        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+                    stores.append(Store(k, KV, tuple(block_ids[g][i] for g in groups), entry.slot))
+                    if pic is not None:
+                        pic.stored(req, i, k, parent)
+                    if lower:
+                        self._write_through(k, parent, (i + 1) * B, announce)
+                parent = k
+                i += 1
+            st.stored_upto = max(st.stored_upto, i)
         x = computed_after_step
         if (self.layout.hybrid and x % self.hash_unit == 0 and x >= self.hash_unit
                 and (x % B == 0 or x <= req.num_prompt_tokens) and not (prompt_only and x > req.num_prompt_tokens)

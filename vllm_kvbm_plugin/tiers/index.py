@@ -27,6 +27,10 @@ class Entry(msgspec.Struct, gc=False):
 
 
 class TierIndex:
+    """One tier's entries by key: slots, readiness, pins and the eviction policy that picks
+    victims among the unpinned. Pure; owned by a tier's scheduler side (TierManager,
+    offloading/disk_tier.py) on the scheduler thread."""
+
     def __init__(self, capacity: int, policy: EvictionPolicy):
         if capacity < 0:
             raise ValueError("capacity must be >= 0")

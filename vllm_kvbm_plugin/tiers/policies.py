@@ -51,6 +51,8 @@ class EvictionPolicy:
 
 
 class LRU(EvictionPolicy):
+    """Least recently stored or touched goes first (the default `eviction_policy`)."""
+
     def __init__(self) -> None:
         self._order: OrderedDict = OrderedDict()
 
