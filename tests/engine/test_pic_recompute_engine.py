@@ -99,6 +99,9 @@ def test_ratio_0_is_loads_alone(loads_only):
     assert loaded["num_cached_tokens"] == CONTIGUOUS
     assert result["pic"]["tokens"] == REUSABLE and result["pic"]["skipped"] == REUSABLE - CONTIGUOUS
     assert result["pic"]["skips"] == 3  # documents 0, 3 and 1, each past a 16-token gap
+    m = result["metrics"]  # vLLM's Prometheus stat logger: the scheduler side's counts too
+    assert m["vllm:kvbm_pic_tokens_total{operation=skipped}"] == REUSABLE - CONTIGUOUS
+    assert m["vllm:kvbm_pic_tokens_total{operation=computed}"] == len(REORDERED) - REUSABLE
     assert result["pic"]["blended"] == 0 and result["blend"]["tokens"] == 0
     # the loaded KV is not a full prefill's (other positions' context): the first token moves
     assert kl(full, loaded) > 0
@@ -116,6 +119,7 @@ def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
     assert m["vllm:kvbm_pic_tokens_total{operation=loaded}"] == REUSABLE
     assert m["vllm:kvbm_pic_tokens_total{operation=blended}"] == REUSABLE
     assert m["vllm:kvbm_pic_tokens_total{operation=recomputed}"] == recomputed
+    assert m["vllm:kvbm_pic_tokens_total{operation=computed}"] == len(REORDERED) - REUSABLE
     _, loaded0, full0 = loads_only
     assert full0["logprobs"] == full["logprobs"]  # the same full prefill in both engines
     print(f"\nRAG shape (4 x {DOC}-token documents, llama-big random weights): first-token KL vs a full prefill: "

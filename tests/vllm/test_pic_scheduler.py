@@ -179,12 +179,26 @@ def test_runs_past_a_new_preamble_and_gaps_are_loaded_and_skipped(tmp_path, budg
     h.reset_prefix_cache()
     planner = h.connector.pic
     new_pre = [rng.randrange(10, 2000) for _ in range(23)]
-    assert h.serve(new_pre + DOCS[2] + DOCS[0] + [1, 2, 3] + DOCS[3] + [9, 9], cache_salt=SALT) == 0
+    reported, take = {}, planner.take_counts  # what vLLM's stats polling of the scheduler side takes
+
+    def take_counts():
+        counts = take()
+        for k, v in counts.items():
+            reported[k] = reported.get(k, 0) + v
+        return counts
+
+    planner.take_counts = take_counts
+    rag = new_pre + DOCS[2] + DOCS[0] + [1, 2, 3] + DOCS[3] + [9, 9]
+    assert h.serve(rag, cache_salt=SALT) == 0
+    skipped = planner.stats["skipped"]
     if budget == 2048:  # two runs: documents 2 and 0 (adjacent), document 3
-        assert planner.stats["skipped"] == planner.stats["tokens"] == 3 * 4 * B
+        assert skipped == planner.stats["tokens"] == 3 * 4 * B
         assert planner.stats["skips"] == 2
     else:  # each chunk's blocks: runs load as far as they reach
-        assert 0 < planner.stats["skipped"] == planner.stats["tokens"] < 3 * 4 * B
+        assert 0 < skipped == planner.stats["tokens"] < 3 * 4 * B
+    # the connector stats' scheduler-side counts: every prompt token is computed or skipped
+    planner.take_counts()
+    assert reported == {"pic_computed_tokens": len(rag) - skipped, "pic_skipped_tokens": skipped}
     assert pinned(h) == 0 and not planner.skipping and not planner.approximate_from
 
 

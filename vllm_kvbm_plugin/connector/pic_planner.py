@@ -162,6 +162,18 @@ class PicPlanner:
         # blended: of those tokens, loaded to be blended with a recompute (not reported as computed)
         # skipped: of those tokens, loaded past a gap (the prefill jumps over them); skips: such jumps
         self.stats = {"lookups": 0, "served": 0, "tokens": 0, "segments": 0, "blended": 0, "skipped": 0, "skips": 0}
+        self.unreported: dict[str, int] = {}  # connector stats counted here, until `take_counts`
+
+    def _count(self, key: str, n: int) -> None:
+        if n:
+            self.unreported[key] = self.unreported.get(key, 0) + n
+
+    def take_counts(self) -> dict[str, int]:
+        """The scheduler side's share of the connector stats since the last call (stats.py):
+        `pic_computed_tokens` (prompt tokens of served requests that had no stored KV: computed
+        from scratch) and `pic_skipped_tokens` (loaded tokens the prefill never computes)."""
+        out, self.unreported = self.unreported, {}
+        return out
 
     @classmethod
     def create(cls, layout, cfg) -> "PicPlanner | None":
@@ -305,6 +317,7 @@ class PicPlanner:
             if taken:
                 self.blending[request.request_id] = taken
                 self.stats["served"] += 1
+                self._count("pic_computed_tokens", request.num_prompt_tokens - end - sum(s.count for s in taken))
             return
         block_ids = blocks.get_block_ids()
         served = 0
@@ -322,6 +335,7 @@ class PicPlanner:
         if served or later:
             self.stats["served"] += 1
             self.stats["tokens"] += served
+            self._count("pic_computed_tokens", request.num_prompt_tokens - end - sum(s.count for s in later))
 
     MIN_SKIP = 2  # blocks: a shorter run past a gap is computed (a skip costs a step)
 
@@ -337,7 +351,8 @@ class PicPlanner:
             return n
         request, segments = entry
         while segments and segments[0].new_position < computed:  # computed by vLLM meanwhile
-            self.cpu.complete_load(segments.pop(0).key)
+            self.cpu.complete_load(segments[0].key)
+            self._count("pic_computed_tokens", segments.pop(0).count)
         B = self.block_size
         a = segments[0].new_position if segments else -1
         if not computed < a <= computed + n:
@@ -352,6 +367,7 @@ class PicPlanner:
         if (b - a) < self.MIN_SKIP * B:  # not worth a step: computed
             for s in run:
                 self.cpu.complete_load(s.key)
+            self._count("pic_computed_tokens", b - a)
             return n
         for s in run:
             self.cpu.touch(s.key)
@@ -362,6 +378,7 @@ class PicPlanner:
         request.num_computed_tokens += b - a  # vLLM adds the step's a - computed after this
         self.stats["tokens"] += b - a
         self.stats["skipped"] += b - a
+        self._count("pic_skipped_tokens", b - a)
         self.stats["skips"] += 1
         return a - computed
 
