@@ -288,11 +288,15 @@ class PicPlanner:
         if done is not None and done // self.block_size <= first // self.block_size:
             return  # rewritten already (a request is looked up again until vLLM can allocate it)
         self.approximate_from[rid] = first
+        self._rehash(request, first // self.block_size,
+                     None if done is None else done // self.block_size, b"approximate\0" + rid.encode())
+
+    @staticmethod
+    def _rehash(request, start: int, stop: int | None, salt: bytes) -> None:
         hashes = request.block_hashes
-        stop = len(hashes) if done is None else done // self.block_size
-        for j in range(first // self.block_size, stop):
+        for j in range(start, len(hashes) if stop is None else stop):
             h = hashes[j]
-            hashes[j] = type(h)(hashlib.sha256(b"kvbm-pic-approximate\0" + rid.encode() + b"\0" + h).digest()[:len(h)])
+            hashes[j] = type(h)(hashlib.sha256(b"kvbm-pic\0" + salt + b"\0" + h).digest()[:len(h)])
 
     def exact_tokens(self, req_id: str) -> int | None:
         """Tokens of the request whose KV is exact (None: all): only blocks before its first reused
@@ -373,6 +377,10 @@ class PicPlanner:
             self.cpu.touch(s.key)
             loads_pinned.append(s.key)  # unpinned once the metadata is built
             self._load(meta, block_ids, s, s.count)
+        # vLLM cached the blocks of the whole step when it allocated them; from a's block on they
+        # are written later (or never: tokens past b this step): new hashes, so that the request
+        # itself, if preempted and resumed, cannot hit them (nobody else computes its hashes)
+        self._rehash(request, a // B, None, b"skip")
         scheduled_output.num_scheduled_tokens[req_id] = a - computed
         scheduled_output.total_num_scheduled_tokens -= computed + n - a
         request.num_computed_tokens += b - a  # vLLM adds the step's a - computed after this
