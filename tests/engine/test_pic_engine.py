@@ -164,7 +164,8 @@ def test_rag_after_a_new_preamble_has_a_full_prefills_layer0_kv(runs):
 
     def tokens(kv):
         k, v = kv_views(kv)
-        return torch.cat([k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)], dim=-1).reshape(-1, heads, 2 * D)[:len(RAG)].float()
+        kv = torch.cat([k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)], dim=-1)
+        return kv.reshape(-1, heads, 2 * D)[:len(RAG)].float()
 
     got, want = tokens(got), tokens(want)
     assert torch.equal(got[..., D:], want[..., D:])
