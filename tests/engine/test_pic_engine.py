@@ -31,6 +31,13 @@ FIRST = PRE + [t for d in (0, 1, 2, 3) for t in DOCS[d]] + QUESTION
 REORDERED = PRE + [t for d in (2, 0, 3, 1) for t in DOCS[d]] + QUESTION
 REUSED = len(PRE) + 4 * len(DOCS[0])  # 544: everything but the question
 SALT = "kvbm-pic:rag"
+# issue 32's RAG shape: a preamble never stored (23 tokens: the documents land off block edges),
+# the documents reordered with new separators between two pairs, the question: vLLM would ask the
+# connector only for tokens after the preamble; every document is loaded past a gap (3 skips)
+NEW_PRE = [rng.randrange(10, 2000) for _ in range(23)]
+SEP = [rng.randrange(10, 2000) for _ in range(5)]
+RAG = NEW_PRE + DOCS[2] + SEP + DOCS[0] + DOCS[3] + SEP + DOCS[1] + QUESTION
+DOC_TOKENS = 4 * len(DOCS[0])
 
 
 def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_bytes=8 << 20,
@@ -61,23 +68,28 @@ def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pic")
-    cold, _ = run(tmp, [{"prompt": FIRST}, {"prompt": REORDERED}], connector=False)
+    cold, _ = run(tmp, [{"prompt": FIRST}, {"prompt": REORDERED}, {"prompt": RAG}], connector=False)
     steps = [{"prompt": FIRST}, {"reset": True},
              {"prompt": REORDERED, "salt": SALT, "capture": "reused"}, {"reset": True},
              {"prompt": REORDERED, "capture": "prefill"}, {"reset": True},
-             {"prompt": FIRST}]
+             {"prompt": FIRST},
+             # issue 32: after a reset, the RAG shape salted (twice: the second may not hit the first's
+             # approximate KV), then unsalted and with a plain salt (full prefills, as without us)
+             {"reset": True}, {"prompt": RAG, "salt": SALT, "capture": "rag"},
+             {"prompt": RAG, "salt": SALT}, {"reset": True},
+             {"prompt": RAG, "capture": "rag_prefill"}, {"prompt": RAG, "salt": "tenant-b"}]
     warm, out = run(tmp, steps)
     return cold, warm, out
 
 
 def test_reordered_documents_are_loaded_position_independently(runs):
     _, warm, _ = runs
-    first, _, salted, _, plain, _, again = warm["steps"]
+    first, _, salted, _, plain, _, again = warm["steps"][:7]
     assert first["num_cached_tokens"] == 0
     # salted: no exact hit (the salt is in its keys), the preamble and all four documents are
     # loaded from the CPU tier, each from its old position; the question is computed
     assert salted["num_cached_tokens"] == REUSED
-    assert warm["pic"]["tokens"] == REUSED and warm["pic"]["served"] == 1
+    assert again["pic"]["tokens"] == REUSED and again["pic"]["served"] == 1
     assert warm["accounting"]["cpu"]["busy"] == 0
     print(f"\nreordered RAG request: {REUSED} of {len(REORDERED)} prompt tokens loaded position-independently; "
           f"greedy tokens {salted['tokens']} vs a full prefill's {plain['tokens']}")
@@ -85,14 +97,14 @@ def test_reordered_documents_are_loaded_position_independently(runs):
 
 def test_requests_without_the_salt_are_served_as_today(runs):
     cold, warm, _ = runs
-    first, _, _, _, plain, _, again = warm["steps"]
-    cold_first, cold_reordered = cold["steps"]
+    first, _, _, _, plain, _, again = warm["steps"][:7]
+    cold_first, cold_reordered, _ = cold["steps"]
     # the exact preamble only (from the CPU tier): nothing of the salted request's KV
     assert plain["num_cached_tokens"] == len(PRE)
     assert again["num_cached_tokens"] == len(FIRST) // B * B  # its own blocks, stored exactly
     assert first["tokens"] == again["tokens"] == cold_first["tokens"]
     assert plain["tokens"] == cold_reordered["tokens"]
-    assert warm["pic"]["served"] == 1  # only the salted request
+    assert again["pic"]["served"] == 1  # only the salted request
 
 
 def test_layer0_kv_equals_a_full_prefill(runs):
@@ -122,3 +134,44 @@ def test_layer0_kv_equals_a_full_prefill(runs):
     assert (as_stored[moved] - want[moved, :, :D]).abs().max() > 10 * k_err
     print(f"\nlayer 0: max |K err| {k_err:.4f}, without re-rotation "
           f"{(as_stored[moved] - want[moved, :, :D]).abs().max():.4f} (scale {scale:.3f})")
+
+
+def test_rag_after_a_new_preamble_loads_every_document(runs):
+    # issue 32: the 23-token preamble, the separators and the question are computed, the four
+    # documents loaded at their new positions, the prefill jumping over each run it loads
+    cold, warm, _ = runs
+    before, _, rag, rag_again, _, rag_plain, rag_tenant = warm["steps"][6:]
+    got = {k: rag["pic"][k] - before["pic"][k] for k in ("tokens", "skipped", "skips", "served")}
+    assert got == {"tokens": DOC_TOKENS, "skipped": DOC_TOKENS, "skips": 3, "served": 1}
+    assert rag["num_cached_tokens"] == 0  # nothing exact: the preamble is new
+    # item 3: the second same-salt request gets no exact hit on the first one's approximate KV
+    # (neither vLLM's prefix cache nor our tiers): it is served position-independently again
+    assert rag_again["num_cached_tokens"] == 0
+    assert rag_again["pic"]["skipped"] - rag["pic"]["skipped"] == DOC_TOKENS
+    assert rag_again["tokens"] == rag["tokens"]
+    # other tenants: unsalted and plainly salted requests get exactly a cold engine's tokens
+    assert rag_plain["tokens"] == rag_tenant["tokens"] == cold["steps"][2]["tokens"]
+    assert rag_plain["pic"]["served"] == rag_tenant["pic"]["served"] == rag_again["pic"]["served"]
+    print(f"\nRAG shape after a new preamble: {got['tokens']} of {DOC_TOKENS} document tokens loaded "
+          f"({got['skips']} skips); greedy tokens {rag['tokens']} vs a full prefill's {rag_plain['tokens']}")
+
+
+def test_rag_after_a_new_preamble_has_a_full_prefills_layer0_kv(runs):
+    # every token in its slot: computed ones (preamble, separators, question) bit-identical to a full
+    # prefill's, loaded ones with V bit-identical and K re-rotated within bf16 rounding
+    _, _, out = runs
+    got, want = torch.load(f"{out}/rag.pt"), torch.load(f"{out}/rag_prefill.pt")
+    heads, D = got.shape[1], got.shape[3] // 2
+
+    def tokens(kv):
+        k, v = kv_views(kv)
+        kv = torch.cat([k.permute(0, 3, 1, 2), v.permute(0, 2, 1, 3)], dim=-1)
+        return kv.reshape(-1, heads, 2 * D)[:len(RAG)].float()
+
+    got, want = tokens(got), tokens(want)
+    assert torch.equal(got[..., D:], want[..., D:])
+    computed = torch.ones(len(RAG), dtype=torch.bool)
+    for start in (23, 23 + 128 + 5, 23 + 2 * 128 + 5, 23 + 3 * 128 + 10):
+        computed[start:start + 128] = False
+    assert torch.equal(got[computed, :, :D], want[computed, :, :D])
+    assert (got[..., :D] - want[..., :D]).abs().max() <= 2 ** -7 * want.abs().amax()

@@ -6,7 +6,8 @@ same reordered prompt with a salt of its own (nothing can hit: a full prefill) i
 - ratio 1.0 recomputes every reused token: the first token's log-probabilities equal the full
   prefill's, although every reused token was loaded (and the blend ran on each);
 - ratio 0 is position-independent loads alone (layer 2): the reused tokens are reported as
-  computed, up to the first gap (400-token documents do not line up with 32-token blocks);
+  computed up to the first gap (400-token documents do not line up with 32-token blocks), and
+  every later document is loaded too, the prefill skipping it (issue 32);
 - ratio 0.15: every document's whole stored blocks are loaded (gaps do not stop a recompute),
   15% of them (and each run's first tokens) recomputed; the first-token KL against the full
   prefill is printed next to ratio 0's;
@@ -95,7 +96,12 @@ def test_a_chunked_prefill_blends_every_chunk(tmp, ratio):
 
 def test_ratio_0_is_loads_alone(loads_only):
     result, loaded, full = loads_only
-    assert loaded["num_cached_tokens"] == CONTIGUOUS == result["pic"]["tokens"]
+    assert loaded["num_cached_tokens"] == CONTIGUOUS
+    assert result["pic"]["tokens"] == REUSABLE and result["pic"]["skipped"] == REUSABLE - CONTIGUOUS
+    assert result["pic"]["skips"] == 3  # documents 0, 3 and 1, each past a 16-token gap
+    m = result["metrics"]  # vLLM's Prometheus stat logger: the scheduler side's counts too
+    assert m["vllm:kvbm_pic_tokens_total{operation=skipped}"] == REUSABLE - CONTIGUOUS
+    assert m["vllm:kvbm_pic_tokens_total{operation=computed}"] == len(REORDERED) - REUSABLE
     assert result["pic"]["blended"] == 0 and result["blend"]["tokens"] == 0
     # the loaded KV is not a full prefill's (other positions' context): the first token moves
     assert kl(full, loaded) > 0
@@ -113,10 +119,11 @@ def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
     assert m["vllm:kvbm_pic_tokens_total{operation=loaded}"] == REUSABLE
     assert m["vllm:kvbm_pic_tokens_total{operation=blended}"] == REUSABLE
     assert m["vllm:kvbm_pic_tokens_total{operation=recomputed}"] == recomputed
+    assert m["vllm:kvbm_pic_tokens_total{operation=computed}"] == len(REORDERED) - REUSABLE
     _, loaded0, full0 = loads_only
     assert full0["logprobs"] == full["logprobs"]  # the same full prefill in both engines
     print(f"\nRAG shape (4 x {DOC}-token documents, llama-big random weights): first-token KL vs a full prefill: "
-          f"loads alone (ratio 0, {CONTIGUOUS} tokens loaded) {kl(full0, loaded0):.3e}, ratio 0.15 "
+          f"loads alone (ratio 0, {REUSABLE} tokens loaded) {kl(full0, loaded0):.3e}, ratio 0.15 "
           f"({REUSABLE} loaded, {recomputed} recomputed) {kl(full, loaded):.3e}; greedy tokens "
           f"{loaded0['tokens']} / {loaded['tokens']} vs {full['tokens']}")
 
@@ -126,7 +133,7 @@ def test_recompute_removes_most_of_the_kl_where_deviation_is_local(tmp):
     # them (their layer-0 window), every other reused token saw the same ones as now
     result0, loaded0, full0 = engine(tmp, 0, model="llama-local")
     result, loaded, full = engine(tmp, 0.15, model="llama-local")
-    assert result0["pic"]["tokens"] == CONTIGUOUS and result["pic"]["blended"] == REUSABLE
+    assert result0["pic"]["tokens"] == REUSABLE and result["pic"]["blended"] == REUSABLE
     assert full0["logprobs"] == full["logprobs"]
     before, after = kl(full0, loaded0), kl(full, loaded)
     print(f"\nllama-local, RAG shape: first-token KL vs a full prefill: loads alone {before:.3e}, "

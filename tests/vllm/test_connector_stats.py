@@ -16,8 +16,10 @@ def test_stats_aggregate_reduce_and_reset():
     assert red["disk_read_failures"] == 1
     assert "pic_loaded_tokens" not in red  # no position-independent loads: nothing said
     s.aggregate(KVBMStats(data={"pic_tokens": 96, "pic_blended_tokens": 64, "pic_recomputed_tokens": 9}))
+    s.aggregate(KVBMStats(data={"pic_computed_tokens": 55, "pic_skipped_tokens": 32}))  # the scheduler's
     red = s.reduce()
     assert (red["pic_loaded_tokens"], red["pic_blended_tokens"], red["pic_recomputed_tokens"]) == (96, 64, 9)
+    assert (red["pic_computed_tokens"], red["pic_skipped_tokens"]) == (55, 32)
     s.reset()
     assert s.is_empty()
 
@@ -27,7 +29,8 @@ def test_prometheus_counters(metric_types):
     cfg = type("C", (), {"kv_transfer_config": None})()
     m = KVBMPromMetrics(cfg, types, ["engine"], {0: ["0"]})
     m.observe({"disk_write_blocks": 3, "disk_write_bytes": 300, "disk_write_seconds": 0.5,
-               "disk_read_failures": 2, "pic_tokens": 96, "pic_recomputed_tokens": 9})
+               "disk_read_failures": 2, "pic_tokens": 96, "pic_recomputed_tokens": 9,
+               "pic_computed_tokens": 55, "pic_skipped_tokens": 32})
     get = registry.get_sample_value
     assert get("vllm:kvbm_blocks_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 3
     assert get("vllm:kvbm_bytes_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 300
@@ -35,6 +38,8 @@ def test_prometheus_counters(metric_types):
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "loaded"}) == 96
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "recomputed"}) == 9
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "blended"}) is None
+    assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "computed"}) == 55
+    assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "skipped"}) == 32
 
 
 def test_measured_peaks_ride_with_the_stats_and_set_a_gauge(metric_types):

@@ -131,7 +131,7 @@ def test_unsalted_and_other_salts_are_served_as_today(tmp_path):
     h = harness(tmp_path)
     h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
-    # the salted request stores its blocks (PIC-loaded ones included) under its salted keys only
+    # the salted request's blocks (approximate from its first PIC-loaded token on) are never stored
     assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
     tokens = h.connector.pic.stats["tokens"]
     h.reset_prefix_cache()
@@ -141,9 +141,10 @@ def test_unsalted_and_other_salts_are_served_as_today(tmp_path):
     assert h.serve(prompt([2, 0, 3, 1]), cache_salt="tenant-b") == 0  # another salt: its own keys
     assert h.connector.pic.stats["tokens"] == tokens  # neither was served position-independently
     h.reset_prefix_cache()
-    # the same salt hits its own stored blocks exactly (a prefix hit, nothing re-rotated)
+    # the same salt gets no exact hit on the first one's (approximate) blocks: they were never
+    # stored under exact keys (issue 32, item 3); it is served position-independently again
     assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
-    assert h.connector.pic.stats["tokens"] == tokens
+    assert h.connector.pic.stats["tokens"] == 2 * tokens
     assert pinned(h) == 0
 
 
@@ -166,6 +167,40 @@ def test_unaligned_runs_load_up_to_the_first_gap(tmp_path):
     # 5 tokens of its own after the preamble: nothing stored holds tokens 32-36, so only the
     # preamble is served (position-independently, at its own positions)
     assert h.serve(PRE + [1, 2, 3, 4, 5] + DOCS[2] + [9], cache_salt=SALT) == 2 * B
+
+
+@pytest.mark.parametrize("budget", [2048, 96])
+def test_runs_past_a_new_preamble_and_gaps_are_loaded_and_skipped(tmp_path, budget):
+    # issue 32: a preamble never stored, documents reordered with tokens of its own between them.
+    # Each run past a gap is loaded in the step that ends where it starts, and the prefill jumps
+    # over it; the stand-in forward's check proves every token (computed or loaded) in its slot.
+    # budget 96: a chunked prefill, whose blocks reach only as far as its chunk
+    h = harness(tmp_path, max_num_batched_tokens=budget)
+    h.serve(prompt([0, 1, 2, 3]))
+    h.reset_prefix_cache()
+    planner = h.connector.pic
+    new_pre = [rng.randrange(10, 2000) for _ in range(23)]
+    reported, take = {}, planner.take_counts  # what vLLM's stats polling of the scheduler side takes
+
+    def take_counts():
+        counts = take()
+        for k, v in counts.items():
+            reported[k] = reported.get(k, 0) + v
+        return counts
+
+    planner.take_counts = take_counts
+    rag = new_pre + DOCS[2] + DOCS[0] + [1, 2, 3] + DOCS[3] + [9, 9]
+    assert h.serve(rag, cache_salt=SALT) == 0
+    skipped = planner.stats["skipped"]
+    if budget == 2048:  # two runs: documents 2 and 0 (adjacent), document 3
+        assert skipped == planner.stats["tokens"] == 3 * 4 * B
+        assert planner.stats["skips"] == 2
+    else:  # each chunk's blocks: runs load as far as they reach
+        assert 0 < skipped == planner.stats["tokens"] < 3 * 4 * B
+    # the connector stats' scheduler-side counts: every prompt token is computed or skipped
+    planner.take_counts()
+    assert reported == {"pic_computed_tokens": len(rag) - skipped, "pic_skipped_tokens": skipped}
+    assert pinned(h) == 0 and not planner.skipping and not planner.approximate_from
 
 
 def test_a_run_continues_mid_block_from_inside(tmp_path):

@@ -81,13 +81,17 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self):
         """Worker side: transfers and the remote breaker's changes; scheduler side (vLLM adds it
-        to the workers'): the remote tier's hits, misses, errors and breaker changes."""
+        to the workers'): the remote tier's hits, misses, errors and breaker changes, and the
+        position-independent planner's computed and skipped tokens."""
         from vllm_kvbm_plugin.connector.stats import KVBMStats, RemoteCounters
 
         if self._worker is not None:
             stats, remote = self._worker.get_stats(), self._worker.remote
         else:
             stats, remote = None, self._sched.tier("remote")
+            pic = self._sched.pic  # position-independent loads: what only the scheduler counts
+            if pic is not None and (counts := pic.take_counts()):
+                stats = KVBMStats(data=counts)
         if remote is None:
             return stats
         if self._remote_counters is None:

@@ -22,11 +22,24 @@ vLLM computes in it (a chunked prefill computes a long prompt over several steps
 their blocks before the forward, and the worker hands a `BlendPlan` to the attention patch
 (patches/pic_blend.py), which keeps the loaded KV of all but the most deviating tokens. No
 compute is saved: the gain is fidelity (README, "Non-prefix reuse").
+
+Loads alone past a gap (ratio 0, issue 32): vLLM asks a connector only for the tokens right after
+the ones a request has, so a new preamble (or any gap) would end the reuse. The runs past the
+first gap are claimed too (`skipping`) and served by cutting the request's prefill into chunks at
+their edges: the step that computes up to a run's first token is shortened to end there, the run
+is loaded in that step's metadata, and the request's `num_computed_tokens` jumps past it (`skip`),
+as vLLM's own chunked prefill would have left it had it computed them. Each run costs a step.
+
+Approximate KV is never exact (issue 32, item 3): from the block of a served request's first
+reused token on, its KV depends on other positions' context. Those blocks get vLLM block hashes of
+their own (`_approximate`: nobody's prefix cache lookup computes them) and are never stored in our
+tiers (`exact_tokens`), so a later request reuses them only position-independently again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.connector.cpu_tier import TierManager
@@ -144,11 +157,26 @@ class PicPlanner:
         self.indexing = bool(getattr(cfg, "pic_index_always", False))
         self.claims: dict[str, _PicClaim] = {}
         self.blending: dict[str, list] = {}  # recompute: req id -> segments vLLM has yet to compute (pinned)
+        self.skipping: dict[str, tuple] = {}  # loads alone: req id -> (request, segments past a gap, pinned)
+        self.approximate_from: dict[str, int] = {}  # req id -> its first reused token (KV after it is approximate)
         self.recompute = _recompute(cfg, self.kv_groups)  # selective recompute (layer 3) or loads only
         # lookups: salted requests' searches (one per scheduling attempt); served: requests that
         # got tokens; tokens: loaded position-independently; segments: their (block, run) pieces
         # blended: of those tokens, loaded to be blended with a recompute (not reported as computed)
-        self.stats = {"lookups": 0, "served": 0, "tokens": 0, "segments": 0, "blended": 0}
+        # skipped: of those tokens, loaded past a gap (the prefill jumps over them); skips: such jumps
+        self.stats = {"lookups": 0, "served": 0, "tokens": 0, "segments": 0, "blended": 0, "skipped": 0, "skips": 0}
+        self.unreported: dict[str, int] = {}  # connector stats counted here, until `take_counts`
+
+    def _count(self, key: str, n: int) -> None:
+        if n:
+            self.unreported[key] = self.unreported.get(key, 0) + n
+
+    def take_counts(self) -> dict[str, int]:
+        """The scheduler side's share of the connector stats since the last call (stats.py):
+        `pic_computed_tokens` (prompt tokens of served requests that had no stored KV: computed
+        from scratch) and `pic_skipped_tokens` (loaded tokens the prefill never computes)."""
+        out, self.unreported = self.unreported, {}
+        return out
 
     @classmethod
     def create(cls, layout, cfg) -> "PicPlanner | None":
@@ -168,7 +196,7 @@ class PicPlanner:
     def ensure_loads_before_forward(self, scheduler_output, meta) -> None:
         """vLLM runs a step's loads after its forward unless some request reported external
         tokens; blended loads must be in the cache before the forward reads them."""
-        if self.recompute and meta.pic_loads and hasattr(scheduler_output, "has_sync_kv_loads"):
+        if meta.pic_loads and hasattr(scheduler_output, "has_sync_kv_loads"):
             scheduler_output.has_sync_kv_loads = True
 
     # ---- the index, fed from the CPU tier ----
@@ -231,12 +259,12 @@ class PicPlanner:
                 for r in ix.find(tokens).runs if r.old_start >= 0]
         B = self.block_size
         segments = []
+        contiguous = None  # loads alone: where the run continuing the hit without a gap ends
         while end < limit:
             best = max((r for r in runs if r.new_start <= end < r.new_start + r.length),
                        key=lambda r: r.new_start + r.length, default=None)
-            if best is None:  # a gap: recompute goes on at the next run
-                if not self.recompute:
-                    break
+            if best is None:  # a gap: the next run is loaded past it (recompute, or skipped)
+                contiguous = end if contiguous is None else contiguous
                 end = min((r.new_start for r in runs if r.new_start > end), default=limit)
                 continue
             before = end
@@ -252,12 +280,38 @@ class PicPlanner:
                     self.cpu.prepare_load(key)
                     end += n
             if end == before:
-                if not self.recompute:
-                    break
+                contiguous = end if contiguous is None else contiguous
                 end = min((r.new_start for r in runs if r.new_start > end), default=limit)
-        if segments:
-            self.claims[request.request_id] = _PicClaim(computed, segments)
-        return 0 if self.recompute else end - start
+        if not segments:
+            return 0
+        self.claims[request.request_id] = _PicClaim(computed, segments)
+        self._approximate(request, segments[0].new_position)
+        return 0 if self.recompute else (end if contiguous is None else contiguous) - start
+
+    def _approximate(self, request, first: int) -> None:
+        """Give the blocks from the one holding token `first` on vLLM block hashes no lookup computes
+        (salted by the request id: they chain into every later block, decode blocks included), so
+        vLLM's prefix cache never serves their approximate KV as an exact hit."""
+        rid = request.request_id
+        done = self.approximate_from.get(rid)
+        if done is not None and done // self.block_size <= first // self.block_size:
+            return  # rewritten already (a request is looked up again until vLLM can allocate it)
+        self.approximate_from[rid] = first
+        self._rehash(request, first // self.block_size,
+                     None if done is None else done // self.block_size, b"approximate\0" + rid.encode())
+
+    @staticmethod
+    def _rehash(request, start: int, stop: int | None, salt: bytes) -> None:
+        hashes = request.block_hashes
+        for j in range(start, len(hashes) if stop is None else stop):
+            h = hashes[j]
+            hashes[j] = type(h)(hashlib.sha256(b"kvbm-pic\0" + salt + b"\0" + h).digest()[:len(h)])
+
+    def exact_tokens(self, req_id: str) -> int | None:
+        """Tokens of the request whose KV is exact (None: all): only blocks before its first reused
+        token's block may be stored under exact keys."""
+        first = self.approximate_from.get(req_id)
+        return None if first is None else first // self.block_size * self.block_size
 
     def after_alloc(self, request, blocks, num_external_tokens: int, meta, loads_pinned: list) -> None:
         """Turn the claimed segments vLLM took into loads (the rest is unpinned). Recompute: they
@@ -276,21 +330,74 @@ class PicPlanner:
             if taken:
                 self.blending[request.request_id] = taken
                 self.stats["served"] += 1
+                self._count("pic_computed_tokens", request.num_prompt_tokens - end - sum(s.count for s in taken))
             return
         block_ids = blocks.get_block_ids()
         served = 0
+        later = [s for s in claim.segments if s.new_position >= end]
+        if later:  # past a gap: loaded when the prefill reaches them (`skip`)
+            self.skipping[request.request_id] = (request, later)
         for s in claim.segments:
             n = min(s.count, end - s.new_position)
-            if n <= 0:
-                self.cpu.complete_load(s.key)
+            if n <= 0:  # in `later`, still pinned
                 continue
             self.cpu.touch(s.key)
             loads_pinned.append(s.key)  # unpinned once the metadata is built
             self._load(meta, block_ids, s, n)
             served += n
-        if served:
+        if served or later:
             self.stats["served"] += 1
             self.stats["tokens"] += served
+            self._count("pic_computed_tokens", request.num_prompt_tokens - end - sum(s.count for s in later))
+
+    MIN_SKIP = 2  # blocks: a shorter run past a gap is computed (a skip costs a step)
+
+    def skip(self, req_id: str, computed: int, scheduled_output, block_ids, meta, loads_pinned: list) -> int:
+        """Loads alone: if this step of request `req_id` (computing [computed, computed + n)) reaches
+        the next claimed run [a, b) past a gap, shorten the step to end at a, load [a, b) in it and
+        let the request's computed tokens jump to b (vLLM adds the step's tokens after this). The
+        shortened step's sampled token is dropped like any partial prefill's. Returns the step's
+        tokens."""
+        n = scheduled_output.num_scheduled_tokens[req_id]
+        entry = self.skipping.get(req_id)
+        if entry is None:
+            return n
+        request, segments = entry
+        while segments and segments[0].new_position < computed:  # computed by vLLM meanwhile
+            self.cpu.complete_load(segments[0].key)
+            self._count("pic_computed_tokens", segments.pop(0).count)
+        B = self.block_size
+        a = segments[0].new_position if segments else -1
+        if not computed < a <= computed + n:
+            if not segments:
+                del self.skipping[req_id]
+            return n
+        room = len(block_ids[self.kv_groups[0]]) * B  # tokens the request has blocks for
+        b, run = a, []
+        while segments and segments[0].new_position == b and b + segments[0].count <= room:
+            run.append(segments.pop(0))
+            b += run[-1].count
+        if (b - a) < self.MIN_SKIP * B:  # not worth a step: computed
+            for s in run:
+                self.cpu.complete_load(s.key)
+            self._count("pic_computed_tokens", b - a)
+            return n
+        for s in run:
+            self.cpu.touch(s.key)
+            loads_pinned.append(s.key)  # unpinned once the metadata is built
+            self._load(meta, block_ids, s, s.count)
+        # vLLM cached the blocks of the whole step when it allocated them; from a's block on they
+        # are written later (or never: tokens past b this step): new hashes, so that the request
+        # itself, if preempted and resumed, cannot hit them (nobody else computes its hashes)
+        self._rehash(request, a // B, None, b"skip")
+        scheduled_output.num_scheduled_tokens[req_id] = a - computed
+        scheduled_output.total_num_scheduled_tokens -= computed + n - a
+        request.num_computed_tokens += b - a  # vLLM adds the step's a - computed after this
+        self.stats["tokens"] += b - a
+        self.stats["skipped"] += b - a
+        self._count("pic_skipped_tokens", b - a)
+        self.stats["skips"] += 1
+        return a - computed
 
     def step_loads(self, req_id: str, start: int, count: int, block_ids, meta, loads_pinned: list) -> None:
         """Recompute: load the claimed tokens of [start, start + count), the ones vLLM computes this
@@ -325,10 +432,13 @@ class PicPlanner:
                                       s.src_offset, n, s.old_position, s.new_position))
         self.stats["segments"] += 1
 
-    def release(self, req_id: str) -> None:
+    def release(self, req_id: str, finished: bool = False) -> None:
         claim = self.claims.pop(req_id, None)
-        for s in (claim.segments if claim else []) + self.blending.pop(req_id, []):
+        skipping = self.skipping.pop(req_id, (None, []))[1]
+        for s in (claim.segments if claim else []) + self.blending.pop(req_id, []) + skipping:
             self.cpu.complete_load(s.key)
+        if finished:
+            self.approximate_from.pop(req_id, None)
 
     def release_all(self) -> None:
         for req_id in list(self.claims):

@@ -414,23 +414,30 @@ class SchedulerSide:
                 continue
             self._add_load(STATE, ids, direct, source)
 
-    def _pic_step(self, req_id: str, computed: int, scheduled: int) -> None:
+    def _pic_step(self, req_id: str, computed: int, scheduled: int, scheduler_output) -> int:
+        """Position-independent loads of this step (pic_planner.py); returns the step's tokens,
+        fewer when the prefill skips a loaded run past a gap."""
         if self.pic is not None and req_id in self.pic.blending:
             self.pic.step_loads(req_id, computed, scheduled, self.kv_cache_manager.get_block_ids(req_id),
                                 self.meta, self.loads_pinned)
+        if self.pic is not None and req_id in self.pic.skipping:
+            scheduled = self.pic.skip(req_id, computed, scheduler_output, self.kv_cache_manager.get_block_ids(req_id),
+                                      self.meta, self.loads_pinned)
+        return scheduled
 
     # ---- stores ------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> KVBMMetadata:
         for new in scheduler_output.scheduled_new_reqs:
             scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
             self._load_state(new.req_id, scheduled)
-            self._pic_step(new.req_id, new.num_computed_tokens, scheduled)
+            scheduled = self._pic_step(new.req_id, new.num_computed_tokens, scheduled, scheduler_output)
             self._store(new.req_id, new.num_computed_tokens + scheduled, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             scheduled = scheduler_output.num_scheduled_tokens[req_id]
             self._load_state(req_id, scheduled)  # resumed requests
-            self._pic_step(req_id, cached.num_computed_tokens[i], scheduled)  # later chunks of a prefill
+            scheduled = self._pic_step(req_id, cached.num_computed_tokens[i], scheduled,
+                                       scheduler_output)  # later chunks of a prefill
             self._store(req_id, cached.num_computed_tokens[i] + scheduled, scheduler_output)
         for k in self.loads_pinned:
             self.primary.complete_load(k)
@@ -456,6 +463,8 @@ class SchedulerSide:
         n_full = computed_after_step // B
         if prompt_only:
             n_full = min(n_full, req.num_prompt_tokens // B)
+        if self.pic is not None and (exact := self.pic.exact_tokens(req_id)) is not None:
+            n_full = min(n_full, exact // B)  # approximate KV is never stored under exact keys
         i = st.stored_upto
         if i < n_full:
             r = self.layout.units_per_block
@@ -563,7 +572,7 @@ class SchedulerSide:
         self.requests.pop(request.request_id, None)
         self._release_claim(request.request_id)
         if self.pic is not None:
-            self.pic.release(request.request_id)
+            self.pic.release(request.request_id, finished=True)
         for t in self.lower:
             t.on_request_finished(request.request_id)
 

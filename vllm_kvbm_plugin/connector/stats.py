@@ -16,7 +16,9 @@ through `KVBMPromMetrics`:
     vllm:kvbm_remote_errors_total{operation}   (lookup, lookup_timeout, fetch, write)
     vllm:kvbm_remote_breaker_changes_total{side, state}   (scheduler / worker; open / closed)
     vllm:kvbm_pic_tokens_total{operation}   (position-independent loads, `kvbm-pic:` requests:
-        loaded; of those, blended with a recompute; of those, recomputed)
+        loaded; of those, blended with a recompute; of those, recomputed (the selection kept their
+        fresh KV); skipped (loaded past a gap: never computed); computed (served requests' prompt
+        tokens without stored KV); the last two are counted on the scheduler side)
     vllm:kvbm_transfer_peak_bytes_per_second{tier, direction}   (gauge, with `measure_roofline`:
         this machine's peak for that transfer kind, tiers/roofline.py)
 With `measure_roofline` the log line also gives each direction's speed as `<tier>_<direction>_pct_of_peak`.
@@ -43,7 +45,8 @@ REMOTE_TIER = {"remote_hits": lambda c: c["fetched"],
                "remote_write_errors": lambda c: c["write_failures"]}
 ERRORS = ("lookup", "lookup_timeout", "fetch", "write")
 # worker stats key of each position-independent-load token count -> its Prometheus label
-PIC_TOKENS = {"pic_tokens": "loaded", "pic_blended_tokens": "blended", "pic_recomputed_tokens": "recomputed"}
+PIC_TOKENS = {"pic_tokens": "loaded", "pic_blended_tokens": "blended", "pic_recomputed_tokens": "recomputed",
+              "pic_computed_tokens": "computed", "pic_skipped_tokens": "skipped"}
 PEAK = "peak_"  # stats key prefix of a measured peak (bytes/s), e.g. peak_disk_write
 BREAKER = tuple(f"remote_{side}_breaker_{state}" for side in ("scheduler", "worker") for state in ("open", "closed"))
 
@@ -149,7 +152,8 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
         self._pic = self._counter_cls(
             name="vllm:kvbm_pic_tokens_total", labelnames=labelnames + ["operation"],
             documentation="Tokens of kvbm-pic: requests loaded from other positions (loaded), of those "
-                          "loaded to be blended with a selective recompute (blended), and recomputed")
+                          "loaded to be blended with a selective recompute (blended), recomputed (selected), "
+                          "skipped by the prefill (skipped); prompt tokens without stored KV (computed)")
         self._peaks = self._gauge_cls(
             name="vllm:kvbm_transfer_peak_bytes_per_second", labelnames=extra, multiprocess_mode="mostrecent",
             documentation="This machine's peak for each KVBM transfer kind (measure_roofline): "

@@ -4,7 +4,8 @@
 
 SPEC: {"model": "llama", "llm": {LLM kwargs}, "steps": [{"prompt": [ids], "salt": str | null,
 "max_tokens": 8, "capture": name | null, "logprobs": bool} | {"reset": true}, ...]}. One request per step.
-OUT_DIR gets result.json ({"steps": [{"tokens", "num_cached_tokens", "logprobs": the first token's
+OUT_DIR gets result.json ({"steps": [{"tokens", "num_cached_tokens", "pic": the planner's stats after the
+step, "logprobs": the first token's
 log-probabilities over the whole vocabulary (needs llm max_logprobs -1)}], "pic": the planner's
 stats or null, "blend": patches.pic_blend.STATS (the worker runs in this process)}) and,
 per captured step, <name>.pt: the request's layer-0 KV cache blocks [blocks, heads, block, 2*head],
@@ -53,6 +54,7 @@ def run(spec: dict, out_dir: str) -> dict:
             return original(request, block_ids)
 
         connector.request_finished_all_groups = request_finished_all_groups
+    pic = getattr(getattr(connector, "_sched", None), "pic", None)
     steps = []
     for step in spec["steps"]:
         if step.get("reset"):
@@ -64,7 +66,8 @@ def run(spec: dict, out_dir: str) -> dict:
         sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
                             logprobs=-1 if step.get("logprobs") else None)
         (o,) = llm.generate([prompt], sp, use_tqdm=False)
-        steps.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens})
+        steps.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                      "pic": dict(pic.stats) if pic is not None else None})  # the planner's totals so far
         if step.get("logprobs"):
             first = o.outputs[0].logprobs[0]
             steps[-1]["logprobs"] = [first[t].logprob for t in range(len(first))]
@@ -72,7 +75,6 @@ def run(spec: dict, out_dir: str) -> dict:
             (kv,) = llm.collective_rpc(_layer0_blocks, args=(finished[-1][0],))
             torch.save(kv, os.path.join(out_dir, f"{step['capture']}.pt"))
     side = getattr(connector, "_sched", None)
-    pic = getattr(side, "pic", None)
     from vllm_kvbm_plugin.patches import pic_blend
 
     result = {"steps": steps, "pic": dict(pic.stats) if pic is not None else None, "blend": dict(pic_blend.STATS),
