@@ -32,6 +32,8 @@ POLICIES = ("kv", "round-robin")
 
 @dataclasses.dataclass
 class Worker:
+    """One `vllm serve` instance the router sends requests to, and where its KV events come from."""
+
     url: str  # http://host:port of `vllm serve`
     events: str  # its KV events PUB endpoint
     replay: str | None = None  # its replay endpoint

@@ -217,3 +217,13 @@ def test_the_checks_see_what_they_check():
     assert _cycles({"a": {"a"}}) == [["a"]] and _cycles({"a": {"b"}}) == []
     cli = [i for i in OURS if i.importer == f"{PACKAGE}.cli" and unit(i.target) == "testing"]
     assert cli and all(i.in_function for i in cli)
+
+
+def test_every_public_class_says_what_it_is():
+    """Issue 28's contract: each public class's docstring says what it owns, who calls it, where."""
+    missing = [f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}"
+               for path in sorted(ROOT.rglob("*.py"))
+               for node in ast.parse(path.read_text()).body
+               if isinstance(node, ast.ClassDef) and not node.name.startswith("_")
+               and ast.get_docstring(node) is None]
+    assert not missing, "public classes without a docstring:\n" + "\n".join(missing)

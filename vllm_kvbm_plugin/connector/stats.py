@@ -72,6 +72,10 @@ class RemoteCounters:
 
 @dataclasses.dataclass
 class KVBMStats(KVConnectorStats):
+    """One interval's counters of a KVBMConnector (blocks, bytes, seconds per tier and direction;
+    failures; peaks; pic_* tokens). Workers fill it; vLLM aggregates it across workers in the engine
+    core and hands it to the log line and KVBMPromMetrics."""
+
     def record(self, tier: str, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
         for name, v in zip(FIELDS, (blocks, nbytes, seconds)):
             key = f"{tier}_{direction}_{name}"
@@ -122,6 +126,9 @@ class KVBMStats(KVConnectorStats):
 
 
 class KVBMPromMetrics(KVConnectorPromMetrics):
+    """The vllm:kvbm_* Prometheus series, built by vLLM's stat logger in the API server process
+    from each interval's KVBMStats."""
+
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         extra = labelnames + ["tier", "direction"]

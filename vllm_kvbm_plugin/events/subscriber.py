@@ -26,6 +26,8 @@ ENDPOINT_FORMS = ("vLLM's KV events publisher binds only tcp://*:PORT, ipc:// an
 
 @dataclasses.dataclass
 class SubscriberStats:
+    """What a Subscriber saw of one publisher's sequence numbers (for its log line and /router/stats)."""
+
     received: int = 0  # batches read from the PUB socket
     recovered: int = 0  # batches filled in from the replay endpoint
     lost: int = 0  # batches neither received nor recoverable

@@ -63,6 +63,10 @@ def vllm_has_a_worker() -> bool:
 
 
 class KVBMOffloadingSpec(TieringOffloadingSpec):
+    """The spec vLLM's OffloadingConnector loads through `spec_module_path`: vLLM's tiering spec with
+    our defaults (policies, KVBMDiskTier/KVBMRemoteTier as secondary tiers) and, on the CPU platform
+    where vLLM has no worker, our KVBMCPUWorker. Built in the scheduler and in each worker."""
+
     def __init__(self, config):
         super().__init__(dataclasses.replace(config, extra_config=with_defaults(config.extra_config)))
 

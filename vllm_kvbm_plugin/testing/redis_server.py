@@ -51,6 +51,9 @@ def _free_ports(n: int) -> list[int]:
 
 
 class RedisServer:
+    """A redis-server (or valkey-server) child process on a free loopback port, for tests and
+    benchmarks: started, restarted empty and stopped by PID; never a shared server."""
+
     def __init__(self, maxmemory: str = "256mb", port: int | None = None, extra_args: tuple = (),
                  binary: str | None = None):
         self.binary = binary or server_binary()

@@ -124,6 +124,8 @@ def _header(key: tuple[int, int], fingerprint: bytes, plen: int, meta: bytes, pa
 
 
 class Header(NamedTuple):
+    """The fixed-size header of one block file, as parse_header reads it."""
+
     key: bytes  # key_bytes of the block's key
     fingerprint: bytes
     payload_bytes: int

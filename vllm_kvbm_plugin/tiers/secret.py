@@ -48,6 +48,8 @@ _FORMAT = "32 hex characters (16 random bytes, e.g. from `openssl rand -hex 16`)
 
 @dataclasses.dataclass(frozen=True)
 class TierSecret:
+    """The key that makes block keys unguessable to outsiders, and where it came from."""
+
     key: bytes = dataclasses.field(repr=False)
     source: str  # "env", "remote", "disk" or "process"
     remote_off: bool = False  # a remote tier is configured but its secret could not be read
