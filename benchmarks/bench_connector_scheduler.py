@@ -41,20 +41,14 @@ GEOMETRIES = {
 }
 
 
-def workload(n: int, seed: int = 0) -> list[list[int]]:
-    return shared_prefix_workload(n, systems=4, system_len=(300, 2000), body_len=(200, 6000), max_len=8000,
-                                  seed=seed)
-
-
-def run(geometry: dict, prompts, with_connector: bool) -> dict:
-    """{pass: (scheduler CPU seconds, steps)} and the tokens the tier served in the hit pass."""
-    connector = {"cpu_bytes_to_use": 3 << 30} if with_connector else None
-    h = SchedulerHarness(HarnessConfig(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16,
-                                       connector=connector, **geometry))
-    sched, spent = h.scheduler, [0.0, 0]
-    sched.kv_event_publisher.publish = lambda batch: None  # as vLLM's publisher: sent, not kept
+def timed_scheduler(sched) -> list:
+    """Times the scheduler's two calls into the returned [CPU seconds, steps] (the caller counts
+    steps); events are sent, not kept, as vLLM's publisher does; startup's objects are frozen, as
+    vLLM's engine core does, so collections skip them."""
+    spent = [0.0, 0]
+    sched.kv_event_publisher.publish = lambda batch: None
     gc.collect()
-    gc.freeze()  # as vLLM's engine core does after startup: collections then skip what startup built
+    gc.freeze()
 
     def timed(f):
         def call(*args, **kwargs):
@@ -66,6 +60,20 @@ def run(geometry: dict, prompts, with_connector: bool) -> dict:
 
     sched.schedule = timed(sched.schedule)
     sched.update_from_output = timed(sched.update_from_output)
+    return spent
+
+
+def workload(n: int, seed: int = 0) -> list[list[int]]:
+    return shared_prefix_workload(n, systems=4, system_len=(300, 2000), body_len=(200, 6000), max_len=8000,
+                                  seed=seed)
+
+
+def run(geometry: dict, prompts, with_connector: bool) -> dict:
+    """{pass: (scheduler CPU seconds, steps)} and the tokens the tier served in the hit pass."""
+    connector = {"cpu_bytes_to_use": 3 << 30} if with_connector else None
+    h = SchedulerHarness(HarnessConfig(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16,
+                                       connector=connector, **geometry))
+    sched, spent = h.scheduler, timed_scheduler(h.scheduler)
     result = {}
     for name in ("store", "hit"):
         if name == "hit":
@@ -133,21 +141,7 @@ def run_native(geometry: dict, prompts, kvbm_spec: bool) -> dict:
     h = OffloadingHarness(OffloadingHarnessConfig(
         max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16, mamba_layers=1, oracle=False,
         kvbm_spec=kvbm_spec, offloading={"cpu_bytes_to_use": 1 << 30}, **geometry))
-    sched, spent = h.scheduler, [0.0, 0]
-    sched.kv_event_publisher.publish = lambda batch: None
-    gc.collect()
-    gc.freeze()
-
-    def timed(f):
-        def call(*args, **kwargs):
-            t0 = time.process_time()
-            out = f(*args, **kwargs)
-            spent[0] += time.process_time() - t0
-            return out
-        return call
-
-    sched.schedule = timed(sched.schedule)
-    sched.update_from_output = timed(sched.update_from_output)
+    sched, spent = h.scheduler, timed_scheduler(h.scheduler)
     result = {}
     try:
         for name in ("store", "hit"):
