@@ -63,6 +63,17 @@ def timed_scheduler(sched) -> list:
     return spent
 
 
+def timed_pass(h, spent: list, prompts) -> tuple[tuple[float, int], int]:
+    """One pass of `prompts` (2 tokens each) through harness `h` to the end: ((CPU seconds, steps),
+    tokens served by the prefix cache and tiers)."""
+    spent[:] = [0.0, 0]
+    ids = [h.add(p, max_tokens=2) for p in prompts]
+    while h.scheduler.has_unfinished_requests():
+        h.step()
+        spent[1] += 1
+    return tuple(spent), sum(h.cached_tokens[r] for r in ids)
+
+
 def workload(n: int, seed: int = 0) -> list[list[int]]:
     return shared_prefix_workload(n, systems=4, system_len=(300, 2000), body_len=(200, 6000), max_len=8000,
                                   seed=seed)
@@ -73,20 +84,14 @@ def run(geometry: dict, prompts, with_connector: bool) -> dict:
     connector = {"cpu_bytes_to_use": 3 << 30} if with_connector else None
     h = SchedulerHarness(HarnessConfig(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16,
                                        connector=connector, **geometry))
-    sched, spent = h.scheduler, timed_scheduler(h.scheduler)
+    spent = timed_scheduler(h.scheduler)
     result = {}
     for name in ("store", "hit"):
         if name == "hit":
             if h.workers:
                 h.settle()
             h.reset_prefix_cache()
-        spent[:] = [0.0, 0]
-        ids = [h.add(p, max_tokens=2) for p in prompts]
-        while sched.has_unfinished_requests():
-            h.step()
-            spent[1] += 1
-        result[name] = tuple(spent)
-        result[f"{name}_served"] = sum(h.cached_tokens[r] for r in ids)
+        result[name], result[f"{name}_served"] = timed_pass(h, spent, prompts)
         if name == "store":  # the pause a full collection makes now, walking what the run left
             t0 = time.process_time()
             gc.collect()
@@ -141,20 +146,14 @@ def run_native(geometry: dict, prompts, kvbm_spec: bool) -> dict:
     h = OffloadingHarness(OffloadingHarnessConfig(
         max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16, mamba_layers=1, oracle=False,
         kvbm_spec=kvbm_spec, offloading={"cpu_bytes_to_use": 1 << 30}, **geometry))
-    sched, spent = h.scheduler, timed_scheduler(h.scheduler)
+    spent = timed_scheduler(h.scheduler)
     result = {}
     try:
         for name in ("store", "hit"):
             if name == "hit":
                 h.settle()
                 h.reset_prefix_cache()
-            spent[:] = [0.0, 0]
-            ids = [h.add(p, max_tokens=2) for p in prompts]
-            while sched.has_unfinished_requests():
-                h.step()
-                spent[1] += 1
-            result[name] = tuple(spent)
-            result[f"{name}_served"] = sum(h.cached_tokens[r] for r in ids)
+            result[name], result[f"{name}_served"] = timed_pass(h, spent, prompts)
     finally:
         gc.unfreeze()
         h.close()

@@ -204,7 +204,8 @@ fig.savefig(sys.argv[2], dpi=110)
 
 def plot(json_path: pathlib.Path, png: pathlib.Path, python: str | None) -> None:
     for py in [sys.executable, python]:
-        if py and subprocess.run([py, "-c", "import matplotlib"], capture_output=True).returncode == 0:
+        if py and os.access(py, os.X_OK) and \
+                subprocess.run([py, "-c", "import matplotlib"], capture_output=True).returncode == 0:
             subprocess.run([py, "-c", PLOT, str(json_path), str(png)], check=True)
             print(f"[bench] plot: {png}")
             return
