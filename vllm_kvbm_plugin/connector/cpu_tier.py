@@ -97,7 +97,7 @@ class TierManager:
         """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
         e, parent = self.stores.settle(key, ok)
         if e is not None:
-            self.events_of(key)
+            self.events_of(key)  # built from the announcer `storing` still holds
         self.storing.pop(key, None)
         if e is not None:
             self._announce_after(key, e, parent)

@@ -192,14 +192,16 @@ class SchedulerSide:
     def _unit_keys(self, st: RequestKeys, n_units: int) -> list:
         return unit_keys(st, n_units, self.hash_unit, self.layout.root, self.pool, self.layout.keyer)
 
-    def _block_key(self, st: RequestKeys, i: int):
-        """Key of block i: the key of its last unit (computed once per request; this is called for
-        every block a step stores, touches or plans, so the usual case makes no further call)."""
-        u = (i + 1) * self.layout.units_per_block
+    def _keys_upto(self, st: RequestKeys, n_units: int) -> list:
+        """The request's unit keys, at least `n_units` of them (computed once per request: the hot
+        loops call this per step, so the usual case makes no further call)."""
         keys = st.unit_keys
-        if u > len(keys):
-            keys = self._unit_keys(st, u)
-        return keys[u - 1]
+        return keys if len(keys) >= n_units else self._unit_keys(st, n_units)
+
+    def _block_key(self, st: RequestKeys, i: int):
+        """Key of block i: the key of its last unit."""
+        u = (i + 1) * self.layout.units_per_block
+        return self._keys_upto(st, u)[u - 1]
 
     # ---- hits --------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -293,7 +295,7 @@ class SchedulerSide:
         `held`, or None. A hit never covers token `limit`."""
         B, r = self.block_size, self.layout.units_per_block
         n = (limit + 1) // B  # blocks a hit could cover
-        keys = st.unit_keys if len(st.unit_keys) >= n * r else self._unit_keys(st, n * r)
+        keys = self._keys_upto(st, n * r)
         full = start  # blocks [start, full) are held
         while (full + 1) * B <= limit and held(keys[(full + 1) * r - 1]):
             full += 1
@@ -468,7 +470,7 @@ class SchedulerSide:
         i = st.stored_upto
         if i < n_full:
             r = self.layout.units_per_block
-            keys = st.unit_keys if len(st.unit_keys) >= n_full * r else self._unit_keys(st, n_full * r)
+            keys = self._keys_upto(st, n_full * r)
             cpu, announcer, lower = self.primary, self.events.announcer, self.lower
             pic = self.pic if self.pic is not None and self.pic.indexing else None
             stores, groups, block_ids = self.meta.stores, self.layout.groups[KV], None
