@@ -68,6 +68,8 @@ class DiskTier(TierManager):
         super().__init__(storage_tier(f"kvbm-disk:{root_hex}"),
                          layout.disk_slots, policy)
         self.bases = [layout.rank_dir(r) for r in range(layout.world)]
+        self.meta_bytes = layout.disk_meta_bytes  # what a file's metadata may take (disk_slots counts it)
+        self.oversized = 0  # entries not written: their metadata would take more
         self.writes_resume = 0.0  # monotonic time stores resume after a worker's disk failed
         self.prefetching: set = set()
         self.held: dict = {}  # key -> _Held
@@ -121,7 +123,16 @@ class DiskTier(TierManager):
         if self.prepare_store(key, parent, announce) is None:
             return None
         events = self.events_of(key).events
-        return diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
+        blob = diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
+        if len(blob) > self.meta_bytes:  # the file would go beyond its share of disk_bytes_to_use
+            self.complete_store(key, False)
+            if not self.oversized:
+                logger.warning("KVBMConnector: a disk block's metadata takes %d bytes, more than the %d each "
+                               "file has room for (many extra keys?); such blocks are not written to disk",
+                               len(blob), self.meta_bytes)
+            self.oversized += 1
+            return None
+        return blob
 
     def stop_writes(self) -> None:
         """A worker's disk failed as a whole (unwritable, full): keep serving what the tier holds,

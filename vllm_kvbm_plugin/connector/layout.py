@@ -65,6 +65,10 @@ class Layout:
         return bool(self.groups[STATE])
 
     @property
+    def disk_meta_bytes(self) -> int:
+        return disk_meta_bytes(self.slot_bytes, self.block_size, self.groups)
+
+    @property
     def units_per_block(self) -> int:
         return self.block_size // self.hash_unit
 
@@ -98,13 +102,21 @@ class Layout:
             hash_unit=unit,
             slot_bytes=size,
             cpu_slots=cfg.cpu_bytes_to_use // size,
-            disk_slots=cfg.disk_bytes_to_use // size,
+            disk_slots=cfg.disk_bytes_to_use // diskfmt.file_footprint(size, disk_meta_bytes(size, block_size, groups)),
             root=key_root(vllm_config, kv_cache_config, unit, keyer),
             world=pc.world_size,
             disk_path=cfg.disk_path,
             keyer=keyer,
             remote_off=secret.remote_off,
         )
+
+
+def disk_meta_bytes(slot_bytes: int, block_size: int, groups: dict) -> int:
+    """Room for a block file's metadata: its events (one per group, each with the entry's token
+    ids, at most 5 bytes each, and extra keys) plus what rounding the file to whole FS_BLOCKs adds.
+    An entry whose metadata needs more is not written to disk (DiskTier.prepare_write)."""
+    need = 64 + max(len(g) for g in groups.values()) * (512 + 5 * block_size)
+    return diskfmt.file_footprint(slot_bytes, need) - diskfmt.HEADER_SIZE - slot_bytes
 
 
 def _root_fields(vllm_config, kv_cache_config, unit: int) -> tuple:

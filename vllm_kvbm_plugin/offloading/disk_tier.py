@@ -68,7 +68,7 @@ class KVBMDiskTier(ChunkTier):
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
         self.root = os.path.abspath(path)
         self.base = diskfmt.block_dir(self.root, self.fingerprint, 0)
-        file_bytes = diskfmt.HEADER_SIZE + self.chunk_bytes + 128  # + metadata (~100 bytes)
+        file_bytes = diskfmt.file_footprint(self.chunk_bytes, 128)  # metadata: ~100 bytes
         self.index = TierIndex(max(0, int(bytes_to_use) // file_bytes), make_policy(eviction_policy))
         self.fsync, self.direct_io = bool(fsync), bool(direct_io)
         self.threads = max(1, int(threads))

@@ -73,6 +73,7 @@ _DIRECT_MIN = 64 << 10  # a smaller payload is written through the page cache
 _DIRECT_O = getattr(os, "O_DIRECT", 0)  # Linux
 WRITE_PAUSE_S = 10.0  # s without new block files after writes failed as a whole (full disk), then retried
 MAX_META = 8 << 20  # a header claiming more metadata is not ours (real blobs are a few KiB)
+FS_BLOCK = 4096  # the unit files take space in on common file systems (ext4, xfs, tmpfs pages)
 # O_NONBLOCK: opening a FIFO never waits for a writer (it has no effect on reads of regular files)
 _RFLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DFLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -647,6 +648,12 @@ def _make_missing(path: str) -> None:
         p = os.path.dirname(p)
     for p in reversed(missing):
         _mkdir_private(p)
+
+
+def file_footprint(payload_bytes: int, meta_bytes: int) -> int:
+    """The disk space one block file takes: header, payload and metadata in whole FS_BLOCKs, as
+    `du` counts it. Tiers hold bytes_to_use // footprint files, so they stay within it."""
+    return -(-(HEADER_SIZE + payload_bytes + meta_bytes) // FS_BLOCK) * FS_BLOCK
 
 
 # The metadata blob of a block file: where the entry ends (token position) and the tier events it
