@@ -80,7 +80,8 @@ def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, 
                 raw = _RAW[t.dtype]
                 _load_layer(t.view(raw).view(t.shape[0], t.shape[1], -1).numpy(), pool.view(raw).numpy(),
                             layer.offset // t.element_size(), D, slots_np, op_np, src_np, blocks_np, at_np,
-                            old_np, new_np, cache.numpy(), rope.rotary_dim, rope.is_neox_style)
+                            old_np, new_np, cache.numpy(), rope.rotary_dim, rope.is_neox_style,
+                            t.dtype == torch.bfloat16)
                 continue
             # a few whole-tensor ops per layer, not a few per token range
             src = pool[slots, layer.offset:layer.offset + nbytes].view(t.dtype).view(len(ops), *t.shape[1:])
@@ -106,18 +107,17 @@ _RAW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}  # dtypes the k
 
 @numba.njit(nogil=True, cache=True)
 def _load_layer(dst, src, first, head_size, slots, op, src_at, dst_block, dst_at, old, new, table,
-                rotary_dim, neox):
+                rotary_dim, neox, bf16):
     """One layer's loads in one call, straight into the cache: K of each token re-rotated (the
     same float32 arithmetic as `rerotate`, one rounding to the cache's dtype), V copied. `dst`: the
     layer as [blocks, heads, 2 * block * head] bits (int32: float32, int16: bf16), per head K as
-    [head, block] then V as [block, head] (`kv_views`); `src`: the CPU pool as the same bits
+    [head, block] then V as [block, head] (`kv_views`), `bf16` says which; `src`: the CPU pool as the same bits
     [slots, ...], this layer from element `first` of each slot. Why a kernel: every torch op
     starts a thread team, which on a busy CPU costs milliseconds (the torch path's ~20 ops per
     layer took 1.3 s for 1,536 tokens x 8 layers under load, 33 ms quiet)."""
     heads, D = dst.shape[1], head_size
     B = dst.shape[2] // (2 * D)
     half = rotary_dim // 2
-    bf16 = dst.dtype == np.int16
     x = np.empty(D, np.float32)
     bits = x.view(np.int32)
     for i in range(len(op)):
