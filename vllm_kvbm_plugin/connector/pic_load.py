@@ -61,9 +61,9 @@ def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, 
     new = torch.tensor([o.new_position for o in ops])[op] + within
     slots = torch.tensor([o.slot for o in ops])
     for gi, layers in enumerate(kv_layers):
-        # the destination blocks are copied out, written and copied back: indexed writes into a
-        # view of the whole KV cache would copy all of it
         dst_ids = torch.tensor([o.block_ids[gi] for o in ops])[op]
+        # torch path: the destination blocks are copied out, written and copied back (indexed
+        # writes into a view of the whole KV cache would copy all of it)
         blocks, dst_block = torch.unique(dst_ids, return_inverse=True)
         slots_np, op_np, src_np, blocks_np, at_np, old_np, new_np = (
             x.numpy() for x in (slots, op, src_at, dst_ids, dst_at, old, new))
@@ -111,8 +111,8 @@ def _load_layer(dst, src, first, head_size, slots, op, src_at, dst_block, dst_at
     """One layer's loads in one call, straight into the cache: K of each token re-rotated (the
     same float32 arithmetic as `rerotate`, one rounding to the cache's dtype), V copied. `dst`: the
     layer as [blocks, heads, 2 * block * head] bits (int32: float32, int16: bf16), per head K as
-    [head, block] then V as [block, head] (`kv_views`), `bf16` says which; `src`: the CPU pool as the same bits
-    [slots, ...], this layer from element `first` of each slot. Why a kernel: every torch op
+    [head, block] then V as [block, head] (`kv_views`), `bf16` says which; `src`: the CPU pool
+    as the same bits [slots, ...], this layer from element `first` of each slot. Why a kernel: every torch op
     starts a thread team, which on a busy CPU costs milliseconds (the torch path's ~20 ops per
     layer took 1.3 s for 1,536 tokens x 8 layers under load, 33 ms quiet)."""
     heads, D = dst.shape[1], head_size
