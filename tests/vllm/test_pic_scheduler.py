@@ -224,6 +224,7 @@ def test_without_rerotation_the_check_fails(tmp_path, monkeypatch):
     h = harness(tmp_path)
     h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
+    monkeypatch.setattr(pic_load, "_RAW", {})  # the torch path (the kernel equals it: test_pic_load_kernel)
     monkeypatch.setattr(pic_load, "rerotate", lambda k, old, new, *a, **kw: k)
     with pytest.raises(AssertionError, match=f"K of token {len(PRE)} "):
         h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT)

@@ -82,8 +82,7 @@ class BlendPlan:
         k = key.view(key.shape[0], heads, -1)
         v = value.view(value.shape[0], heads, -1)
         if self.keep is None:  # the selection layer
-            # K only: V's deviation or both (each relative) select no better (a random choice: worse)
-            deviation = (k[self.rows].float() - loaded_k.float()).square().sum(dim=(1, 2))
+            deviation = _deviation(k[self.rows], loaded_k, v[self.rows], loaded_v)
             self.keep = self.head.clone()
             for r in torch.unique(self.request):
                 mine = (self.request == r).nonzero().squeeze(1)
@@ -102,6 +101,12 @@ class BlendPlan:
         k[rows] = loaded_k[reuse].to(k.dtype)
         v[rows] = loaded_v[reuse].to(v.dtype)
         return k.view(key.shape), v.view(value.shape)
+
+
+def _deviation(fresh_k, loaded_k, fresh_v, loaded_v) -> torch.Tensor:
+    """Per reused token [n, heads, head], how far its loaded KV is from the fresh one. K only: V's
+    deviation or both (each relative) selected no better on llama-big (a random choice: worse)."""
+    return (fresh_k.float() - loaded_k.float()).square().sum(dim=(1, 2))
 
 
 def _request_of(rows: torch.Tensor, layer_name: str) -> torch.Tensor:

@@ -86,14 +86,17 @@ class RopeSpec:
         return torch.where(wavelen < high_wavelen, inv,
                            torch.where(wavelen > low_wavelen, inv / self.factor, blended))
 
-    def cos_sin_cache(self, max_position: int) -> torch.Tensor:
+    def cos_sin_cache(self, max_position: int, dtype: torch.dtype = torch.float) -> torch.Tensor:
         """float32 [max_position, rotary_dim]: cat(cos, sin) of every position's angles, as vLLM
-        lays its RotaryEmbedding.cos_sin_cache out (linear: positions divided by the factor)."""
+        lays its RotaryEmbedding.cos_sin_cache out (linear: positions divided by the factor).
+        `dtype`: the values rounded to it, as vLLM's forward uses the table in the model's dtype
+        (K re-rotated with the rounded table is nearer to the K the model computes at the new
+        position: issue 32's fidelity)."""
         t = torch.arange(max_position, dtype=torch.float)
         if self.rope_type == "linear":
             t = t / self.factor
         angles = torch.outer(t, self.inv_freq())
-        return torch.cat((angles.cos(), angles.sin()), dim=-1)
+        return torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype).float()
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, rotary_dim: int,
@@ -107,9 +110,10 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, rotary
         raise ValueError(f"position {int(positions.max())} is past the cos/sin cache ({cache.shape[0]})")
     xf = x.float()
     cos, sin = cache.float().index_select(0, positions.long()).chunk(2, dim=-1)
+    if inverse:  # the exact inverse, also of a rounded table's (not quite orthonormal) rotation
+        norm = cos * cos + sin * sin
+        cos, sin = cos / norm, -sin / norm
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    if inverse:
-        sin = -sin
     rot, rest = xf[..., :rotary_dim], xf[..., rotary_dim:]
     if is_neox_style:
         x1, x2 = rot.chunk(2, dim=-1)
