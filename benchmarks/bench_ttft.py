@@ -10,15 +10,16 @@ one with a CPU tier of two slots direct disk hits (blocks verified, then read st
 cache). Medians of --reps prompts. Target: CPU hit >= 10x faster than recompute.
 
 --floor instead compares a CPU-tier hit with vLLM's own prefix-cache hit of the same tokens (the
-floor: nothing to load) at each --sizes, in each --dtypes (2k, 8k and 16k tokens plus one: both
-hits then cover whole blocks and vLLM computes one token; at a multiple of the block size vLLM's
-own hit stops a block short and the connector loads that block), one engine process per dtype (CPU tier
-only, no disk): per size one prompt is computed once, then --reps + 1 times (the first warms up)
-vLLM's prefix cache is reset and the prompt generated twice, a CPU-tier hit then a prefix-cache
-hit. Prints medians and the same-run ratio (median of the per-pair ratios, min-max). Target <= 1.05x.
+floor: nothing to load) at each of --sizes, in each of --dtypes, one engine process per dtype (CPU
+tier only, no disk). Sizes are 2k, 8k and 16k tokens plus one: both hits then end at a block
+boundary and vLLM computes one token (at a multiple of the block size vLLM's own hit stops a block
+short and the connector loads that block). Per size one prompt is computed once, then --reps + 1
+times (the first warms up) vLLM's prefix cache is reset and the prompt generated twice: a CPU-tier
+hit, then a prefix-cache hit. Prints the medians and the same-run ratio (the median of the
+per-pair ratios, their min-max). Target <= 1.05x.
 
     python benchmarks/bench_ttft.py [--model llama-big|qwen3next] [--tokens 1856] [--reps 5]
-    python benchmarks/bench_ttft.py --floor [--sizes 2048,8192,16384] [--dtypes float32,bfloat16] [--reps 5]
+    python benchmarks/bench_ttft.py --floor [--sizes 2049,8193,16385] [--dtypes float32,bfloat16] [--reps 5]
 """
 
 import argparse
