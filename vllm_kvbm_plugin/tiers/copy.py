@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numba
@@ -224,6 +225,7 @@ class LayeredCopy:
         self._next, self._left = 0, [parts for *_, parts in (self.chunks[e - 1] for e in self.ends)]
         self._cond = threading.Condition()
         self._error: BaseException | None = None
+        self.busy = 0.0  # seconds spent copying, over all threads (the forward's time left out)
         pool, threads = helpers()
         self._futures = [pool.submit(self._work, len(self.chunks)) for _ in range(threads - 1)] if pool else []
 
@@ -236,11 +238,13 @@ class LayeredCopy:
                     return
                 self._next = k + 1
             j, part, parts = self.chunks[k]
+            t0 = time.perf_counter()
             try:
                 _run_part([self.jobs[j]], self.pool_words, self.total, self.to_pool, self.stream[j], part, parts)
             except BaseException as e:  # noqa: BLE001 - raised by wait() on the caller's thread
                 self._error = e
             with self._cond:
+                self.busy += time.perf_counter() - t0
                 self._left[j] -= 1
                 if not self._left[j]:
                     self._cond.notify_all()
