@@ -104,7 +104,7 @@ class BlockRun:
     def announcer(self, block: int) -> Announcer:
         if block >= self.upto:
             self.upto = block + 1
-        return _RunBlock(self, block)
+        return RunBlock(self, block)
 
     def announce(self, block: int, name: Tier) -> Announce:
         built = self.built.get(name)
@@ -152,7 +152,7 @@ class BlockRun:
         return out + [Announce(())] * (upto - have)
 
 
-class _RunBlock:
+class RunBlock:
     """The announcer of one block of a BlockRun (cheaper to make than a closure)."""
 
     __slots__ = ("run", "block")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from vllm.distributed.kv_events import BlockRemoved
 
-from vllm_kvbm_plugin.connector.announce import Announce, Announcer, renamed
+from vllm_kvbm_plugin.connector.announce import Announce, Announcer, RunBlock, renamed
 from vllm_kvbm_plugin.connector.base import TierOp
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import TIER_CPU, Tier
@@ -129,7 +129,7 @@ class TierManager:
                     pinned.discard(key)
             build = storing.pop(key, None)
             if build is not None:
-                e.meta = build(name)
+                e.meta = build.run.announce(build.block, name) if type(build) is RunBlock else build(name)
             if parent is not None:
                 p = entries.get(parent)
                 pm = None if p is None else p.meta
