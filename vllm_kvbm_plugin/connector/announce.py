@@ -11,7 +11,7 @@ from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.connector.layout import EntryKind, Layout
+from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout
 from vllm_kvbm_plugin.events.types import Tier
 
 
@@ -53,6 +53,11 @@ class EventBuilder:
         self.to_event_hashes = compat.event_hash_converter()
         self.pool = None  # vLLM's BlockPool, bound with the KV cache manager (extra keys, medium)
 
+    def run(self, request, first: int) -> "BlockRun":
+        """The events of the request's whole KV blocks from block `first` on that one step stores
+        (`BlockRun.announcer(i)` per block), built together once the first of them is needed."""
+        return BlockRun(self, request, first)
+
     def announcer(self, request, start: int, end: int, kind: EntryKind) -> Announcer:
         """The BlockStored events (one per group of `kind`) of the tokens [start, end), named for
         the tier that stores them."""
@@ -81,3 +86,79 @@ class EventBuilder:
             event.kv_cache_spec_kind = self.layout.spec_kinds[g]
             events.append(event)
         return Announce(tuple(events), vhash)
+
+
+class BlockRun:
+    """The KV events of consecutive whole blocks of one request stored in one step (owned by the
+    tiers' pending stores via `announcer`). Built for all the blocks asked for so far at once, when
+    the first is needed (its store landed): one hash conversion for the run, not two per block, and
+    one slice of the token ids; each block's events equal EventBuilder._announce's."""
+
+    __slots__ = ("builder", "request", "first", "upto", "built")
+
+    def __init__(self, builder: EventBuilder, request, first: int):
+        self.builder, self.request, self.first = builder, request, first
+        self.upto = first  # blocks [first, upto) were handed out
+        self.built: dict = {}  # tier name -> [Announce of block first, first + 1, ...]
+
+    def announcer(self, block: int) -> Announcer:
+        if block >= self.upto:
+            self.upto = block + 1
+        return RunBlock(self, block)
+
+    def announce(self, block: int, name: Tier) -> Announce:
+        built = self.built.get(name)
+        if built is None:
+            built = self.built[name] = []
+        if block - self.first >= len(built):  # blocks handed out since the last build (a write-through)
+            built += self._build(name, self.first + len(built))
+        return built[block - self.first]
+
+    def _build(self, name: Tier, first: int) -> list:
+        """The Announces of blocks [first, upto) for tier `name`."""
+        b, request, upto = self.builder, self.request, self.upto
+        layout = b.layout
+        B, r = layout.block_size, layout.units_per_block
+        hashes = request.block_hashes
+        have = min(upto, len(hashes) // r)  # blocks with every hash (the rest: no events, as _announce)
+        if have <= first:
+            return [Announce(())] * (upto - first)
+        picked = [hashes[(i + 1) * r - 1] for i in range(first - 1 if first else 0, have)]
+        converted = b.to_event_hashes(picked)
+        if not first:
+            converted.insert(0, None)
+        groups = [(g, layout.spec_kinds[g]) for g in layout.groups[KV]]
+        extras = compat.has_extra_keys(request)
+        tokens = tuple(request.all_token_ids[first * B : have * B])
+        pool, medium, locality, ownership = b.pool, name.medium, name.locality, name.ownership
+        stored_event = compat.block_stored_event
+        out = []
+        for j in range(have - first):
+            start = (first + j) * B
+            parent, vhash = converted[j], converted[j + 1]
+            extra = (None,)
+            if extras:
+                extra = tuple(to_event_extra_keys([compat.block_extra_keys(pool, request, start, start + B, 0)[0]])
+                              or (None,))
+            token_ids = tokens[j * B : (j + 1) * B]
+            events = []
+            for g, spec_kind in groups:
+                event = stored_event(pool, request, block_hashes=(vhash,), parent_block_hash=parent,
+                                     token_ids=token_ids, block_size=B, group_idx=g, extra_keys=extra, medium=medium)
+                event.locality, event.ownership = locality, ownership
+                event.kv_cache_spec_kind = spec_kind
+                events.append(event)
+            out.append(Announce(tuple(events), vhash))
+        return out + [Announce(())] * (upto - have)
+
+
+class RunBlock:
+    """The announcer of one block of a BlockRun (cheaper to make than a closure)."""
+
+    __slots__ = ("run", "block")
+
+    def __init__(self, run: BlockRun, block: int):
+        self.run, self.block = run, block
+
+    def __call__(self, name: Tier) -> Announce:
+        return self.run.announce(self.block, name)

@@ -471,28 +471,32 @@ class SchedulerSide:
         if i < n_full:
             r = self.layout.units_per_block
             keys = self._keys_upto(st, n_full * r)
-            cpu, announcer, lower = self.primary, self.events.announcer, self.lower
+            cpu, lower = self.primary, self.lower
+            held = cpu.index.entries
             pic = self.pic if self.pic is not None and self.pic.indexing else None
             stores, groups, block_ids = self.meta.stores, self.layout.groups[KV], None
+            single = groups[0] if len(groups) == 1 else None
+            run = self.events.run(req, i)  # the events of the blocks stored here, built together once announced
             parent = keys[i * r - 1] if i else None
-            if parent is not None and parent not in cpu:
+            if parent is not None and parent not in held:
                 n_full = i  # a tier holds whole prefixes: no block without its parent
             # each block's parent is the block before it, which the loop just stored or found
             # held (pinned by reserve while its child is stored): checked once, above
             while i < n_full:
                 k = keys[(i + 1) * r - 1]
-                if k in cpu:
+                if k in held:
                     cpu.touch(k)
                     if lower:
-                        self._write_through(k, parent, (i + 1) * B, announcer(req, i * B, (i + 1) * B, KV))
+                        self._write_through(k, parent, (i + 1) * B, run.announcer(i))
                 else:
-                    announce = announcer(req, i * B, (i + 1) * B, KV)  # events built once announced
+                    announce = run.announcer(i)
                     entry = cpu.prepare_store(k, parent, announce)
                     if entry is None:
                         break
                     if block_ids is None:
                         block_ids = self.kv_cache_manager.get_block_ids(req_id)
-                    stores.append(Store(k, KV, tuple(block_ids[g][i] for g in groups), entry.slot))
+                    ids = (block_ids[single][i],) if single is not None else tuple(block_ids[g][i] for g in groups)
+                    stores.append(Store(k, KV, ids, entry.slot))
                     if pic is not None:
                         pic.stored(req, i, k, parent)
                     if lower:
@@ -553,18 +557,27 @@ class SchedulerSide:
         if not wm:
             return
         cpu, by_label, quorum = self.primary, self._by_label, self.quorum
-        write, fetch = Verb.WRITE, Verb.FETCH
+        write, fetch, store = Verb.WRITE, Verb.FETCH, Verb.STORE
+        landed: list = []  # consecutive CPU stores that landed: settled in one call, in order
         for report in wm.reports:
             ok = quorum.add(report)
             if ok is None:
                 continue  # other workers have yet to report
             key, op = report.key, report.op
             verb = op.verb
+            if verb is store and ok and op.tier == cpu.label:
+                landed.append(key)
+                continue
+            if landed:
+                cpu.complete_stores(landed)
+                landed = []
             if verb is write:
                 cpu.complete_load(key)  # the write's source slot
             by_label[op.tier].settle(op, key, ok)
             if verb is fetch:
                 cpu.settle(op, key, ok)  # the slot it was read into
+        if landed:
+            cpu.complete_stores(landed)
         for label in wm.broken:
             tier = by_label.get(label)
             if tier is not None:
