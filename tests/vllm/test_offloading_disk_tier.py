@@ -101,7 +101,7 @@ def test_bad_files_are_misses_never_bytes(tiered, tmp_path, fault):
 
 
 def test_capacity_bound_evicts_by_our_policy(tiered, tmp_path):
-    file_bytes = diskfmt.HEADER_SIZE + CHUNK + 128
+    file_bytes = diskfmt.file_footprint(CHUNK, 128)  # what the tier counts a file as
     t = tiered(tmp_path, bytes_to_use=4 * file_bytes, policy="lineage")
     a, b = keys_of("a", 3), keys_of("b", 3)
     t.store(a)
