@@ -4,7 +4,8 @@ prompt from cache (`vllm-kvbm route`).
 Every worker's KV event stream (with replay) feeds one `events.index.KVIndex`; a request's prompt
 (token ids, or text tokenized by a worker's `/tokenize`) is matched against it and forwarded, as
 token ids, to the worker with the most servable tokens (ties: fewest requests in flight, then
-fewest routed). Each request is logged with what the index predicted and what the worker reports
+fewest routed). Blocks in a shared remote tier (Redis) count for every worker that reads it
+(`WorkerConfig.remote`), also for a worker that has published nothing yet. Each request is logged with what the index predicted and what the worker reports
 as served (`usage.prompt_tokens_details.cached_tokens`, needs `--enable-prompt-tokens-details`);
 `GET /router/stats` returns those records. The header `X-KVBM-Policy: round-robin` routes a request
 round-robin instead (for comparisons in the same run). A worker whose stream stays silent after it
@@ -61,6 +62,8 @@ class Router:
             raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
         self.workers, self.topic, self.policy = workers, topic, policy
         self.index = KVIndex(config)
+        for w in workers:  # matched from the start: a new worker may already serve a shared tier's blocks
+            self.index.add_instance(w.url, config, ranks=(0,))
         self.lock = threading.Lock()
         self.settle_s = settle_s
         self.records: list[dict] = []
