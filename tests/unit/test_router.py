@@ -87,3 +87,12 @@ def test_a_shared_remote_tier_scores_for_a_worker_that_published_nothing(tmp_pat
     router.index.apply(router.workers[0].url, KVEventBatch(0.0, [remote], 0))
     store(router, router.workers[0].url, a[:32])
     assert router.scores(a) == [64, 64]  # worker 1 reads the store worker 0 wrote into
+
+
+def test_announcer_streams_are_followed_never_routed_to(tmp_path):
+    a = Worker.announcer(f"ipc://{tmp_path}/ann,ipc://{tmp_path}/ann-replay")
+    assert (a.url, a.events, a.replay) == (f"announcer:ipc://{tmp_path}/ann", f"ipc://{tmp_path}/ann", f"ipc://{tmp_path}/ann-replay")
+    with pytest.raises(ValueError, match="EVENTS_ENDPOINT"):
+        Worker.announcer("a,b,c")
+    router = make_router(tmp_path, announcers=[a])
+    assert len(router._threads) == 3 and len(router.workers) == 2
