@@ -74,11 +74,12 @@ def expanded(prompt) -> tuple[list[int], list[tuple[int, int]]]:
     return out, images
 
 
-def image_identifiers(result) -> dict:
-    """(a block's tokens, an image's offset in it) -> the image's identifier, from the GPU events:
-    the test's stand-in for the multimodal hash a router computes from a request's image."""
+def image_identifiers(result, upto: int | None = None) -> dict:
+    """(a block's tokens, an image's offset in it) -> the image's identifier, from the GPU events
+    (the first `upto` batches: those of one colour): the test's stand-in for the multimodal hash a
+    router computes from a request's image."""
     out = {}
-    for _, b in batches(result):
+    for _, b in batches(result)[:upto]:
         for e in b.events:
             if isinstance(e, BlockStored) and e.medium in (None, "GPU") and e.extra_keys:
                 for i, keys in enumerate(e.extra_keys):
@@ -133,7 +134,8 @@ def test_images_hit_cpu_then_disk_in_a_new_process(run_engine, plain, tmp_path):
     assert tier_image_keys(r) > 0
     # the router index predicts every hit: red images from the CPU tier, blue ones up to their image
     cfg = router_config(r)
-    tokens, keys = predicted_keys(RED, image_identifiers(r))
+    red_only = next(s["events_before"] for s in r["steps"][1:] if "outputs" in s)  # before the second red step
+    tokens, keys = predicted_keys(RED, image_identifiers(r, red_only))
     blue_tokens, blue_keys = predicted_keys(BLUE, {})
     predicted = index_predictions(r, tokens * 2 + blue_tokens, cfg, extra_keys=keys * 2 + blue_keys)
     assert all(p == served for p, served in predicted), predicted
