@@ -163,12 +163,14 @@ def _route(args) -> int:
 
     try:
         workers = [Worker.parse(w) for w in args.worker]
+        announcers = [Worker.announcer(a) for a in args.announcer or ()]
     except ValueError as e:
         print(f"vllm-kvbm route: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed, connector=args.connector), policy=args.policy,
-                    silence_s=args.silence_warning)
+    router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed, connector=args.connector,
+                                                         remote=args.remote), policy=args.policy,
+                    silence_s=args.silence_warning, announcers=announcers)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve(router, args.host, args.port)
     return 0
@@ -263,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--connector", choices=("KVBMConnector", "OffloadingConnector"), default="KVBMConnector",
                    help="the workers' offloading connector, whose rule serves their tiers (OffloadingConnector: "
                         "vLLM's, with KVBMOffloadingSpec)")
+    r.add_argument("--announcer", action="append", metavar="EVENTS[,REPLAY]",
+                   help="the events (and replay) endpoint of a remote tier's `vllm-kvbm announce` (repeatable)")
+    r.add_argument("--remote", choices=("announced", "all", "none"), default="announced",
+                   help="which shared remote tiers a worker serves from: those its own stream announced blocks in "
+                        "(default), every one any stream announced (a fleet on one Redis), or none")
     r.add_argument("--silence-warning", type=float, default=30.0, metavar="SECONDS",
                    help=SILENCE_HELP.format("after its worker served a request"))
     r.set_defaults(func=_route)

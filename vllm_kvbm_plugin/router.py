@@ -4,7 +4,9 @@ prompt from cache (`vllm-kvbm route`).
 Every worker's KV event stream (with replay) feeds one `events.index.KVIndex`; a request's prompt
 (token ids, or text tokenized by a worker's `/tokenize`) is matched against it and forwarded, as
 token ids, to the worker with the most servable tokens (ties: fewest requests in flight, then
-fewest routed). Each request is logged with what the index predicted and what the worker reports
+fewest routed). Blocks in a shared remote tier (Redis) count for every worker that reads it
+(`WorkerConfig.remote`), also for a worker that has published nothing yet; the remote tier's
+announcer streams (`vllm-kvbm announce`), if given, feed the index too. Each request is logged with what the index predicted and what the worker reports
 as served (`usage.prompt_tokens_details.cached_tokens`, needs `--enable-prompt-tokens-details`);
 `GET /router/stats` returns those records. The header `X-KVBM-Policy: round-robin` routes a request
 round-robin instead (for comparisons in the same run). A worker whose stream stays silent after it
@@ -49,26 +51,39 @@ class Worker:
             raise ValueError(f"worker {spec!r}: expected URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT]")
         return cls(parts[0].rstrip("/"), parts[1], parts[2] if len(parts) == 3 else None)
 
+    @classmethod
+    def announcer(cls, spec: str) -> "Worker":
+        """`EVENTS_ENDPOINT[,REPLAY_ENDPOINT]` of a remote tier's announcer: a stream, no server."""
+        parts = [p.strip() for p in spec.split(",")]
+        if len(parts) not in (1, 2) or not all(parts):
+            raise ValueError(f"announcer {spec!r}: expected EVENTS_ENDPOINT[,REPLAY_ENDPOINT]")
+        return cls(f"announcer:{parts[0]}", parts[0], parts[1] if len(parts) == 2 else None)
+
 
 class Router:
     """The index, the subscriber threads and the routing decision (no HTTP here)."""
 
     def __init__(self, workers: list[Worker], topic: str = "", config: WorkerConfig | None = None,
-                 settle_s: float = 0.05, policy: str = "kv", silence_s: float = 30.0):
+                 settle_s: float = 0.05, policy: str = "kv", silence_s: float = 30.0,
+                 announcers: list[Worker] = ()):
         if not workers:
             raise ValueError("the router needs at least one worker")
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; one of {', '.join(POLICIES)}")
         self.workers, self.topic, self.policy = workers, topic, policy
         self.index = KVIndex(config)
+        for w in workers:  # matched from the start: a new worker may already serve a shared tier's blocks
+            self.index.add_instance(w.url, config, ranks=(0,))
         self.lock = threading.Lock()
         self.settle_s = settle_s
         self.records: list[dict] = []
         self._rr = itertools.count()
         self._stop = threading.Event()
         self.watches = [SilenceWatch(w.url, w.events, silence_s) for w in workers]
+        # announcer streams: followed like a worker's, never routed to (so never expected to speak)
+        followed = list(zip(workers, self.watches)) + [(a, SilenceWatch(None, a.events, 0)) for a in announcers]
         self._threads = [threading.Thread(target=self._follow, args=(w, sw), daemon=True, name=f"kv-events-{i}")
-                         for i, (w, sw) in enumerate(zip(workers, self.watches))]
+                         for i, (w, sw) in enumerate(followed)]
 
     def start(self) -> None:
         for t in self._threads:

@@ -26,15 +26,21 @@ def outputs(result) -> list[dict]:
     return [o for s in result["steps"] for o in s.get("outputs", [])]
 
 
-def index_predictions(result, prompts: list, config=None, instance="engine") -> list[tuple[int, int]]:
+def index_predictions(result, prompts: list, config=None, instance="engine", index=None,
+                      extra_keys: list | None = None) -> list[tuple[int, int]]:
     """(what events.index.KVIndex predicts, num_cached_tokens served) per output, the index fed
     the batches recorded before that output's step was sent (`prompts`: the token ids of every
-    output, in order; `config`: the index's WorkerConfig)."""
+    output, in order; `config`: the index's WorkerConfig; `index`: one already fed other
+    instances' streams, to which this run is `instance`; `extra_keys`: per output, its per-unit
+    keys as `KVIndex.match` takes them, or None)."""
     from vllm_kvbm_plugin.events.index import KVIndex
 
-    index = KVIndex(config)
+    if index is None:
+        index = KVIndex(config)
+    index.add_instance(instance, config, ranks=(0,))  # matched before its first event
     recorded, applied, out = batches(result), 0, []
     prompts = iter(prompts)
+    keys = iter(extra_keys or [])
     for step in result["steps"]:
         if "outputs" not in step:
             continue
@@ -42,6 +48,8 @@ def index_predictions(result, prompts: list, config=None, instance="engine") -> 
             index.apply(instance, b, seq)
         applied = step["events_before"]
         for o in step["outputs"]:
-            m = index.match(next(prompts)).get((instance, 0))
+            m = index.match(next(prompts), extra_keys=next(keys, None)).get((instance, 0))
             out.append((m.tokens if m else 0, o["num_cached_tokens"]))
+    for seq, b in recorded[applied:]:  # the rest of the stream: the index as a router has it now
+        index.apply(instance, b, seq)
     return out

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from vllm_kvbm_plugin.events.index import WorkerConfig
+from vllm_kvbm_plugin.events.index import KVIndex, WorkerConfig
 from vllm_kvbm_plugin.tiers import disk
 
 from .helpers import index_predictions, outputs, validate
@@ -25,10 +25,10 @@ MODELS = {"qwen3next": {"mamba_ssm_cache_dtype": "float32"}, "granite-hybrid": {
 WARM_UP = {"prompts": [[5]], "max_tokens": 1}
 
 
-def router_config(result) -> WorkerConfig:
+def router_config(result, **kw) -> WorkerConfig:
     """What a router knows of these engines: their sizes and the offloading connector."""
     return WorkerConfig(hash_block_size=result["hash_block_size"], block_size=result["block_size"],
-                        connector="OffloadingConnector")
+                        connector="OffloadingConnector", **kw)
 
 
 def offloading(**extra):
@@ -119,6 +119,12 @@ def test_remote_tier_hits_in_a_second_process(run_engine, model, reference, redi
     print(f"\n{model}: remote hit in a second process: {o['num_cached_tokens']}")
     assert o["num_cached_tokens"] > 0
     same(o, reference["P"])
+    # the router index, fed the first process's stream, predicts the second's hit: the remote
+    # tier is one index for both instances (the second one has announced nothing when it is asked)
+    cfg = router_config(r, remote="all")
+    index = KVIndex(cfg)
+    assert index_predictions(r, [P], cfg, "A", index) == [(0, 0)]
+    assert index_predictions(r2, [P], cfg, "B", index) == [(o["num_cached_tokens"],) * 2]
     # the second process chains its stores to entries the first one announced: one merged stream
     rep = validate(r, r2).report()
     assert rep["errors"] == 0, rep["first_problems"]

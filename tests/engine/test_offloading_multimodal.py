@@ -5,11 +5,13 @@ to the block holding the first image token; every output equals a run without of
 
 import pytest
 
+from vllm_kvbm_plugin.events.index import KVIndex
+from vllm_kvbm_plugin.events.prompt_hashes import unit_extra_keys
 from vllm_kvbm_plugin.events.types import BlockStored
 
-from .helpers import batches, outputs, validate
-from .test_multimodal_engine import CASES, TEXT_ONLY, UNIT, image_prompt
-from .test_offloading_hybrid import offloading
+from .helpers import batches, index_predictions, outputs, validate
+from .test_multimodal_engine import BIG, CASES, PLACEHOLDER, TEXT_ONLY, UNIT, image_prompt
+from .test_offloading_hybrid import offloading, router_config
 
 pytestmark = pytest.mark.engine
 MODEL = "qwen2vl"
@@ -55,6 +57,54 @@ def tier_image_keys(result) -> int:
     return sum(k is not None for _, _, k in tier)
 
 
+def expanded(prompt) -> tuple[list[int], list[tuple[int, int]]]:
+    """A prompt's token ids once vLLM has expanded its image placeholders, and its images'
+    (offset, length) there."""
+    if not isinstance(prompt, dict):
+        return list(prompt), []
+    ids, at, n = PLACEHOLDER[MODEL]
+    n = BIG[MODEL][1] if "image_size" in prompt else n
+    out, images = [], []
+    for t in prompt["tokens"]:
+        if t == ids[at]:
+            images.append((len(out), n))
+            out += [t] * n
+        else:
+            out.append(t)
+    return out, images
+
+
+def image_identifiers(result, upto: int | None = None) -> dict:
+    """(a block's tokens, an image's offset in it) -> the image's identifier, from the GPU events
+    (the first `upto` batches: those of one colour): the test's stand-in for the multimodal hash a
+    router computes from a request's image."""
+    out = {}
+    for _, b in batches(result)[:upto]:
+        for e in b.events:
+            if isinstance(e, BlockStored) and e.medium in (None, "GPU") and e.extra_keys:
+                for i, keys in enumerate(e.extra_keys):
+                    block = tuple(e.token_ids[i * e.block_size:(i + 1) * e.block_size])
+                    for k in keys or ():
+                        if isinstance(k, list) and len(k) == 2 and isinstance(k[0], str):
+                            out[(block, k[1])] = k[0]
+    return out
+
+
+def predicted_keys(prompts: list, identifiers: dict) -> tuple[list, list]:
+    """The expanded prompts and their per-unit keys as `KVIndex.match` takes them; an image the
+    events never showed gets an identifier of its own (a new image: nothing holds it)."""
+    tokens, keys = [], []
+    for p in prompts:
+        ids, images = expanded(p)
+        named = []
+        for off, n in images:
+            start = off // UNIT * UNIT
+            named.append((off, n, identifiers.get((tuple(ids[start:start + UNIT]), off - start), f"new@{off}")))
+        tokens.append(ids)
+        keys.append(unit_extra_keys(len(ids) // UNIT, UNIT, images=named) if named else None)
+    return tokens, keys
+
+
 def run(run_engine, steps, **extra):
     return run_engine({"model": MODEL, "steps": steps, "llm": {**LLM, "kv_transfer_config": offloading(**extra)}})
 
@@ -82,6 +132,13 @@ def test_images_hit_cpu_then_disk_in_a_new_process(run_engine, plain, tmp_path):
     assert rep["errors"] == 0, rep["first_problems"]
     assert {t.split(":")[0] for t in rep["tiers"]} == {"GPU", "CPU", "STORAGE"}
     assert tier_image_keys(r) > 0
+    # the router index predicts every hit: red images from the CPU tier, blue ones up to their image
+    cfg = router_config(r)
+    red_only = next(s["events_before"] for s in r["steps"][1:] if "outputs" in s)  # before the second red step
+    tokens, keys = predicted_keys(RED, image_identifiers(r, red_only))
+    blue_tokens, blue_keys = predicted_keys(BLUE, {})
+    predicted = index_predictions(r, tokens * 2 + blue_tokens, cfg, extra_keys=keys * 2 + blue_keys)
+    assert all(p == served for p, served in predicted), predicted
     r2 = run(run_engine, [{"prompts": RED}], disk_path=str(tmp_path))
     assert [o["num_cached_tokens"] for o in outputs(r2)] == expected_hits(True)
     assert [o["tokens"] for o in outputs(r2)] == red
@@ -101,3 +158,15 @@ def test_images_hit_the_remote_tier_in_a_second_process(run_engine, plain, redis
     rep = validate(r1, r2).report()  # r2 chains its remote stores to r1's: one merged stream
     assert rep["errors"] == 0, rep["first_problems"]
     assert tier_image_keys(r2) > 0
+    # the router index, fed r1's stream, predicts r2's hits: red images from the shared remote
+    # tier, blue ones (new images) from r2's own GPU cache up to their first image unit
+    cfg = router_config(r1, remote="all")
+    index = KVIndex(cfg)
+    identifiers = image_identifiers(r1)
+    assert len(set(identifiers.values())) == 2  # the 56x56 and the 224x224 red image
+    tokens, keys = predicted_keys(RED, identifiers)
+    assert index_predictions(r1, tokens, cfg, "A", index, keys) == [(0, 0)] * n
+    blue_tokens, blue_keys = predicted_keys(BLUE, {})  # new images: identifiers of their own
+    predicted = index_predictions(r2, tokens + blue_tokens, cfg, "B", index, keys + blue_keys)
+    assert all(p == served for p, served in predicted), predicted
+    assert [p for p, _ in predicted] == expected_hits(True) + expected_hits(False)

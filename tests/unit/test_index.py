@@ -319,3 +319,73 @@ def test_offloading_connector_takes_a_partial_tail_state_from_the_cpu_tier_only(
     assert got == {"KVBMConnector": 352, "OffloadingConnector": 352 if medium == "CPU" else 320}
     with pytest.raises(ValueError, match="valid: KVBMConnector, OffloadingConnector"):
         WorkerConfig(connector="LMCache")
+
+
+# ---- a shared REMOTE tier ------------------------------------------------------------------------
+
+REMOTE = {"medium": "STORAGE", "locality": "REMOTE", "ownership": "kvbm-remote:ab"}
+
+
+def test_a_remote_block_stored_by_one_instance_is_a_hit_for_another():
+    """A's remote stores serve B, which never announced anything, once the index knows B reads
+    that store: from B's own remote announcements, or from its config ("all"). A removal from
+    either stream, or the announcer's flush, takes the block away for both; A's restart does not."""
+    p, other = toks(200), toks(200)
+    hs = H.event_hashes(p, 16)
+    index = KVIndex(WorkerConfig(hash_block_size=16, block_size=16))
+    index.add_instance("B", ranks=(0,))
+    index.add_instance("C", WorkerConfig(hash_block_size=16, block_size=16, remote="all"), ranks=(0,))
+    index.add_instance("D", WorkerConfig(remote="none"), ranks=(0,))
+    index.apply("A", batch(stored(hs[:8], p[:128], 16), stored(hs[:8], p[:128], 16, **REMOTE), dp=0), seq=0)
+    got = index.match(p)
+    assert got[("A", 0)].tokens == 128
+    assert got[("C", 0)].tokens == 128 and got[("C", 0)].tiers[TIER_GPU] == 0  # from the shared store alone
+    assert got[("B", 0)].tokens == 0  # not known to read that store yet
+    assert got[("D", 0)].tokens == 0
+    # B writes one block of another prompt there: now it reads the store
+    ohs = H.event_hashes(other, 16)
+    index.apply("B", batch(stored(ohs[:1], other[:16], 16, **REMOTE), dp=0), seq=0)
+    assert index.match(p)[("B", 0)].tokens == 128
+    # A restarts (its stream from seq 0 again): its GPU blocks are gone, the store's are not
+    index.apply("A", batch(stored(ohs[:1], other[:16], 16), dp=0), seq=1)
+    index.apply("A", batch(dp=0), seq=0)
+    got = index.match(p)
+    assert got[("A", 0)].tokens == 128 and got[("A", 0)].tiers[TIER_GPU] == 0
+    assert got[("B", 0)].tokens == 128 and got[("C", 0)].tokens == 128
+    # B finds block 5 gone: a miss from block 5 on, for every reader
+    index.apply("B", batch(BlockRemoved(block_hashes=[hs[4]], group_idx=0, **REMOTE), dp=0), seq=1)
+    assert index.match(p)[("C", 0)].tokens == 64 == index.match(p)[("B", 0)].tokens
+    # the remote tier's announcer (a stream with remote tiers only) announces a flush
+    index.apply("announcer", batch(stored(ohs[1:2], other[16:32], 16, parent=ohs[0], **REMOTE)), seq=0)
+    index.apply("announcer", batch(AllBlocksCleared()), seq=1)
+    assert index.match(p)[("C", 0)].tokens == 0
+    assert index.match(other)[("C", 0)].tokens == 0
+
+
+def test_remote_tiers_are_told_apart_by_ownership():
+    p = toks(100)
+    hs = H.event_hashes(p, 16)
+    index = KVIndex(WorkerConfig(hash_block_size=16, block_size=16))
+    index.apply("A", batch(stored(hs[:4], p[:64], 16, **REMOTE)), seq=0)
+    index.apply("B", batch(stored([toks(1)[0]], toks(16), 16, **{**REMOTE, "ownership": "kvbm-remote:cd"})), seq=0)
+    assert index.match(p)[("B", None)].tokens == 0  # B reads another store (another layout)
+    assert index.match(p)[("A", None)].tokens == 64
+
+
+def test_a_new_hybrid_instance_takes_states_from_the_shared_tier():
+    """A hybrid's attention blocks and state checkpoint stored remotely by A: B, which announced
+    nothing, is taken for hybrid (its shared tier holds states) and served up to the checkpoint,
+    not to the last attention block; under vLLM's OffloadingConnector a state inside a block is
+    not taken from a STORAGE tier."""
+    p = toks(400)
+    hs = H.event_hashes(p, 32)
+    for connector, want in (("KVBMConnector", 352), ("OffloadingConnector", 320)):
+        cfg = WorkerConfig(hash_block_size=32, block_size=160, connector=connector, remote="all")
+        index = KVIndex(cfg)
+        index.add_instance("B", cfg, ranks=(0,))
+        index.apply("A", batch(stored(hs[:12], p[:384], 32, group=1, **REMOTE),
+                               stored([hs[9]], [], 0, group=0, kind="mamba", **REMOTE),
+                               stored([hs[10]], [], 0, group=0, kind="mamba", **REMOTE), dp=0), seq=0)
+        assert index.match(p)[("B", 0)].tokens == want, connector
+    with pytest.raises(ValueError, match="valid: announced, all, none"):
+        WorkerConfig(remote="some")

@@ -73,3 +73,26 @@ def test_only_an_answered_request_makes_events_due(tmp_path):
     never.done(0, record)
     time.sleep(0.05)
     assert never.stats()["silent_streams"] == []
+
+
+def test_a_shared_remote_tier_scores_for_a_worker_that_published_nothing(tmp_path):
+    from vllm_kvbm_plugin.events.index import WorkerConfig
+
+    router = make_router(tmp_path, config=WorkerConfig(hash_block_size=16, remote="all"))
+    a = toks(100)
+    hs = PromptHasher().event_hashes(a, 16)
+    remote = BlockStored(block_hashes=hs[:4], parent_block_hash=None, token_ids=a[:64], block_size=16, lora_id=None,
+                         medium="STORAGE", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention",
+                         locality="REMOTE", ownership="kvbm-remote:ab")
+    router.index.apply(router.workers[0].url, KVEventBatch(0.0, [remote], 0))
+    store(router, router.workers[0].url, a[:32])
+    assert router.scores(a) == [64, 64]  # worker 1 reads the store worker 0 wrote into
+
+
+def test_announcer_streams_are_followed_never_routed_to(tmp_path):
+    a = Worker.announcer(f"ipc://{tmp_path}/ann,ipc://{tmp_path}/ann-replay")
+    assert (a.url, a.events, a.replay) == (f"announcer:ipc://{tmp_path}/ann", f"ipc://{tmp_path}/ann", f"ipc://{tmp_path}/ann-replay")
+    with pytest.raises(ValueError, match="EVENTS_ENDPOINT"):
+        Worker.announcer("a,b,c")
+    router = make_router(tmp_path, announcers=[a])
+    assert len(router._threads) == 3 and len(router.workers) == 2

@@ -107,3 +107,28 @@ def test_a_bad_value_another_instance_wrote_is_deleted_and_its_removal_announced
     assert b.tier.failed_loads == 1 and b.storage_events(removed=True) == [keys[1]] and c.exists(name) == 0
     b.store(keys)  # both written again by b: keys[0] was found there (a announced it), keys[1] is new
     assert b.storage_events(removed=False) == [keys[1]]
+
+
+def test_a_chunk_back_in_the_cpu_tier_is_not_sent_again_while_the_server_holds_it(tiered, server):
+    """Issue 31: vLLM cascades a chunk to the secondary tiers each time it re-enters the CPU tier;
+    one this instance wrote is asked for (EXISTS) and written only if the server lost it."""
+    keys = keys_of("g", 4)
+    t = tiered(server.url)  # 8 CPU chunks
+    c = server.client()
+
+    def sets() -> int:
+        return c.info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+
+    t.store(keys)
+    assert sets() == 4
+    for _ in range(2):
+        t.store(keys_of("h", 8))  # evicts keys from the CPU tier
+        t.store(keys)  # back in the CPU tier: cascaded again
+    assert sets() == 4 + 8  # the 8 others once, keys once
+    assert t.storage_events(removed=False) == keys + keys_of("h", 8)  # each announced once
+    c.flushall()  # the server lost everything (as a restart does)
+    t.store(keys_of("h", 8))  # h0-h3 re-enter the CPU tier (h4-h7 never left it)
+    t.store(keys)
+    assert sets() == 12 + 8 and c.dbsize() == 8  # what re-entered is written again
+    served = tiered(server.url).load(keys)
+    assert all(np.array_equal(served[k], payload(k)) for k in keys)

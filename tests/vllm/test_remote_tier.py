@@ -208,3 +208,41 @@ def test_an_evicted_block_key_secret_is_written_back(server):
     c.delete(REMOTE_NAME)  # as an eviction would
     assert a.serve(prompt()) == 0  # its lookup
     assert c.get(REMOTE_NAME) == secret
+
+
+def _value_sets(client) -> int:
+    """SET commands the server ran (values; the block-key secret's SET NX is kept out by the test)."""
+    return client.info("commandstats").get("cmdstat_set", {}).get("calls", 0)
+
+
+def test_a_block_is_written_once_while_present_and_again_once_the_server_lost_it(server, thread_errors):
+    """Issue 31: every pass over a CPU-tier block (a hit re-walks it) used to write it to the
+    server again once PRESENT_TTL had passed. Now a stale key is confirmed with EXISTS, and
+    written again only when the server lost it (restarted empty, as the soak does)."""
+    a = instance(server.url)
+    remote = a.connector.tier("remote")
+    remote.PRESENT_TTL = 0.05  # every later pass finds the keys stale
+    remote.SECRET_KEEP = 1e9  # no SET NX of the block-key secret during the count
+    c = server.client()
+    p = prompt()
+    assert a.serve(p) == 0
+    first = _value_sets(c)
+    assert first >= 6  # 6 full blocks
+    for _ in range(3):
+        time.sleep(0.1)
+        assert a.reset_prefix_cache()
+        assert a.serve(p) == 192  # from A's CPU tier; the store pass re-walks the blocks
+    assert _value_sets(c) == first  # none written again
+    assert remote.counters["confirm_keys"] >= 6 and remote.counters["confirm_missing"] == 0
+    server.kill()
+    server.start()  # empty, same port
+    c = server.client()
+    for _ in range(3):  # a pass finds them stale and asks; a later one writes what is missing
+        time.sleep(0.1)
+        assert a.reset_prefix_cache()
+        assert a.serve(p) == 192
+        wait_backoff(a)
+    assert _value_sets(c) >= 6 and c.dbsize() >= 6
+    assert instance(server.url).serve(p) == 192  # another instance hits them again
+    assert idle(a)
+    assert not thread_errors

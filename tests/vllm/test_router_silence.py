@@ -108,3 +108,28 @@ def test_help_says_which_endpoints_the_publisher_binds(capsys):
             cli.main([cmd, "--help"])
         out = " ".join(capsys.readouterr().out.split())
         assert "binds only tcp://*:PORT, ipc://" in out and "--silence-warning" in out
+
+
+def test_an_announcer_streams_remote_blocks_score_every_worker(publishers, tmp_path):
+    """`--announcer`: the remote tier's announcer (vLLM's real publisher here) feeds the index; its
+    remote blocks count for workers that published nothing (`--remote all`)."""
+    from vllm_kvbm_plugin.events.index import WorkerConfig
+    from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher
+
+    ann = publishers(f"ipc://{tmp_path}/ann", 2)
+    router = Router([Worker.parse(f"http://127.0.0.1:8001,ipc://{tmp_path}/w0"),
+                     Worker.parse(f"http://127.0.0.1:8002,ipc://{tmp_path}/w1")], topic="kv", settle_s=0,
+                    config=WorkerConfig(hash_block_size=16, remote="all"),
+                    announcers=[Worker.announcer(f"ipc://{tmp_path}/ann,ipc://{tmp_path}/replay2")])
+    prompt = list(range(100, 200))
+    hs = PromptHasher().event_hashes(prompt, 16)
+    router.start()
+    try:
+        time.sleep(0.3)
+        ann.publish(KVEventBatch(ts=0.0, events=[BlockStored(
+            block_hashes=hs[:3], parent_block_hash=None, token_ids=prompt[:48], block_size=16, lora_id=None,
+            medium="STORAGE", lora_name=None, group_idx=0, kv_cache_spec_kind="full_attention",
+            locality="REMOTE", ownership="kvbm-remote:ab")]))
+        assert wait_for(lambda: router.scores(prompt) == [48, 48]), router.scores(prompt)
+    finally:
+        router.stop()

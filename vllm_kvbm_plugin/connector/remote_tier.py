@@ -34,6 +34,9 @@ class _Lookup:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     found: list = dataclasses.field(default_factory=list)  # set by the lookup thread before `done`
     merged: bool = False
+    answered: bool = False  # the server answered (a failure leaves `found` empty: not "missing")
+    keys: list = dataclasses.field(default_factory=list)
+    confirm: bool = False  # a write-through's confirmation, not a request's lookup (not in hit stats)
 
 
 class RemoteTier:
@@ -41,8 +44,12 @@ class RemoteTier:
     called by SchedulerSide in the EngineCore process; the workers' RemoteIO fetch and write the
     values it plans). The server holds the entries and
     evicts any of them whenever it likes, so this side keeps no index: it knows the keys a lookup
-    or one of its own writes found recently (`present`), the fetches and writes in flight, and
-    what it announced. Lookups run on a thread; a scheduler step waits for answers at most
+    or one of its own writes found (`present`), the fetches and writes in flight, and what it
+    announced. A key is written once while it is known present: trusted for hits PRESENT_TTL
+    after it was last seen, after that a write-through asks the server whether it still holds it
+    (one pipelined EXISTS per step, `confirm`), and writes it again only once a lookup, a
+    confirmation or a fetch found it missing. A failed write or lookup (the server may have
+    restarted empty) makes every key unconfirmed. Lookups run on a thread; a scheduler step waits for answers at most
     `budget` seconds in all, a request at most LOOKUP_PATIENCE (it waits steps meanwhile), and
     a lookup that takes longer, or a server that failed (Breaker), is a miss.
 
@@ -83,7 +90,11 @@ class RemoteTier:
         # it like any key, and an instance starting then would make a new one and share nothing.
         self.secret_hex = secret.key.hex() if secret.source == "remote" else None
         self.secret_kept = float("-inf")  # when it was last written back
-        self.present: dict = {}  # key -> when it was seen present
+        self.present: dict = {}  # key -> when it was last seen present (not known missing since)
+        self.stale_before = float("-inf")  # keys seen before this are unconfirmed (a server failure)
+        self.unconfirmed: set = set()  # keys a write-through found stale: asked with the next step's EXISTS
+        self.confirming: _Lookup | None = None  # the confirmation in flight
+        self.confirming_keys: set = set()
         self.fetching: set = set()
         self.landed_seen = 0  # remotefmt.LANDINGS.count when last looked at
         self.writing: dict = {}  # key -> (Announce, parent)
@@ -158,7 +169,7 @@ class RemoteTier:
     def lookup(self, key) -> bool:
         """Seen present (every rank's value) within PRESENT_TTL."""
         t = self.present.get(key)
-        return t is not None and time.monotonic() - t < self.PRESENT_TTL
+        return t is not None and time.monotonic() - t < self.PRESENT_TTL and t >= self.stale_before
 
     def prepare_lookup(self, req_id: str, keys: list) -> bool:
         """Look `keys` up for `req_id` (once per request); True once answered (`lookup` then
@@ -178,9 +189,7 @@ class RemoteTier:
         if lk.done.is_set():
             if not lk.merged:
                 lk.merged = True
-                now = time.monotonic()
-                for k in lk.found:
-                    self.present[k] = now
+                self._merge(lk)
             return True
         if time.monotonic() - lk.asked < self.LOOKUP_PATIENCE:
             return False
@@ -189,16 +198,40 @@ class RemoteTier:
         lk.done.set()
         return True
 
+    def _merge(self, lk: _Lookup) -> None:
+        """A lookup's or confirmation's answer: found keys are present now, the others missing
+        (forgotten, so the next write-through writes them; their removal announced if ours)."""
+        if not lk.answered:
+            return
+        now = time.monotonic()
+        found = set(lk.found)
+        for k in lk.keys:
+            if k in found:
+                self.present[k] = now
+            elif self.present.get(k, lk.asked) <= lk.asked:  # not written since it was asked about
+                self.lost(k)
+
     def new_step(self) -> None:
         self.budget_left = self.budget
-        if len(self.present) > 4 * self.MAX_ANNOUNCED:
-            now = time.monotonic()
-            self.present = {k: t for k, t in self.present.items() if now - t < self.PRESENT_TTL}
+        lk = self.confirming
+        if lk is not None and lk.done.is_set():
+            self._merge(lk)
+            self.counters["confirm_missing"] += len(lk.keys) - len(lk.found) if lk.answered else 0
+            self.confirming, self.confirming_keys, lk = None, set(), None
+        if lk is None and self.unconfirmed and self.breaker.allow_soon():
+            self.confirming, self.confirming_keys = _Lookup(time.monotonic(), confirm=True), self.unconfirmed
+            self.counters["confirm_keys"] += len(self.unconfirmed)
+            self._submit(self.confirming, list(self.unconfirmed))
+            self.unconfirmed = set()
+        if len(self.present) > 4 * self.MAX_ANNOUNCED:  # the newest half stays known
+            keep = sorted(self.present.items(), key=lambda kt: kt[1])[-2 * self.MAX_ANNOUNCED:]
+            self.present = dict(keep)
 
     def forget(self, req_id: str) -> None:
         self.lookups.pop(req_id, None)
 
     def _submit(self, lk: _Lookup, keys: list) -> None:
+        lk.keys = keys
         self._start_thread()
         self._jobs.put((lk, keys))
 
@@ -229,13 +262,18 @@ class RemoteTier:
             try:
                 if self.breaker.allow():
                     lk.found = self._exists(keys)
+                    lk.answered = True
                     self.breaker.success()
-                    self.counters["lookups"] += 1
-                    self.counters["lookup_keys"] += len(keys)
-                    self.counters["lookup_keys_found"] += len(lk.found)
+                    if lk.confirm:
+                        self.counters["confirms"] += 1
+                    else:
+                        self.counters["lookups"] += 1
+                        self.counters["lookup_keys"] += len(keys)
+                        self.counters["lookup_keys_found"] += len(lk.found)
             except Exception as e:  # anything the client raises is a miss
                 self.breaker.failure(e)
                 self.counters["lookup_failures"] += 1
+                self.stale_before = time.monotonic()  # the server may come back empty
             lk.done.set()
 
     def _exists(self, keys: list) -> list:
@@ -297,9 +335,14 @@ class RemoteTier:
 
     # ---- writes behind -----------------------------------------------------------------------
     def prepare_write(self, key, parent, end: int, announce: Announcer) -> bytes | None:
-        """The value's metadata blob when `key` should be written now, else None (known present,
-        being written, or the server failed lately)."""
-        if key in self.writing or self.lookup(key) or not self.breaker.allow_soon():
+        """The value's metadata blob when `key` should be written now, else None (being written,
+        the server failed lately, or known present: confirmed with the next step's EXISTS when
+        last seen longer ago than PRESENT_TTL)."""
+        if key in self.writing or not self.breaker.allow_soon():
+            return None
+        if key in self.present:
+            if not self.lookup(key) and key not in self.confirming_keys:
+                self.unconfirmed.add(key)
             return None
         a = announce(self.name)
         self.writing[key] = (a, parent)
@@ -309,6 +352,7 @@ class RemoteTier:
         a, parent = self.writing.pop(key, (None, None))
         self.counters["written" if ok else "write_failures"] += 1
         if not ok:
+            self.stale_before = time.monotonic()  # the server may come back empty
             return
         self.present[key] = time.monotonic()
         # announced only with its parent, as the other tiers are (a router needs the chain)

@@ -18,6 +18,11 @@ data-parallel rank), all KV cache groups and tiers (GPU, CPU, STORAGE local or r
   partial tail) counts from the CPU tier only: vLLM asks the tiers for it only once the whole
   blocks are in the CPU tier, and does not wait for a secondary tier to promote it
   (docs/offloading.md, "partial tail").
+- A shared REMOTE tier (STORAGE, locality REMOTE, one ownership per store: our Redis tiers) is one
+  index for the whole fleet, as the store is one: a block that instance A (or the remote tier's
+  announcer stream) announced there is a hit for instance B, and a removal from any stream
+  removes it. Which workers read which shared tiers: `WorkerConfig.remote`. An instance's restart
+  (its stream from seq 0 again) forgets its own tiers, not the store's.
 
 The prompt's hashes are computed as vLLM computes them (events/prompt_hashes.py, `PromptHasher`).
 Where they cannot be computed (xxhash with vLLM's random per-process seed, or without the
@@ -42,6 +47,7 @@ from typing import Any, NamedTuple
 
 from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher, event_extra_keys, unit_extra_keys
 from vllm_kvbm_plugin.events.types import (
+    LOCALITY_REMOTE,
     MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -59,6 +65,7 @@ STATE_KINDS = frozenset({"mamba"})
 IGNORED_KINDS = frozenset({"sliding_window", "sliding_window_mla", "chunked_local_attention"})
 TIER_GPU = Tier(MEDIUM_GPU)
 CONNECTORS = ("KVBMConnector", "OffloadingConnector")  # WorkerConfig.connector: whose tier rule
+REMOTE_READS = ("announced", "all", "none")  # WorkerConfig.remote
 _MAX_PENDING = 10_000  # batches kept per stale instance while waiting for the missing ones
 
 
@@ -84,10 +91,16 @@ class WorkerConfig:
     # any tiers): a hybrid's state inside a block (a partial tail) then comes from the CPU tier
     # only, since vLLM loads it only when it is there at the lookup (module docstring)
     connector: str = "KVBMConnector"
+    # which shared REMOTE tiers the worker reads: "announced" (those its own stream announced a
+    # block in: a worker that never wrote there is not known to read them), "all" (every one any
+    # stream announced: a fleet on one Redis and one model), "none"
+    remote: str = "announced"
 
     def __post_init__(self):
         if self.connector not in CONNECTORS:
             raise ValueError(f"WorkerConfig.connector: {self.connector!r}; valid: {', '.join(CONNECTORS)}")
+        if self.remote not in REMOTE_READS:
+            raise ValueError(f"WorkerConfig.remote: {self.remote!r}; valid: {', '.join(REMOTE_READS)}")
 
 
 class WorkerMatch(NamedTuple):
@@ -114,7 +127,7 @@ class _Holder:
 
 
 class _Worker:
-    def __init__(self, key, config: WorkerConfig):
+    def __init__(self, key, config: WorkerConfig, remote_tiers: set):
         self.key = key
         self.config = config
         self.hasher = PromptHasher(config.hash_algo, config.seed)
@@ -124,8 +137,9 @@ class _Worker:
         self.holders: dict[tuple, _Holder] = {}  # (tier, group) -> holder
         self.hybrid = False
         self.group_kinds: dict = {}  # group -> kind, from GPU events (tier events may lack it)
-        self.bits = 0  # every holder bit of this worker
-        self._tier_bits: dict | None = None
+        self.bits = 0  # every holder bit of this worker (its own tiers)
+        self.remote_tiers = remote_tiers  # shared REMOTE tiers its stream announced blocks in (kept over resets)
+        self._tier_bits: tuple | None = None  # (KVIndex.shared_gen, tier -> bits), see KVIndex._tier_bits
         # learned (parent, tokens, extra keys) -> hash, for workers whose hashes cannot be computed
         self.learned: dict[tuple, Any] = {}
         self.learned_key: dict[Any, tuple] = {}
@@ -133,20 +147,6 @@ class _Worker:
     @property
     def learns(self) -> bool:
         return not self.hasher.computable
-
-    def tier_bits(self) -> dict:
-        """Tier -> (attention holder bits, state holder bits)."""
-        if self._tier_bits is None:
-            out: dict[Tier, tuple[int, int]] = {}
-            for (tier, _), holder in self.holders.items():
-                kv_bits, st_bits = out.get(tier, (0, 0))
-                if holder.kind in STATE_KINDS:
-                    st_bits |= holder.bit
-                else:
-                    kv_bits |= holder.bit
-                out[tier] = (kv_bits, st_bits)
-            self._tier_bits = out
-        return self._tier_bits
 
 
 class KVIndex:
@@ -163,6 +163,13 @@ class KVIndex:
         # hash -> bits of the (worker, tier, group)s holding it; attention and state holders have
         # bits of their own, so one lookup per unit serves both
         self.held_by: dict[Any, int] = {}
+        # shared REMOTE tiers: (tier, group) -> holder, one for every stream (module docstring);
+        # shared_gen changes whenever one is added or learns its kind (workers' tier bits then)
+        self.shared: dict[tuple, _Holder] = {}
+        self.shared_gen = 0
+        self.as_int: bool | None = None  # the hash form of the first hash any stream announced
+        # worker -> the shared tiers it announced into: it still reads them after a restart
+        self.remote_reads: dict[tuple, set] = {}
         self._next_bit = 1
         self._state_bits = 0  # bits of every state holder
         # per instance: next expected seq, missing seqs, batches waiting behind a gap
@@ -172,14 +179,19 @@ class KVIndex:
         self.stats = {"batches": 0, "stored": 0, "removed": 0, "unknown_removals": 0, "gaps": 0}
 
     # ---- configuration ----
-    def add_instance(self, instance, config: WorkerConfig | None = None) -> None:
+    def add_instance(self, instance, config: WorkerConfig | None = None, ranks=()) -> None:
+        """`instance`'s config; with `ranks` (data-parallel ranks), its workers are matched from
+        now on, before their first event (a new instance may serve a shared remote tier's blocks)."""
         self.configs[instance] = config or self.default
+        for dp in ranks:
+            self._worker(instance, dp)
 
     def _worker(self, instance, dp) -> _Worker:
         key = (instance, dp)
         w = self.workers.get(key)
         if w is None:
-            w = self.workers[key] = _Worker(key, self.configs.get(instance, self.default))
+            w = self.workers[key] = _Worker(key, self.configs.get(instance, self.default),
+                                            self.remote_reads.setdefault(key, set()))
         return w
 
     # ---- events ----
@@ -233,6 +245,8 @@ class KVIndex:
             w = self.workers.pop(key)
             for holder in w.holders.values():
                 self._clear(holder)
+            if instance in self.configs:  # a configured instance stays matched (add_instance)
+                self._worker(*key)
         self.next_seq.pop(instance, None)
         self.missing.pop(instance, None)
         self.pending.pop(instance, None)
@@ -246,11 +260,17 @@ class KVIndex:
             elif isinstance(ev, BlockRemoved):
                 self._removed(w, ev)
             elif isinstance(ev, AllBlocksCleared):
+                if w.remote_tiers and not w.holders:  # the remote tier's announcer: the store was flushed
+                    for (tier, _), holder in self.shared.items():
+                        if tier in w.remote_tiers:
+                            self._clear(holder)
                 for (tier, _), holder in w.holders.items():
                     if tier == TIER_GPU:
                         self._clear(holder)
 
     def _holder(self, w: _Worker, tier: Tier, group, kind) -> _Holder:
+        if tier.locality == LOCALITY_REMOTE:
+            return self._shared_holder(w, tier, group, kind)
         holder = w.holders.get((tier, group))
         if holder is None:
             holder = w.holders[(tier, group)] = _Holder(self._next_bit, kind)
@@ -269,12 +289,52 @@ class KVIndex:
                 self._state_bits |= holder.bit
         return holder
 
+    def _shared_holder(self, w: _Worker, tier: Tier, group, kind) -> _Holder:
+        """The fleet's holder of a shared REMOTE tier's group; `w` announced into it."""
+        if tier not in w.remote_tiers:
+            w.remote_tiers.add(tier)
+            w._tier_bits = None
+        holder = self.shared.get((tier, group))
+        if holder is None:
+            holder = self.shared[(tier, group)] = _Holder(self._next_bit, kind)
+            self._next_bit <<= 1
+            self.shared_gen += 1
+        elif holder.kind is None and kind is not None:
+            holder.kind = kind
+            self.shared_gen += 1
+        else:
+            return holder
+        if kind in STATE_KINDS:
+            self._state_bits |= holder.bit
+        return holder
+
+    def _tier_bits(self, w: _Worker) -> dict:
+        """Tier -> (attention holder bits, state holder bits) of what `w` serves from: its own
+        tiers and the shared REMOTE tiers it reads (`WorkerConfig.remote`)."""
+        if w._tier_bits is not None and w._tier_bits[0] == self.shared_gen:
+            return w._tier_bits[1]
+        out: dict[Tier, tuple[int, int]] = {}
+        reads = w.config.remote
+        shared = [(k, h) for k, h in self.shared.items()
+                  if reads == "all" or (reads == "announced" and k[0] in w.remote_tiers)]
+        for (tier, _), holder in itertools.chain(w.holders.items(), shared):
+            kv_bits, st_bits = out.get(tier, (0, 0))
+            if holder.kind in STATE_KINDS:
+                st_bits |= holder.bit
+            else:
+                kv_bits |= holder.bit
+            out[tier] = (kv_bits, st_bits)
+        w._tier_bits = (self.shared_gen, out)
+        return out
+
     def _stored(self, w: _Worker, ev: BlockStored) -> None:
         hashes = ev.block_hashes
         if not hashes:
             return  # vLLM's Mamba events sometimes carry token ids only
         if w.as_int is None:
             w.as_int = isinstance(hashes[0], int)
+            if self.as_int is None:
+                self.as_int = w.as_int
         kind = ev.kv_cache_spec_kind
         if kind in IGNORED_KINDS:
             return
@@ -306,7 +366,8 @@ class KVIndex:
         """A group's kind, from its GPU events: also the kind of its tier holders that were
         announced without one (vLLM 0.32's offloading placeholders, a disk tier's restart index)."""
         w.group_kinds[group] = kind
-        for (tier, g), holder in w.holders.items():
+        shared = [(k, h) for k, h in self.shared.items() if k[0] in w.remote_tiers]
+        for (tier, g), holder in [*w.holders.items(), *shared]:
             if g == group and holder.kind is None and tier != TIER_GPU:
                 self._holder(w, tier, g, kind)
 
@@ -322,7 +383,8 @@ class KVIndex:
             parent = h
 
     def _removed(self, w: _Worker, ev: BlockRemoved) -> None:
-        holder = w.holders.get((_tier(ev), ev.group_idx))
+        tier = _tier(ev)
+        holder = (self.shared if tier.locality == LOCALITY_REMOTE else w.holders).get((tier, ev.group_idx))
         if holder is None:
             self.stats["unknown_removals"] += len(ev.block_hashes)
             return
@@ -374,9 +436,10 @@ class KVIndex:
         hashed: dict[tuple, _Looked] = {}  # (algo, seed, unit, form) -> the prompt's masks
         unit_keys: dict[int, list | None] = {}  # unit -> extra keys per unit
         for key, w in self.workers.items():
-            unit = w.unit
+            unit = w.unit or self._fleet_unit(w)
+            as_int = w.as_int if w.as_int is not None else self.as_int
             stale = self.is_stale(key[0])
-            if unit is None or n <= 1 or w.as_int is None:
+            if unit is None or n <= 1 or as_int is None:
                 out[key] = WorkerMatch(0, {}, stale)
                 continue
             n_units = n // unit  # a GPU hit never covers the last token, a tier hit's last block may (_tier_hit)
@@ -386,18 +449,30 @@ class KVIndex:
             if w.learns:
                 looked = self._lookup(self._walk_learned(w, token_ids, unit, n_units, keys))
             else:
-                hk = (w.hasher.algo, w.hasher.seed, unit, w.as_int)
+                hk = (w.hasher.algo, w.hasher.seed, unit, as_int)
                 looked = hashed.get(hk)
                 if looked is None:
                     if keys:
-                        hs = w.hasher.event_hashes(token_ids, unit, n_units, keys, w.as_int)
+                        hs = w.hasher.event_hashes(token_ids, unit, n_units, keys, as_int)
                         looked = self._lookup(hs)
                     else:
-                        looked = self._lookup_chunks(w.hasher.event_hash_chunks(token_ids, unit, n_units, w.as_int),
+                        looked = self._lookup_chunks(w.hasher.event_hash_chunks(token_ids, unit, n_units, as_int),
                                                      self._widest_block(hk))
                     hashed[hk] = looked
-            out[key] = self._serve(w, looked, n, stale)
+            out[key] = self._serve(w, looked, n, stale, unit)
         return out
+
+    def _fleet_unit(self, w: _Worker) -> int | None:
+        """A worker that announced no GPU block yet (a new instance reading a shared tier) hashes
+        as the fleet's workers of its algorithm and seed do: their smallest unit."""
+        return min((o.unit for o in self._alike(w) if o.unit), default=None)
+
+    def _fleet_block_size(self, w: _Worker) -> int | None:
+        """As `_fleet_unit`, the block size: the largest of the alike workers'."""
+        return max((o.block_size for o in self._alike(w) if o.block_size), default=None)
+
+    def _alike(self, w: _Worker):
+        return (o for o in self.workers.values() if (o.hasher.algo, o.hasher.seed) == (w.hasher.algo, w.hasher.seed))
 
     def _walk_learned(self, w: _Worker, token_ids, unit, n_units, keys) -> list:
         learned, parent, hs = w.learned, None, []
@@ -441,16 +516,18 @@ class KVIndex:
         """The most units per block among the workers hashing as `hk` (algo, seed, unit, form)."""
         unit = hk[2]
         return max(((w.block_size or unit) // unit for w in self.workers.values()
-                    if (w.hasher.algo, w.hasher.seed, w.unit, w.as_int) == hk), default=1) or 1
+                    if (w.hasher.algo, w.hasher.seed, w.unit or unit,
+                        self.as_int if w.as_int is None else w.as_int) == hk), default=1) or 1
 
-    def _serve(self, w: _Worker, looked: "_Looked", n: int, stale: bool) -> WorkerMatch:
-        unit = w.unit
-        tiers_bits = w.tier_bits()
+    def _serve(self, w: _Worker, looked: "_Looked", n: int, stale: bool, unit: int) -> WorkerMatch:
+        tiers_bits = self._tier_bits(w)
+        # a worker that announced no state yet is hybrid if a shared tier it reads holds states
+        hybrid = w.hybrid or any(st for _, st in tiers_bits.values())
         gpu_kv, gpu_st = tiers_bits.get(TIER_GPU, (0, 0))
         gpu = 0
         if gpu_kv:
             k = min(bisect.bisect_left(looked.acc, True, key=lambda m: (m & gpu_kv) != gpu_kv), (n - 1) // unit)
-            if not w.hybrid:
+            if not hybrid:
                 gpu = k * unit
             elif gpu_st:
                 gpu = _last_checkpoint(looked.checkpoints, looked.state_masks, gpu_st, k) * unit
@@ -458,8 +535,8 @@ class KVIndex:
         others = [t for t in tiers_bits if t != TIER_GPU]
         total = gpu
         if others:
-            B = w.block_size or unit
-            args = (gpu, n, unit, B, w.hybrid, looked.kv_masks, looked.state_masks, looked.checkpoints)
+            B = w.block_size or self._fleet_block_size(w) or unit
+            args = (gpu, n, unit, B, hybrid, looked.kv_masks, looked.state_masks, looked.checkpoints)
             native = w.config.connector == "OffloadingConnector"
             for t in others:
                 mid = [tiers_bits[t]] if not native or t.medium == MEDIUM_CPU else []
@@ -469,10 +546,12 @@ class KVIndex:
         return WorkerMatch(total, result, stale)
 
     def held(self, instance, dp=None, tier: Tier = TIER_GPU, group=None) -> set:
-        """The hashes a worker holds in a tier (and group): for tests and inspection."""
+        """The hashes a worker holds in a tier (and group), a shared REMOTE tier's for any
+        worker: for tests and inspection."""
         w = self.workers.get((instance, dp))
         out: set = set()
-        for (t, g), holder in (w.holders.items() if w else ()):
+        holders = self.shared if tier.locality == LOCALITY_REMOTE else (w.holders if w else {})
+        for (t, g), holder in holders.items():
             if t == tier and (group is None or g == group):
                 out |= holder.counts.keys()
         return out

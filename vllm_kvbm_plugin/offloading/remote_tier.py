@@ -9,7 +9,9 @@ optional "enable_kv_events" (default true). One value per primary-tier chunk, na
 of vLLM's OffloadKey); the value is a block file's bytes (tiers/disk.py), verified on every read:
 a value that is missing, damaged, truncated or of another layout fails that key (vLLM recomputes
 the chunk) and a bad one is deleted. The server's `maxmemory` policy bounds the tier (docs/remote.md);
-this side keeps no index.
+this side keeps no index. vLLM offers a chunk again each time it re-enters the CPU tier (after an
+eviction); a chunk this instance wrote or found there before is first asked for (EXISTS) and
+written only if the server lost it, so it is not sent again while the server holds it.
 
 Nothing waits for the server on the scheduler thread: lookups are vLLM's AsyncLookupManager (one
 pipelined EXISTS per request and step, on its thread; RETRY meanwhile), loads and stores run on
@@ -100,6 +102,8 @@ class KVBMRemoteTier(ChunkTier):
         # keys this instance announced: Stored once each, Removed only for those (a value another
         # instance wrote is announced in that instance's stream)
         self._announced: collections.OrderedDict = collections.OrderedDict()
+        # keys this instance wrote or found held (not known lost since): asked for before a re-write
+        self._held: collections.OrderedDict = collections.OrderedDict()
         self.failed_writes = self.failed_loads = 0
         self._lookups = _Exists(self)
         logger.info("KVBMRemoteTier: %s, chunks of %d bytes under %s*", url, self.chunk_bytes, self.prefix)
@@ -126,7 +130,7 @@ class KVBMRemoteTier(ChunkTier):
         for key, chunk in zip(job.keys, job.chunk_ids):
             parent = parent_in_request(key, job.req_context)
             pos = job.req_context.get_offload_key_position(key) or 0
-            work.append((key, int(chunk), encode_meta(ChunkMeta(key, parent, pos))))
+            work.append((key, int(chunk), encode_meta(ChunkMeta(key, parent, pos)), key in self._held))
         self._jobs[job.job_id] = ([self._io["store"].submit(self._write, work)], False, work)
 
     def submit_load(self, job: TransferJob) -> None:
@@ -146,6 +150,8 @@ class KVBMRemoteTier(ChunkTier):
             if is_load:
                 self.failed_loads += len(keys) - len(done)
                 if other:
+                    for k in other:
+                        self._held.pop(k, None)
                     self._lookups.mark_miss(other)
                     # announced here and gone, or bad and deleted here (whoever announced it)
                     self._event([k for k, bad in other.items() if self._announced.pop(k, False) or bad], removed=True)
@@ -154,6 +160,8 @@ class KVBMRemoteTier(ChunkTier):
                                          transfer_time=seconds, transfer_bytes=len(done) * self.chunk_bytes))
             else:
                 self.failed_writes += len(keys) - len(done)
+                for k in done:
+                    _remember(self._held, k, self.MAX_ANNOUNCED)
                 fresh = [k for k in done if k not in self._announced and k not in other]
                 for k in fresh:  # one forgotten here will never have its removal announced by us
                     _remember(self._announced, k, self.MAX_ANNOUNCED)
@@ -185,20 +193,28 @@ class KVBMRemoteTier(ChunkTier):
             return None
 
     def _write(self, work: list) -> tuple[set, set, float]:
-        """(keys written, those of them the server already held, seconds)."""
+        """(keys written or held, those the server already held, seconds). Keys written before
+        (`_held`) are asked for first and written only if missing: one more round trip, no value."""
         t0 = time.perf_counter()
+        held = set()
+        known = [w for w in work if w[3]]
+        if known:
+            replies = self._call("store", lambda c: remotefmt.run(c, [("EXISTS", self.name(w[0])) for w in known]))
+            held = {w[0] for w, r in zip(known, replies or ()) if r == 1}
+            work = [w for w in work if w[0] not in held]
 
         def write(client) -> list:
             pipe = client.pipeline(transaction=False)
-            for key, chunk, meta in work:
+            for key, chunk, meta, _ in work:
                 name = self.name(key)
                 pipe.exists(name)  # held already (another instance's write): not announced again
                 pipe.set(name, b"".join(remotefmt.value_parts(file_key(key), self.fingerprint, self._rows[chunk], meta)))
             return pipe.execute(raise_on_error=False)
 
-        replies = self._call("store", write) or [None] * (2 * len(work))
-        ok = {key for (key, _, _), r in zip(work, replies[1::2]) if r is True}
-        return ok, {key for (key, _, _), r in zip(work, replies[0::2]) if key in ok and r == 1}, time.perf_counter() - t0
+        replies = (self._call("store", write) if work else []) or [None] * (2 * len(work))
+        ok = {w[0] for w, r in zip(work, replies[1::2]) if r is True}
+        existing = {w[0] for w, r in zip(work, replies[0::2]) if w[0] in ok and r == 1}
+        return ok | held, existing | held, time.perf_counter() - t0
 
     def _read(self, work: list) -> tuple[set, dict, float]:
         t0 = time.perf_counter()
