@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "vllm-kvbm.json"
 SLOT = 16384  # one tier entry of the tiny Llama (2 layers x K,V x 32 tokens x 2 heads x 32 x bf16)
+FILE = 20480  # its block file on disk: SLOT + header + metadata room in 4 KiB blocks (disk.file_footprint)
 B = 32
 # Grafana's values for the dashboard's variables: this server's labels, $__rate_interval as Grafana
 # computes it for the default 15 s scrape interval (4 x 15 s), $__range of a 5-minute view.
@@ -201,7 +202,7 @@ def test_every_panel_returns_series(tmp_path, prometheus_binary):
     try:
         port, prom_port = free_port(), free_port()
         disk = tmp_path / "disk"
-        extra = {"cpu_bytes_to_use": 12 * SLOT, "disk_path": str(disk), "disk_bytes_to_use": 30 * SLOT,
+        extra = {"cpu_bytes_to_use": 12 * SLOT, "disk_path": str(disk), "disk_bytes_to_use": 30 * FILE,
                  "remote_url": redis.url, "measure_roofline": True, "pic_index_always": True}
         ktc = {"kv_connector": "KVBMConnector", "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                "kv_role": "kv_both", "kv_connector_extra_config": extra}
