@@ -89,8 +89,17 @@ class ChunkTier(SecondaryTierManager):
             yield from events
 
     def _finished(self) -> list:
-        """The jobs whose futures are all done, taken out: (job id, futures, is_load, work)."""
-        done = [j for j, (fs, _, _) in self._jobs.items() if all(f.done() for f in fs)]
+        """The jobs whose futures are all done, taken out: (job id, futures, is_load, work). Stores
+        finish in the order they were submitted: a chunk is announced after its parent, which an
+        earlier store job may still be writing (the validator's unknown_parent otherwise)."""
+        done, store_pending = [], False
+        for j, (fs, is_load, _) in self._jobs.items():
+            ready = all(f.done() for f in fs)
+            if not is_load:
+                store_pending = store_pending or not ready
+                ready = not store_pending
+            if ready:
+                done.append(j)
         return [(j, *self._jobs.pop(j)) for j in done]
 
     def _event(self, keys: list, removed: bool) -> None:
