@@ -230,6 +230,14 @@ class Soak:
                 self.restarting.clear()
             self.stop_at = max(self.stop_at, time.monotonic() + self.args.after_restart_s)
             return f"SIGKILLed, back after {time.monotonic() - t0:.0f} s"
+        for _ in range(10):  # the tier may evict the chosen file meanwhile: choose again
+            try:
+                return self.damage_file(kind, rng)
+            except FileNotFoundError:
+                time.sleep(0.05)
+        return "skipped (every chosen block file was evicted first)"
+
+    def damage_file(self, kind: str, rng: random.Random) -> str:
         files = self.block_files()
         if not files:
             return "skipped (no block file)"
