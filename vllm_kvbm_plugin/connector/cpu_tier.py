@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from vllm.distributed.kv_events import BlockRemoved
 
-from vllm_kvbm_plugin.connector.announce import Announce, Announcer, RunBlock, renamed
+from vllm_kvbm_plugin.connector.announce import Announce, Announcer, renamed
 from vllm_kvbm_plugin.connector.base import TierOp
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import TIER_CPU, Tier
@@ -106,45 +106,9 @@ class TierManager:
             self.waiting.pop(key, None)
 
     def complete_stores(self, keys: list) -> None:
-        """complete_store(key, True) for each of `keys` in order (the step's landed stores, one
-        call): the same pins released, events built and announced in the same order."""
-        index, parents, storing, waiting = self.index, self.stores.parents, self.storing, self.waiting
-        entries, pinned, name = index.entries, index._pinned, self.name
+        """complete_store(key, True) for each of `keys` in order: the step's landed stores."""
         for key in keys:
-            parent = parents.pop(key, None)
-            if parent is not None:
-                p = entries.get(parent)
-                if p is not None and p.pins:
-                    p.pins -= 1
-                    if not p.pins:
-                        pinned.discard(parent)
-            e = entries.get(key)
-            if e is None:
-                storing.pop(key, None)
-                continue
-            e.ready = True
-            if e.pins:
-                e.pins -= 1
-                if not e.pins:
-                    pinned.discard(key)
-            build = storing.pop(key, None)
-            if build is not None:
-                e.meta = build.run.announce(build.block, name) if type(build) is RunBlock else build(name)
-            if parent is not None:
-                p = entries.get(parent)
-                pm = None if p is None else p.meta
-                if p is None or parent in storing or (pm is not None and pm.events and not pm.announced):
-                    self._announce_after(key, e, parent)  # it waits for its parent, or never comes
-                    continue
-            a = e.meta  # nothing to wait for: _announce_after's common case
-            if a is not None and a.events and not a.announced:
-                self.events += a.events
-                a.announced = True
-            if key in waiting:
-                for child in waiting.pop(key):
-                    c = index.ready(child)
-                    if c is not None:
-                        self._announce_after(child, c, None)
+            self.complete_store(key, True)
 
     def remove(self, key) -> None:
         """`key` is gone (found corrupt or missing): drop it and announce the removal."""

@@ -27,9 +27,8 @@ class PinnedStores:
         """(an entry for `key`, pinned, not ready, under `parent`, pinned until `settle`; or None
         when the tier has no room, and the (key, Entry) pairs evicted by the policy meanwhile)."""
         index = self.index
-        if parent is not None:  # index.pin(parent), inline: once per stored block
-            index.entries[parent].pins += 1
-            index._pinned.add(parent)
+        if parent is not None:
+            index.pin(parent)
         entry, evicted = index.reserve(key, parent, meta)
         if entry is None:
             if parent is not None:
