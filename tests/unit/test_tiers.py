@@ -282,6 +282,35 @@ def test_disk_corruption_anywhere_in_a_large_block_is_a_miss(tmp_path):
     assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()
 
 
+def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(tmp_path):
+    """A byte flipped or the file cut short in place between open_verified and read_payload (by
+    anyone: the soak's fault injector did it) must be a failed read, not KV."""
+    payload = np.frombuffer(os.urandom(3 * 4096), dtype=np.uint8)
+    _, path = write(tmp_path, payload)
+    size = os.path.getsize(path)
+    for pos in (0, 40, disk.HEADER_SIZE, disk.HEADER_SIZE + 4096 + 7, size - 1):  # header, payload, metadata
+        write(tmp_path, payload)
+        fd, _ = disk.open_verified(path, KEY, FP, payload.size)
+        try:
+            with open(path, "r+b") as f:
+                f.seek(pos)
+                b = f.read(1)
+                f.seek(pos)
+                f.write(bytes([b[0] ^ 0x01]))
+            parts = [np.empty(4096, np.uint8), np.empty(2 * 4096, np.uint8)]
+            assert not disk.read_payload(fd, parts), pos
+        finally:
+            os.close(fd)
+    write(tmp_path, payload)
+    fd, _ = disk.open_verified(path, KEY, FP, payload.size)
+    try:
+        os.truncate(path, size - 1)
+        assert not disk.read_payload(fd, [np.empty(payload.size, np.uint8)])
+        assert not disk.read_payload(fd, [np.empty(payload.size - 8, np.uint8)])  # not the payload's length
+    finally:
+        os.close(fd)
+
+
 def test_an_open_verified_block_reads_the_same_bytes_after_unlink_or_replace(tmp_path):
     payload = np.frombuffer(os.urandom(3 * 4096), dtype=np.uint8)
     _, path = write(tmp_path, payload)

@@ -286,7 +286,8 @@ class WorkerSide:
         return KVBMWorkerMetadata(reports, broken=("disk",) if self._disk_broken or failed else ())
 
     def _direct_load_failed(self, key, ids: tuple[int, ...]) -> None:
-        """Verified a step ago and held open since: only a failing device gets here. vLLM takes
+        """Verified a step ago and held open since: only a failing device, or someone changing the
+        file in place meanwhile (read_payload checks the bytes again), gets here. vLLM takes
         block-level load errors for one KV cache group only (its kv_load_failure_policy: recompute
         them, or fail the request); with several groups it would stop the engine, so then the
         error is only logged."""

@@ -56,7 +56,7 @@ import numpy as np
 
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import fileio
-from vllm_kvbm_plugin.tiers.checksum import checksum64
+from vllm_kvbm_plugin.tiers.checksum import checksum64, checksum_final, checksum_update
 
 logger = get_logger("disk")
 
@@ -182,9 +182,9 @@ def read_blocks(paths: list, keys: list, fingerprint: bytes, outs: list) -> list
 
 def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, payload_bytes: int):
     """Verify the block file at `path` (as read_into, keeping no bytes) and keep it open: (fd,
-    metadata) or None. A block file is never changed in place (writes replace it by a rename,
+    metadata) or None. This tier never changes a block file in place (writes replace it by a rename,
     eviction unlinks it), so later reads through this fd (read_payload) return the verified bytes,
-    whatever happens to the path meanwhile."""
+    whatever happens to the path meanwhile; read_payload checks them again all the same."""
     return open_verified_blocks([path], [key], fingerprint, payload_bytes)[0]
 
 
@@ -240,11 +240,28 @@ def _open_regular(path: str) -> tuple[int, int] | None:
 
 def read_payload(fd: int, parts: list) -> bool:
     """Read the payload of the open block file `fd` (verified by open_verified) into `parts`, in
-    order (e.g. one view per layer, straight into the KV cache); False on a short read."""
+    order (e.g. one view per layer, straight into the KV cache), and check what arrived against
+    the header's checksum once more: we never change a file in place, but someone else may have
+    since it was verified (a flipped byte there would otherwise be a wrong token). False on a
+    short read or any difference; `parts` then hold garbage."""
     try:
-        return _io_exact(os.preadv, fd, parts, HEADER_SIZE)
+        head = bytearray(HEADER_SIZE)
+        if not _io_exact(os.preadv, fd, [head], 0):
+            return False
+        h = parse_header(head)
+        views = [np.asarray(p).reshape(-1).view(np.uint8) for p in parts]
+        if h is None or sum(v.nbytes for v in views) != h.payload_bytes:
+            return False
+        meta = bytearray(h.meta_bytes)
+        if not _io_exact(os.preadv, fd, [*views, meta], HEADER_SIZE):
+            return False
     except OSError:
         return False
+    acc, at = np.zeros(2, dtype=np.uint64), 0
+    for v in views:
+        checksum_update(acc, v, at)
+        at += v.nbytes
+    return _combine(checksum_final(acc, at), meta) == h.checksum
 
 
 def read_meta(path: str) -> bytes | None:
