@@ -249,7 +249,7 @@ def read_payload(fd: int, parts: list) -> bool:
         if not _io_exact(os.preadv, fd, [head], 0):
             return False
         h = parse_header(head)
-        views = [np.asarray(p).reshape(-1).view(np.uint8) for p in parts]
+        views = [memoryview(p).cast("B") for p in parts]  # contiguous parts only: no silent copies
         if h is None or sum(v.nbytes for v in views) != h.payload_bytes:
             return False
         meta = bytearray(h.meta_bytes)
@@ -259,7 +259,7 @@ def read_payload(fd: int, parts: list) -> bool:
         return False
     acc, at = np.zeros(2, dtype=np.uint64), 0
     for v in views:
-        checksum_update(acc, v, at)
+        checksum_update(acc, np.frombuffer(v, dtype=np.uint8), at)
         at += v.nbytes
     return _combine(checksum_final(acc, at), meta) == h.checksum
 
