@@ -93,6 +93,28 @@ def lmcache_runs() -> str | None:
     return None if probe.returncode == 0 else "lmcache does not import: " + probe.stderr.strip()[-300:]
 
 
+def cpu_seconds(root: int | None) -> float:
+    """CPU seconds (user + system) used so far by `root` and every live process below it: what
+    a server costs the machine, helper threads included (exited children are not counted)."""
+    if root is None:
+        return 0.0
+    parent, ticks = {}, {}
+    for d in pathlib.Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d.name)], ticks[int(d.name)] = int(f[1]), int(f[11]) + int(f[12])
+    total = 0
+    for pid, t in ticks.items():
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        total += t if p == root else 0
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def run_server(name: str, args, work: pathlib.Path) -> dict:
     """Start one server, run every dataset against it, stop it."""
     d = work / name
@@ -132,11 +154,14 @@ def run_server(name: str, args, work: pathlib.Path) -> dict:
             for dataset in args.datasets:
                 before = scrape(server.url)
                 result = d / f"{dataset}.json"
+                helper = redis.proc.pid if redis else lmcache.pid if lmcache else None
+                cpu0 = cpu_seconds(server.proc.pid), cpu_seconds(helper)
                 t0 = time.monotonic()
                 proc = subprocess.run(client_args(args, dataset, server.url, result), capture_output=True,
                                       text=True, timeout=args.client_timeout)
                 if proc.returncode != 0:
                     raise RuntimeError(f"vllm bench serve failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+                cpu = cpu_seconds(server.proc.pid) - cpu0[0], cpu_seconds(helper) - cpu0[1]
                 r = json.loads(result.read_text())
                 time.sleep(2)  # the last steps' connector stats reach the metrics
                 stats = summarize(delta(scrape(server.url), before))
@@ -144,6 +169,7 @@ def run_server(name: str, args, work: pathlib.Path) -> dict:
                     "wall_s": time.monotonic() - t0, "req_s": r["request_throughput"],
                     "completed": r["completed"], "failed": r.get("failed", args.prompts - r["completed"]),
                     **{f"ttft_{p}_ms": r[f"p{p}_ttft_ms"] for p in (50, 90, 99)},
+                    "server_cpu_s": cpu[0], "helper_cpu_s": cpu[1],
                     "mean_ttft_ms": r["mean_ttft_ms"], "ttfts_ms": [t * 1000 for t in r.get("ttfts", []) if t],
                     **stats}
                 print(f"[bench] {name} {dataset}: {r['request_throughput']:.3f} req/s, "
@@ -161,19 +187,29 @@ def run_server(name: str, args, work: pathlib.Path) -> dict:
 
 def table(results: dict, dataset: str) -> str:
     base = results.get("none", {}).get("datasets", {}).get(dataset)
-    rows = ["| server | req/s | x req/s | TTFT p50 ms | x p50 | p90 | p99 | vLLM hit | conn. hit | bytes moved (MiB) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| server | req/s | x req/s | TTFT p50 ms | x p50 | p90 | p99 | vLLM hit | conn. hit | CPU s/req | "
+            "bytes moved (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, res in results.items():
         r = res.get("datasets", {}).get(dataset)
         if r is None:
-            rows.append(f"| {name} | {res.get('error', 'skipped')} |||||||||")
+            rows.append(f"| {name} | {res.get('error', 'skipped')} ||||||||||")
             continue
         xr = f"{r['req_s'] / base['req_s']:.2f}" if base else "-"
         xt = f"{r['ttft_50_ms'] / base['ttft_50_ms']:.2f}" if base else "-"
         moved = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in sorted(r["bytes_moved"].items())) or "-"
         rows.append(f"| {name} | {r['req_s']:.3f} | {xr} | {r['ttft_50_ms']:.0f} | {xt} | {r['ttft_90_ms']:.0f} | "
-                    f"{r['ttft_99_ms']:.0f} | {r['vllm_hit_rate']:.0%} | {r['connector_hit_rate']:.0%} | {moved} |")
+                    f"{r['ttft_99_ms']:.0f} | {r['vllm_hit_rate']:.0%} | {r['connector_hit_rate']:.0%} | "
+                    f"{cpu_per_request(r)} | {moved} |")
     return "\n".join(rows)
+
+
+
+def cpu_per_request(r: dict) -> str:
+    """The server's CPU seconds per completed request, and its redis/LMCache server's after a +."""
+    if "server_cpu_s" not in r or not r["completed"]:
+        return "-"
+    helper = f" + {r['helper_cpu_s'] / r['completed']:.2f}" if r["helper_cpu_s"] else ""
+    return f"{r['server_cpu_s'] / r['completed']:.2f}{helper}"
 
 
 PLOT = """

@@ -53,6 +53,7 @@ def test_cpu_hit_disk_hit_after_restart_and_corrupt_files_never_served(run_engin
     first, again = outputs(r)
     assert first["num_cached_tokens"] == 0 and again["num_cached_tokens"] == HIT  # an external hit
     assert first["tokens"] == again["tokens"] == baseline
+    assert r["offload_shm_named"] is False  # unlinked once mapped: a killed engine leaks no /dev/shm
     rep = validate(r).report()
     assert rep["errors"] == 0, rep["first_problems"]
     disk_tiers = [t for label, t in rep["tiers"].items() if label.startswith("STORAGE:LOCAL:kvbm-disk:")]

@@ -20,7 +20,9 @@ entered part way, as vLLM's worker does), the direct (non-canonical) layout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -70,12 +72,31 @@ class KVBMOffloadingSpec(TieringOffloadingSpec):
     def __init__(self, config):
         super().__init__(dataclasses.replace(config, extra_config=with_defaults(config.extra_config)))
 
+    def get_manager(self):
+        manager = super().get_manager()
+        release_region_name(getattr(self, "_scheduler_mmap", None))
+        return manager
+
     def get_worker(self, kv_caches):
         if vllm_has_a_worker():
             return super().get_worker(kv_caches)
         if self._worker is None:
             self._worker = cpu_platform_worker(self, kv_caches)
         return self._worker
+
+
+def release_region_name(region) -> None:
+    """Unlink the primary tier's /dev/shm file once the scheduler side has mapped it: every worker
+    mapped it before (the engine registers the workers' KV caches before it builds the scheduler),
+    so the name is no longer needed and the memory goes back when the engine's processes exit,
+    however they exit. vLLM's tiering spec unlinks it only in a clean shutdown: each killed engine
+    left `cpu_bytes_to_use` of /dev/shm behind (vLLM's own CPU spec uses a barrier for this). Where
+    the scheduler side created the file (no worker has opened it yet) it is left alone."""
+    if region is None or getattr(region, "_creator", True):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(region.mmap_path)
+        logger.info("KVBMOffloadingSpec: unlinked %s (mapped by every process that uses it)", region.mmap_path)
 
 
 def cpu_platform_worker(spec, kv_caches) -> "KVBMCPUWorker":

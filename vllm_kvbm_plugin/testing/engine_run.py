@@ -13,7 +13,8 @@ with "logprobs" the first generated token's top-k as [[token, logprob], ...]. "s
 multiplies every cached Mamba/linear-attention state page by x (in-process engines only): tests use
 it to show their oracle notices a wrong recurrent state.
 RESULT: {"steps": [...per-step outputs...], "events": [recorded batches], "subscriber": {...},
-         "group_metadata": [...], "hash_block_size": int, "block_size": int, "offload_tiers": [...]}
+         "group_metadata": [...], "hash_block_size": int, "block_size": int, "offload_tiers": [...],
+         "offload_shm_named": bool}
 A step with outputs has "events_before": the batches recorded before its requests were sent.
 Events go through vLLM's real ZMQ publisher on ipc:// sockets and our Subscriber.
 """
@@ -141,6 +142,13 @@ def _scale_mamba_state(llm, factor: float) -> int:
     return touched
 
 
+def _offload_shm_named(llm) -> bool:
+    """Whether the OffloadingConnector CPU tier's /dev/shm file still has a name while the engine
+    runs (a killed engine would leave it behind)."""
+    ktc = llm.llm_engine.vllm_config.kv_transfer_config
+    return ktc is not None and os.path.exists(f"/dev/shm/vllm_offload_{ktc.engine_id}.mmap")
+
+
 def run(spec: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -199,6 +207,7 @@ def run(spec: dict) -> dict:
         "connector": connector if engine_core is not None else None,
         "block_size": bs,
         "offload_tiers": offload_tiers,
+        "offload_shm_named": _offload_shm_named(llm),
     }
     if sub is not None:
         sub.close()
