@@ -139,7 +139,7 @@ def phase(args) -> dict:
 
 def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int]:
     """(our GiB/s per rep, raw GiB/s per rep, values): every value on the server in pipelined
-    batches of 64, ours (the workers' DirectReader: GETs read and verified straight into slot
+    batches of 64, ours (the workers' DirectClient: GETs read and verified straight into slot
     buffers) and raw redis-py GETs taking turns."""
     import numpy as np
     import redis
@@ -162,7 +162,7 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int]:
                 pipe.get(n)
             pipe.execute()
 
-    reader = remotefmt.DirectReader(url)  # the workers' read path
+    reader = remotefmt.DirectClient(url)  # the workers' read path
     outs = [np.empty(plen, dtype=np.uint8) for _ in range(64)]
 
     def ours():

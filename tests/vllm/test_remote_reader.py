@@ -1,4 +1,4 @@
-"""The remote tier's direct reader (tiers/remote.py DirectReader) against a real redis-server:
+"""The remote tier's direct reader (tiers/remote.py DirectClient) against a real redis-server:
 pipelined GETs read straight into the caller's buffers, verified there. Values that are missing,
 damaged, truncated or of another layout come back as such and never desynchronise the
 connection; a paused server is an error (the Breaker's business), never a wait."""
@@ -48,7 +48,7 @@ def test_values_land_verified_in_their_buffers_and_damage_is_reported_per_value(
     c.delete(names[11])
     c.rpush(names[11], b"a list")  # GET answers -WRONGTYPE
     outs = [np.zeros(plen, dtype=np.uint8) for _ in names]
-    reader = remotefmt.DirectReader(server.url)
+    reader = remotefmt.DirectClient(server.url)
     got = reader.fetch(names, keys, FP, outs)
     bad = {3: remotefmt.MISSING, 5: remotefmt.BAD, 7: remotefmt.BAD, 9: remotefmt.BAD, 10: remotefmt.BAD,
            11: remotefmt.BAD}
@@ -68,7 +68,7 @@ def test_values_land_verified_in_their_buffers_and_damage_is_reported_per_value(
 def test_a_value_under_another_key_does_not_verify(server):
     names, keys, _ = stored(server, 2, 4096)
     out = [np.zeros(4096, dtype=np.uint8)]
-    reader = remotefmt.DirectReader(server.url)
+    reader = remotefmt.DirectClient(server.url)
     assert reader.fetch([names[0]], [keys[1]], FP, out) == [remotefmt.BAD]
     assert reader.fetch([names[0]], [keys[0]], FP, out) == [remotefmt.OK]
 
@@ -77,7 +77,7 @@ def test_a_paused_server_is_an_error_within_the_socket_timeout_and_the_reader_re
     import time
 
     names, keys, payloads = stored(server, 4, 65536)
-    reader = remotefmt.DirectReader(server.url)
+    reader = remotefmt.DirectClient(server.url)
     outs = [np.zeros(65536, dtype=np.uint8) for _ in names]
     assert reader.fetch(names, keys, FP, outs) == [remotefmt.OK] * 4
     server.client().execute_command("CLIENT", "PAUSE", 1500)
@@ -101,12 +101,12 @@ def test_password_and_database_from_the_url(server):
     key, payload = (5, 7), np.arange(4096, dtype=np.uint8) % 251
     r.set("kvbm:x", b"".join(bytes(p) for p in remotefmt.value_parts(key, FP, payload, b"m")))
     out = [np.zeros(4096, dtype=np.uint8)]
-    reader = remotefmt.DirectReader(url)
+    reader = remotefmt.DirectClient(url)
     assert reader.fetch(["kvbm:x"], [key], FP, out) == [remotefmt.OK]
     assert np.array_equal(out[0], payload)
     assert remotefmt.CLIENT_NAME in {cl["name"] for cl in r.client_list()}  # named as our other connections
     with pytest.raises(ConnectionError):
-        remotefmt.DirectReader(f"redis://:wrong@127.0.0.1:{server.port}/3").fetch(["kvbm:x"], [key], FP, out)
+        remotefmt.DirectClient(f"redis://:wrong@127.0.0.1:{server.port}/3").fetch(["kvbm:x"], [key], FP, out)
     r.config_set("requirepass", "")
 
 
@@ -114,7 +114,7 @@ def test_a_connection_the_server_closed_is_reopened_without_a_miss(server):
     """A restarted server (or one that drops idle clients) closed the reader's connection since
     its last fetch: the next fetch opens a new one instead of failing, as redis-py's pool does."""
     names, keys, payloads = stored(server, 3, 4096)
-    reader = remotefmt.DirectReader(server.url)
+    reader = remotefmt.DirectClient(server.url)
     outs = [np.zeros(4096, dtype=np.uint8) for _ in names]
     assert reader.fetch(names, keys, FP, outs) == [remotefmt.OK] * 3
     c = server.client()
@@ -139,7 +139,7 @@ def test_redis_py_replies_are_classified_as_the_direct_reader_reads_them(server)
     got = [remotefmt.classify(v, k, FP, o) for v, k, o in zip(pipe.execute(raise_on_error=False), keys, outs)]
     assert got == [remotefmt.OK, remotefmt.MISSING, remotefmt.BAD, remotefmt.BAD]
     assert np.array_equal(outs[0], payloads[0])
-    assert remotefmt.DirectReader(server.url).fetch(names, keys, FP, outs) == got
+    assert remotefmt.DirectClient(server.url).fetch(names, keys, FP, outs) == got
 
 
 def test_small_commands_reply_as_a_redis_py_pipeline_does(server):
@@ -150,7 +150,7 @@ def test_small_commands_reply_as_a_redis_py_pipeline_does(server):
     commands = [[b"EXISTS", names[0].encode()], [b"EXISTS", b"kvbm:test:absent"], [b"SET", b"kvbm:test:s", b"v", b"NX"],
                 [b"SET", b"kvbm:test:s", b"w", b"NX"], [b"GET", b"kvbm:test:s"], [b"GET", b"kvbm:test:absent"],
                 [b"INCR", b"kvbm:test:list"]]
-    reader = remotefmt.DirectReader(server.url)
+    reader = remotefmt.DirectClient(server.url)
     got = reader.call(commands)
     server.client().delete("kvbm:test:s")
     pipe = server.client().pipeline(transaction=False)
@@ -162,3 +162,30 @@ def test_small_commands_reply_as_a_redis_py_pipeline_does(server):
     outs = [np.zeros(4096, dtype=np.uint8)]
     assert reader.fetch(names[1:], keys[1:], FP, outs) == [remotefmt.OK]
     assert np.array_equal(outs[0], payloads[1])
+
+
+def test_stores_go_from_their_parts_and_a_refused_set_raises(server):
+    """DirectClient.store sends each value from its parts (header, payload, metadata; values
+    larger than the socket buffers go in partial sends) and they read back verified; a SET the
+    server refuses (out of memory) raises, and the connection stays usable."""
+    rng = np.random.default_rng(5)
+    keys = [(i + 1, 3 * i + 1) for i in range(6)]
+    payloads = [rng.integers(0, 256, 3 << 20, dtype=np.uint8) for _ in keys]
+    names = [f"kvbm:test:r0:{diskfmt.key_hex(k)}" for k in keys]
+    d = remotefmt.connect_direct(server.url)
+    try:
+        remotefmt.store_values(d, names, [remotefmt.value_parts(k, FP, p, b"meta%d" % i)
+                                          for i, (k, p) in enumerate(zip(keys, payloads))])
+        outs = [np.empty_like(p) for p in payloads]
+        assert remotefmt.fetch_values(d, names, keys, FP, outs) == [remotefmt.OK] * len(keys)
+        assert all((o == p).all() for o, p in zip(outs, payloads))
+        c = server.client()
+        c.config_set("maxmemory-policy", "noeviction")
+        c.config_set("maxmemory", "1mb")
+        with pytest.raises(ConnectionError, match="refused"):
+            remotefmt.store_values(d, names[:2], [remotefmt.value_parts(k, FP, p, b"") for k, p in
+                                                  zip(keys[:2], payloads[:2])])
+        c.config_set("maxmemory", "0")
+        assert d.call([[b"EXISTS", names[0]]]) == [1]  # the same connection, in step
+    finally:
+        d.close()

@@ -242,7 +242,7 @@ class RemoteTier:
 
     def _connect(self) -> None:
         """Open the connection before the first lookup needs it; a server down is a miss. Lookups
-        go over a DirectReader where one can (`call`: a few times faster than redis-py)."""
+        go over a DirectClient where one can (`call`: a few times faster than redis-py)."""
         try:
             if self._client is None and self.breaker.allow():
                 self._client = remotefmt.connect_direct(self.url)

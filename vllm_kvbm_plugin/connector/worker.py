@@ -435,7 +435,7 @@ class RemoteIO:
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.client = None
-        self.direct = remotefmt.DirectReader(url) if remotefmt.DirectReader.supports(url) else None
+        self.direct = remotefmt.DirectClient(url) if remotefmt.DirectClient.supports(url) else None
         self.failures = {"fetch": 0, "write": 0}  # misses and failed writes (connector stats name disk only)
         self._start()  # connects at once, in the background: the first fetch finds its connections open
 
@@ -505,7 +505,7 @@ class RemoteIO:
         names = [self.prefix + diskfmt.key_hex(key) for _, key, _ in fetches]
         outs = [self.side.pool[slot].numpy() for _, _, slot in fetches]
         keys = [key for _, key, _ in fetches]
-        # a DirectReader reads straight into the slots, verified as the bytes land
+        # a DirectClient reads straight into the slots, verified as the bytes land
         results = remotefmt.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint, outs)
         done, bad = {}, []
         for key, name, r in zip(keys, names, results):
@@ -522,9 +522,7 @@ class RemoteIO:
         return done
 
     def _write(self, writes: list) -> None:
-        pipe = self.client.pipeline(transaction=False)
         pool, fp = self.side.pool, self.side.fingerprint
-        for _, key, slot, meta in writes:
-            parts = remotefmt.value_parts(key, fp, pool[slot].numpy(), meta)
-            pipe.set(self.prefix + diskfmt.key_hex(key), b"".join(parts))
-        pipe.execute()
+        names = [self.prefix + diskfmt.key_hex(key) for _, key, _, _ in writes]
+        values = [remotefmt.value_parts(key, fp, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
+        remotefmt.store_values(self.direct or self.client, names, values)

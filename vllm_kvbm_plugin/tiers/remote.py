@@ -50,12 +50,12 @@ def value_parts(key, fingerprint: bytes, payload: np.ndarray, meta: bytes) -> li
     return diskfmt.encode(key, fingerprint, payload, meta)
 
 
-MISSING, BAD, OK = 0, 1, 2  # outcomes of a value's read (DirectReader.fetch, classify)
+MISSING, BAD, OK = 0, 1, 2  # outcomes of a value's read (DirectClient.fetch, classify)
 
 
 def classify(reply, key, fingerprint: bytes, out: np.ndarray) -> int:
     """MISSING, BAD or OK for one GET reply of redis-py (raise_on_error=False), verified into
-    `out` as read_value does. A key of another type under our name is BAD (as DirectReader
+    `out` as read_value does. A key of another type under our name is BAD (as DirectClient
     reads it); any other error is the server's, not the value's: raised."""
     if reply is None:
         return MISSING
@@ -117,12 +117,14 @@ class Landings:
 LANDINGS = Landings()
 
 
-class DirectReader:
-    """Pipelined GETs on a socket of our own (redis:// and unix:// servers, not TLS, not a
-    cluster), whose replies are read straight into the caller's buffers: the payload of a value
+class DirectClient:
+    """Pipelined GETs and SETs on a socket of our own (redis:// and unix:// servers, not TLS, not
+    a cluster). A GET's reply is read straight into the caller's buffer: the payload of a value
     goes from the kernel into its CPU slot and is checksummed there chunk by chunk while it is
     still in cache. redis-py copies each value twice (its parser's buffer, a bytes object) and
     read_value a third time; on 2 cores those copies also starve the server that is sending.
+    A SET's value goes to the socket from its parts as they are (sendmsg: header, the CPU slot,
+    metadata), where redis-py's pipeline would join, pack and copy it in Python.
 
     Any error leaves the connection out of step with the server: it is closed (the next fetch
     opens another) and the exception goes to the caller, whose Breaker decides."""
@@ -312,6 +314,36 @@ class DirectReader:
             self.close()
             raise
 
+    # ---- store ----------------------------------------------------------------------------------
+    SEND_BUFFERS = 512  # buffers per sendmsg (the kernel takes at most IOV_MAX, 1024)
+
+    def store(self, names: list, values: list) -> None:
+        """SET each name to its value, given as parts (value_parts: header, payload, metadata),
+        pipelined in one round trip; raises unless every reply is +OK."""
+        bufs = []
+        for name, parts in zip(names, values):
+            views = [memoryview(p).cast("B") for p in parts]
+            name = name.encode() if isinstance(name, str) else name
+            bufs.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, sum(v.nbytes for v in views)))
+            bufs += [v for v in views if v.nbytes]
+            bufs.append(b"\r\n")
+        try:
+            self._ready()
+            i = 0
+            while i < len(bufs):
+                n = self.sock.sendmsg(bufs[i:i + self.SEND_BUFFERS])
+                while i < len(bufs) and n >= len(bufs[i]):
+                    n -= len(bufs[i])
+                    i += 1
+                if n:
+                    bufs[i] = memoryview(bufs[i])[n:]
+            refused = [line for line in (self._line() for _ in names) if line != b"+OK"]
+        except BaseException:
+            self.close()
+            raise
+        if refused:
+            raise ConnectionError(f"remote tier: {len(refused)} of {len(names)} SETs refused: {refused[0][:200]!r}")
+
     def _value(self, key, fingerprint: bytes, out: np.ndarray) -> int:
         line = self._line()
         if line.startswith(b"-WRONGTYPE"):  # not a string under our name: not ours, a bad value
@@ -426,10 +458,10 @@ def connect_ready(url: str):
 
 
 def connect_direct(url: str):
-    """A connected DirectReader where one can be used (redis://, unix://), else `connect_ready`'s
+    """A connected DirectClient where one can be used (redis://, unix://), else `connect_ready`'s
     redis-py client: for small pipelined commands (`run`)."""
-    if DirectReader.supports(url):
-        client = DirectReader(url)
+    if DirectClient.supports(url):
+        client = DirectClient(url)
         client.connect()
         return client
     return connect_ready(url)
@@ -438,7 +470,7 @@ def connect_direct(url: str):
 def run(client, commands: list) -> list:
     """Pipelined commands on a client of `connect_direct`, in one round trip; replies as redis-py
     gives them with raise_on_error=False."""
-    if isinstance(client, DirectReader):
+    if isinstance(client, DirectClient):
         return client.call(commands)
     pipe = client.pipeline(transaction=False)
     for c in commands:
@@ -448,11 +480,22 @@ def run(client, commands: list) -> list:
 
 def fetch_values(client, names: list, keys: list, fingerprint: bytes, outs: list) -> list[int]:
     """OK, BAD or MISSING per name, each value verified into its `out`: straight from the socket
-    on a DirectReader, through `classify` on a redis-py client (TLS, cluster)."""
-    if isinstance(client, DirectReader):
+    on a DirectClient, through `classify` on a redis-py client (TLS, cluster)."""
+    if isinstance(client, DirectClient):
         return client.fetch(names, keys, fingerprint, outs)
     replies = run(client, [("GET", name) for name in names])
     return [classify(v, k, fingerprint, o) for v, k, o in zip(replies, keys, outs)]
+
+
+def store_values(client, names: list, values: list) -> None:
+    """SET each name to its value (a list of parts, value_parts); raises on any failure. From
+    the parts on a DirectClient, joined on a redis-py client (TLS, cluster)."""
+    if isinstance(client, DirectClient):
+        return client.store(names, values)
+    pipe = client.pipeline(transaction=False)
+    for name, parts in zip(names, values):
+        pipe.set(name, b"".join(parts))
+    pipe.execute()
 
 
 def delete_values(client, names: list) -> None:
