@@ -255,7 +255,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the tiny --model-kind, built locally)")
     p.add_argument("--model-kind", default="llama-big", help="tiny model to build: llama-big, or qwen3next (hybrid)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None, help="default float32; bfloat16 for qwen3next (vLLM's CPU GDN "
+                   "attention takes nothing else)")
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--prompts", type=int, default=120)
     p.add_argument("--prefixes", type=int, default=30)
@@ -283,10 +284,11 @@ def main() -> None:
     bad += [s for s in servers if s not in SERVERS and s != "lmcache"]
     if bad:
         p.error(f"unknown {bad}; datasets: prefix_repetition, random; servers: {', '.join([*SERVERS, 'lmcache'])}")
+    args.dtype = args.dtype or ("bfloat16" if args.model_kind == "qwen3next" else "float32")
     args.model = args.model or str(build(args.model_kind))
     print(f"[bench] {args.prompts} prompts, {args.prefixes} prefixes of {args.prefix_len}+{args.suffix_len} tokens, "
           f"output {args.output_len}, concurrency {args.max_concurrency}, rate {args.request_rate or 'inf'}; "
-          f"vLLM's cache {kv_blocks(args)} blocks of {args.block_size}", flush=True)
+          f"vLLM's cache {kv_blocks(args)} blocks of {args.block_size}; {args.model_kind} in {args.dtype}", flush=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="kvbm-bench-serve-"))
     results = {}
     try:
