@@ -303,8 +303,23 @@ class StepTrace:
             self.start, self.end = t0, time.perf_counter()
 
     def lines(self) -> list[str]:
-        out = [f"{(a - self.start) * 1e3:8.1f} ms  {label:38} {(b - a) * 1e3:7.2f} ms  {note}"
-               for label, a, b, note in self.marks]
+        steps = []  # the marks split at each scheduler step
+        for m in sorted(self.marks, key=lambda m: m[1]):
+            if m[0] == "schedule" or not steps:
+                steps.append([])
+            steps[-1].append(m)
+        out, idle = [], []
+        for step in steps + [None]:  # runs of steps that schedule nothing and load nothing: one line
+            if step and step[0][3].startswith("0 tokens; WAITING computed 0") and all(
+                    note in ("", "(None, False)") for _, _, _, note in step[1:]):
+                idle.append(step)
+                continue
+            if idle:
+                out.append(f"{(idle[0][0][1] - self.start) * 1e3:8.1f} ms  {len(idle)} steps scheduling and loading "
+                           f"nothing (the lookup waits for the tier) until {(idle[-1][-1][2] - self.start) * 1e3:.1f} ms")
+                idle = []
+            out += [f"{(a - self.start) * 1e3:8.1f} ms  {label:38} {(b - a) * 1e3:7.2f} ms  {note}"
+                    for label, a, b, note in step or ()]
         totals = {}
         for label, a, b, _ in self.marks:
             n, t = totals.get(label, (0, 0.0))
