@@ -1,4 +1,5 @@
-"""Image requests through vLLM's own OffloadingConnector with KVBMOffloadingSpec on tiny Qwen2-VL:
+"""Image requests through vLLM's own OffloadingConnector with KVBMOffloadingSpec on tiny Qwen2-VL
+(and LLaVA, CPU and disk tiers):
 the same images hit the CPU tier, the disk tier in a new process and the remote tier in a second
 process up to the last full block; other images of the same size (identical token ids) hit only up
 to the block holding the first image token; every output equals a run without offloading."""
@@ -18,20 +19,20 @@ MODEL = "qwen2vl"
 LLM = {"max_model_len": 1024, "limit_mm_per_prompt": {"image": 2}}
 
 
-def batch(rgb):  # every case and a text-only request in one batch
-    return [image_prompt(MODEL, c, rgb)[0] for c in CASES[MODEL]] + [TEXT_ONLY]
+def batch(rgb, model=MODEL):  # every case and a text-only request in one batch
+    return [image_prompt(model, c, rgb)[0] for c in CASES[model]] + [TEXT_ONLY]
 
 
 RED, BLUE = batch([255, 0, 0]), batch([0, 0, 255])
 
 
-def expected_hits(same_image: bool) -> list[int]:
+def expected_hits(same_image: bool, model=MODEL) -> list[int]:
     out = []
-    for case in [*CASES[MODEL], "text_only"]:
+    for case in [*CASES[model], "text_only"]:
         if case == "text_only":
             image_at = length = len(TEXT_ONLY)
         else:
-            _, image_at, length = image_prompt(MODEL, case, [0, 0, 0])
+            _, image_at, length = image_prompt(model, case, [0, 0, 0])
         full = (length - 1) // UNIT * UNIT  # vLLM computes at least the last prompt token
         out.append(full if same_image else min(full, image_at // UNIT * UNIT))
     return out
@@ -177,3 +178,28 @@ def test_images_hit_the_remote_tier_in_a_second_process(run_engine, plain, redis
     predicted = index_predictions(r2, tokens + blue_tokens, cfg, "B", index, keys + blue_keys)
     assert all(p == served for p, served in predicted), predicted
     assert [p for p, _ in predicted] == expected_hits(True) + expected_hits(False)
+
+
+def test_llava_images_hit_cpu_then_disk_in_a_new_process(run_engine, tmp_path):
+    """LLaVA (a fixed 16 tokens per image) through the same path: the same images hit the CPU tier
+    and the disk tier in a new process, other images of the same size only up to their first image
+    unit, every output as without offloading."""
+    red, blue = batch([255, 0, 0], "llava"), batch([0, 0, 255], "llava")
+    llm = {"model": "llava", "llm": LLM}
+    p = outputs(run_engine({**llm, "events": False, "steps": [{"prompts": red}, {"prompts": blue}]}))
+    n = len(red)
+    plain_red, plain_blue = [o["tokens"] for o in p[:n]], [o["tokens"] for o in p[n:]]
+    assert plain_red != plain_blue
+    steps = [{"prompts": red}, {"reset": True}, {"prompts": red}, {"reset": True}, {"prompts": blue}]
+    r = run_engine({**llm, "steps": steps, "llm": {**LLM, "kv_transfer_config": offloading(disk_path=str(tmp_path))}})
+    once, again, other = (outputs(r)[i * n:(i + 1) * n] for i in range(3))
+    assert [o["num_cached_tokens"] for o in again] == expected_hits(True, "llava")
+    assert [o["num_cached_tokens"] for o in other] == expected_hits(False, "llava")
+    assert [o["tokens"] for o in once] == [o["tokens"] for o in again] == plain_red
+    assert [o["tokens"] for o in other] == plain_blue
+    assert validate(r).errors == 0 and tier_image_keys(r) > 0
+    r2 = run_engine({**llm, "steps": [WARM_UP, {"prompts": red}],
+                     "llm": {**LLM, "kv_transfer_config": offloading(disk_path=str(tmp_path))}})
+    _, *hits = outputs(r2)
+    assert [o["num_cached_tokens"] for o in hits] == expected_hits(True, "llava")
+    assert [o["tokens"] for o in hits] == plain_red
