@@ -74,7 +74,8 @@ class KVBMOffloadingSpec(TieringOffloadingSpec):
 
     def get_manager(self):
         manager = super().get_manager()
-        release_region_name(getattr(self, "_scheduler_mmap", None))
+        if not vllm_has_a_worker():  # our worker knows the name may be gone (KVBMCPUWorker.shutdown)
+            release_region_name(getattr(self, "_scheduler_mmap", None))
         return manager
 
     def get_worker(self, kv_caches):
@@ -89,9 +90,11 @@ def release_region_name(region) -> None:
     """Unlink the primary tier's /dev/shm file once the scheduler side has mapped it: every worker
     mapped it before (the engine registers the workers' KV caches before it builds the scheduler),
     so the name is no longer needed and the memory goes back when the engine's processes exit,
-    however they exit. vLLM's tiering spec unlinks it only in a clean shutdown: each killed engine
-    left `cpu_bytes_to_use` of /dev/shm behind (vLLM's own CPU spec uses a barrier for this). Where
-    the scheduler side created the file (no worker has opened it yet) it is left alone."""
+    however they exit. vLLM's tiering spec unlinks it only when its creator cleans up, which our
+    CPU-platform worker's process never did (each engine run left `cpu_bytes_to_use` of /dev/shm
+    behind); with vLLM's own worker (GPUs) a killed engine leaks it the same way, but that worker
+    would log a traceback failing to unlink a name already gone, so it is left to vLLM there.
+    Where the scheduler side created the file (no worker has opened it yet) it is left alone."""
     if region is None or getattr(region, "_creator", True):
         return
     with contextlib.suppress(FileNotFoundError):
@@ -216,5 +219,7 @@ class KVBMCPUWorker(OffloadingWorker):
     def shutdown(self) -> None:
         self.pages, self.pool_words = [], None
         if self.region is not None:
+            if not os.path.exists(self.region.mmap_path):  # released (release_region_name): nothing to unlink
+                self.region._creator = False
             self.region.cleanup()
             self.region = None
