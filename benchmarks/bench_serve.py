@@ -32,8 +32,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_kvbm_plugin.testing.redis_server import RedisServer  # noqa: E402
-from vllm_kvbm_plugin.testing.serving import (SERVERS, VLLM, Serve, delta, kv_transfer_config, scrape,  # noqa: E402
-                                              summarize)
+from vllm_kvbm_plugin.testing.serving import (SERVERS, VLLM, Serve, cpu_seconds, delta,  # noqa: E402
+                                              kv_transfer_config, scrape, summarize)
 from vllm_kvbm_plugin.testing.tiny_models import build  # noqa: E402
 
 LMCACHE_VENV = ROOT / "benchmarks" / ".venv-lmcache"
@@ -93,28 +93,6 @@ def lmcache_runs() -> str | None:
     return None if probe.returncode == 0 else "lmcache does not import: " + probe.stderr.strip()[-300:]
 
 
-def cpu_seconds(root: int | None) -> float:
-    """CPU seconds (user + system) used so far by `root` and every live process below it: what
-    a server costs the machine, helper threads included (exited children are not counted)."""
-    if root is None:
-        return 0.0
-    parent, ticks = {}, {}
-    for d in pathlib.Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(d.name)], ticks[int(d.name)] = int(f[1]), int(f[11]) + int(f[12])
-    total = 0
-    for pid, t in ticks.items():
-        p = pid
-        while p > 1 and p != root:
-            p = parent.get(p, 0)
-        total += t if p == root else 0
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def run_server(name: str, args, work: pathlib.Path) -> dict:
     """Start one server, run every dataset against it, stop it."""
     d = work / name
@@ -154,14 +132,14 @@ def run_server(name: str, args, work: pathlib.Path) -> dict:
             for dataset in args.datasets:
                 before = scrape(server.url)
                 result = d / f"{dataset}.json"
-                helper = redis.proc.pid if redis else lmcache.pid if lmcache else None
-                cpu0 = cpu_seconds(server.proc.pid), cpu_seconds(helper)
+                helper = [redis.proc.pid] if redis else [lmcache.pid] if lmcache else []
+                cpu0 = server.cpu_seconds(), cpu_seconds(helper)
                 t0 = time.monotonic()
                 proc = subprocess.run(client_args(args, dataset, server.url, result), capture_output=True,
                                       text=True, timeout=args.client_timeout)
                 if proc.returncode != 0:
                     raise RuntimeError(f"vllm bench serve failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-                cpu = cpu_seconds(server.proc.pid) - cpu0[0], cpu_seconds(helper) - cpu0[1]
+                cpu = server.cpu_seconds() - cpu0[0], cpu_seconds(helper) - cpu0[1]
                 r = json.loads(result.read_text())
                 time.sleep(2)  # the last steps' connector stats reach the metrics
                 stats = summarize(delta(scrape(server.url), before))
@@ -201,7 +179,6 @@ def table(results: dict, dataset: str) -> str:
                     f"{r['ttft_99_ms']:.0f} | {r['vllm_hit_rate']:.0%} | {r['connector_hit_rate']:.0%} | "
                     f"{cpu_per_request(r)} | {moved} |")
     return "\n".join(rows)
-
 
 
 def cpu_per_request(r: dict) -> str:
