@@ -78,6 +78,8 @@ class Router:
         self.settle_s = settle_s
         self.records: list[dict] = []
         self._rr = itertools.count()
+        # worker index -> its stream's batch count when a request that stored blocks was sent to it
+        self._due: dict[int, int] = {}
         self._stop = threading.Event()
         self.watches = [SilenceWatch(w.url, w.events, silence_s) for w in workers]
         # announcer streams: followed like a worker's, never routed to (so never expected to speak)
@@ -108,13 +110,21 @@ class Router:
                     watch.check("after it served a request")
 
     def _settle(self) -> None:
-        """Wait (at most 0.5 s) until no worker published in the last `settle_s`: events of the
-        requests just answered are then in the index."""
-        deadline = time.monotonic() + 0.5
+        """Read your writes: wait until every worker that answered a request which stored blocks has
+        delivered a batch since that request was sent (the response can overtake its events), then
+        until no worker published in the last `settle_s`. At most 1 s in all."""
+        deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            if time.monotonic() - max(w.last_event for w in self.workers) >= self.settle_s:
+            with self.lock:
+                for i, mark in list(self._due.items()):
+                    if self.watches[i].batches > mark:
+                        del self._due[i]
+                due = bool(self._due)
+            if not due and time.monotonic() - max(w.last_event for w in self.workers) >= self.settle_s:
                 return
-            time.sleep(0.01)
+            time.sleep(0.005)
+        with self.lock:
+            self._due.clear()
 
     def scores(self, token_ids: list[int]) -> list[int]:
         """Per worker, the prompt tokens it will serve from cache."""
@@ -137,13 +147,22 @@ class Router:
             self.workers[i].routed += 1
         return i, scores
 
-    def done(self, i: int, record: dict, answered: bool = True) -> None:
-        """The worker's request is over; an answered one makes its KV events due."""
+    def sent(self, i: int) -> int:
+        """Call as the request goes to worker `i`: the mark `done` takes (its stream's batches so far)."""
+        with self.lock:
+            return self.watches[i].batches
+
+    def done(self, i: int, record: dict, answered: bool = True, sent: int | None = None) -> None:
+        """The worker's request is over; an answered one makes its KV events due. With `sent` (the
+        mark from `sent`), the next routing decision waits for them if it computed a full block."""
         with self.lock:
             self.workers[i].in_flight -= 1
             self.records.append(record)
             if answered:
                 self.watches[i].expect()
+                unit = self.index.unit(self.workers[i].url) or 16
+                if sent is not None and record["prompt_tokens"] - (record["served"] or 0) >= unit:
+                    self._due[i] = sent
         logger.info("routed to worker %d (%s): prompt %d tokens, predicted %d, served %s, scores %s",
                     i, record["policy"], record["prompt_tokens"], record["predicted"], record["served"],
                     record["scores"])
@@ -218,6 +237,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, f"X-KVBM-Policy: one of {', '.join(POLICIES)}")
         i, scores = self.router.choose(token_ids, policy)
         worker, served, answered = self.router.workers[i], None, False
+        sent = self.router.sent(i)
         try:
             body["prompt"] = token_ids
             with _post(worker.url + self.path, body) as r:
@@ -233,7 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
             status, data = 502, json.dumps({"error": {"message": f"worker {worker.url}: {e}", "code": 502}}).encode()
         finally:
             self.router.done(i, {"worker": i, "policy": policy or self.router.policy, "prompt_tokens": len(token_ids),
-                                 "predicted": scores[i], "served": served, "scores": scores}, answered)
+                                 "predicted": scores[i], "served": served, "scores": scores}, answered, sent)
         self._reply(status, data)
 
     def _relay_stream(self, r) -> int | None:

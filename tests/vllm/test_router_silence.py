@@ -133,3 +133,39 @@ def test_an_announcer_streams_remote_blocks_score_every_worker(publishers, tmp_p
         assert wait_for(lambda: router.scores(prompt) == [48, 48]), router.scores(prompt)
     finally:
         router.stop()
+
+
+def test_routing_after_an_answer_waits_for_its_events(publishers, tmp_path):
+    """Read your writes: a response can overtake its KV events (CI once saw a repeated prompt
+    predicted 0 and served 800). The next decision waits for the answering worker's batch."""
+    from vllm_kvbm_plugin.events.index import WorkerConfig
+    from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher
+
+    pub = publishers(f"ipc://{tmp_path}/w0", 0)
+    router = Router([Worker.parse(f"http://127.0.0.1:8001,ipc://{tmp_path}/w0,ipc://{tmp_path}/replay0"),
+                     Worker.parse(f"http://127.0.0.1:8002,ipc://{tmp_path}/w1")], topic="kv", settle_s=0,
+                    config=WorkerConfig(hash_block_size=16))
+    prompt = list(range(100, 200))
+    hs = PromptHasher().event_hashes(prompt, 16)
+    router.start()
+    try:
+        time.sleep(0.3)
+        sent = router.sent(0)
+        router.done(0, {"policy": "kv", "prompt_tokens": 100, "predicted": 0, "served": 0, "scores": [0, 0]},
+                    sent=sent)
+        threading.Timer(0.3, lambda: pub.publish(KVEventBatch(ts=0.0, events=[BlockStored(
+            block_hashes=hs, parent_block_hash=None, token_ids=prompt[:96], block_size=16, lora_id=None,
+            medium="GPU", lora_name=None)]))).start()
+        t0 = time.monotonic()
+        chosen = router.choose(prompt)
+        waited = time.monotonic() - t0
+        # a full hit: stores nothing new, so the next decision does not wait
+        router.done(0, {"policy": "kv", "prompt_tokens": 100, "predicted": 96, "served": 96, "scores": [96, 0]},
+                    sent=router.sent(0))
+        t0 = time.monotonic()
+        router.choose(prompt)
+        again = time.monotonic() - t0
+    finally:
+        router.stop()
+    assert chosen == (0, [96, 0]) and 0.2 < waited < 1.0, (chosen, waited)
+    assert again < 0.1, again

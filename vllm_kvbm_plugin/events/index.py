@@ -462,6 +462,11 @@ class KVIndex:
             out[key] = self._serve(w, looked, n, stale, unit)
         return out
 
+    def unit(self, instance, dp=0) -> int | None:
+        """The hash unit `instance` is matched in (None: not known yet)."""
+        w = self.workers.get((instance, dp))
+        return None if w is None else (w.unit or self._fleet_unit(w))
+
     def _fleet_unit(self, w: _Worker) -> int | None:
         """A worker that announced no GPU block yet (a new instance reading a shared tier) hashes
         as the fleet's workers of its algorithm and seed do: their smallest unit."""
