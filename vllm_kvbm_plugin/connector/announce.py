@@ -106,6 +106,12 @@ class BlockRun:
             self.upto = block + 1
         return RunBlock(self, block)
 
+    def announcers(self, block: int, n: int) -> list:
+        """announcer() of blocks block, ..., block + n - 1."""
+        if block + n > self.upto:
+            self.upto = block + n
+        return [RunBlock(self, b) for b in range(block, block + n)]
+
     def announce(self, block: int, name: Tier) -> Announce:
         built = self.built.get(name)
         if built is None:
