@@ -121,14 +121,26 @@ class TierManager:
     def complete_stores(self, keys: list) -> None:
         """complete_store(key, True) for each of `keys` in order: the step's landed stores, settled
         in one call (settling one never changes what the next one's announcement depends on)."""
-        storing, name = self.storing, self.name
+        storing, name, entries, waiting, events = self.storing, self.name, self.index.entries, self.waiting, self.events
         for key, (e, parent) in zip(keys, self.stores.settle_landed(keys)):
             build = storing.pop(key, None)
             if e is None:
                 continue
             if build is not None:  # as events_of
                 e.meta = build(name)
-            self._announce_after(key, e, parent)
+            if parent is not None:  # the usual case first: the parent is announced (or never will be)
+                p = entries.get(parent)
+                pm = p.meta if p is not None else None
+                if p is None or parent in storing or (pm is not None and pm.events and not pm.announced) or key in waiting:
+                    self._announce_after(key, e, parent)
+                    continue
+            elif key in waiting:
+                self._announce_after(key, e, parent)
+                continue
+            a = e.meta
+            if a is not None and a.events and not a.announced:  # as _announce
+                events += a.events
+                a.announced = True
 
     def remove(self, key) -> None:
         """`key` is gone (found corrupt or missing): drop it and announce the removal."""
