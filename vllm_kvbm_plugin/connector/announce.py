@@ -106,6 +106,12 @@ class BlockRun:
             self.upto = block + 1
         return RunBlock(self, block)
 
+    def announcers(self, block: int, n: int) -> list:
+        """announcer() of blocks block, ..., block + n - 1."""
+        if block + n > self.upto:
+            self.upto = block + n
+        return [RunBlock(self, b) for b in range(block, block + n)]
+
     def announce(self, block: int, name: Tier) -> Announce:
         built = self.built.get(name)
         if built is None:
@@ -127,28 +133,29 @@ class BlockRun:
         converted = b.to_event_hashes(picked)
         if not first:
             converted.insert(0, None)
-        groups = [(g, layout.spec_kinds[g]) for g in layout.groups[KV]]
         extras = compat.has_extra_keys(request)
         tokens = tuple(request.all_token_ids[first * B : have * B])
-        pool, medium, locality, ownership = b.pool, name.medium, name.locality, name.ownership
-        stored_event = compat.block_stored_event
+        pool = b.pool
+        # one event per group built in full; each block's a copy with its own hashes, tokens, keys
+        templates = []
+        for g in layout.groups[KV]:
+            event = compat.block_stored_event(pool, request, block_hashes=(), parent_block_hash=None, token_ids=(),
+                                              block_size=B, group_idx=g, extra_keys=(None,), medium=name.medium)
+            event.locality, event.ownership = name.locality, name.ownership
+            event.kv_cache_spec_kind = layout.spec_kinds[g]
+            templates.append(event)
+        replace = msgspec.structs.replace
         out = []
         for j in range(have - first):
-            start = (first + j) * B
             parent, vhash = converted[j], converted[j + 1]
             extra = (None,)
             if extras:
+                start = (first + j) * B
                 extra = tuple(to_event_extra_keys([compat.block_extra_keys(pool, request, start, start + B, 0)[0]])
                               or (None,))
             token_ids = tokens[j * B : (j + 1) * B]
-            events = []
-            for g, spec_kind in groups:
-                event = stored_event(pool, request, block_hashes=(vhash,), parent_block_hash=parent,
-                                     token_ids=token_ids, block_size=B, group_idx=g, extra_keys=extra, medium=medium)
-                event.locality, event.ownership = locality, ownership
-                event.kv_cache_spec_kind = spec_kind
-                events.append(event)
-            out.append(Announce(tuple(events), vhash))
+            out.append(Announce(tuple(replace(t, block_hashes=(vhash,), parent_block_hash=parent, token_ids=token_ids,
+                                              extra_keys=extra) for t in templates), vhash))
         return out + [Announce(())] * (upto - have)
 
 

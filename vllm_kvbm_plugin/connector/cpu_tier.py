@@ -54,6 +54,10 @@ class TierManager:
     def touch(self, key) -> None:
         self.index.touch(key)
 
+    def touch_all(self, keys) -> None:
+        """touch() of each of `keys` in order."""
+        self.index.touch_all(keys)
+
     def slot(self, key) -> int:
         return self.index.entries[key].slot
 
@@ -94,6 +98,15 @@ class TierManager:
             self.storing[key] = announce
         return entry
 
+    def prepare_stores(self, keys: list, parent, announcers: list) -> list[Entry]:
+        """prepare_store of each of `keys` in turn (with its announcer), each under the key before
+        it, the first under `parent`, while the tier has free slots: a request's run of new blocks
+        in one call. Returns the entries made; the rest of `keys` need evictions (prepare_store)."""
+        made = self.stores.reserve_chain(keys, parent)
+        if made:
+            self.storing.update(zip(keys[:len(made)], announcers))
+        return made
+
     def complete_store(self, key, ok: bool) -> None:
         """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
         e, parent = self.stores.settle(key, ok)
@@ -106,9 +119,28 @@ class TierManager:
             self.waiting.pop(key, None)
 
     def complete_stores(self, keys: list) -> None:
-        """complete_store(key, True) for each of `keys` in order: the step's landed stores."""
-        for key in keys:
-            self.complete_store(key, True)
+        """complete_store(key, True) for each of `keys` in order: the step's landed stores, settled
+        in one call (settling one never changes what the next one's announcement depends on)."""
+        storing, name, entries, waiting, events = self.storing, self.name, self.index.entries, self.waiting, self.events
+        for key, (e, parent) in zip(keys, self.stores.settle_landed(keys)):
+            build = storing.pop(key, None)
+            if e is None:
+                continue
+            if build is not None:  # as events_of
+                e.meta = build(name)
+            if parent is not None:  # the usual case first: the parent is announced (or never will be)
+                p = entries.get(parent)
+                pm = p.meta if p is not None else None
+                if p is None or parent in storing or (pm is not None and pm.events and not pm.announced) or key in waiting:
+                    self._announce_after(key, e, parent)
+                    continue
+            elif key in waiting:
+                self._announce_after(key, e, parent)
+                continue
+            a = e.meta
+            if a is not None and a.events and not a.announced:  # as _announce
+                events += a.events
+                a.announced = True
 
     def remove(self, key) -> None:
         """`key` is gone (found corrupt or missing): drop it and announce the removal."""

@@ -471,44 +471,97 @@ class SchedulerSide:
         if i < n_full:
             r = self.layout.units_per_block
             keys = self._keys_upto(st, n_full * r)
-            cpu, lower = self.primary, self.lower
-            held = cpu.index.entries
-            pic = self.pic if self.pic is not None and self.pic.indexing else None
-            stores, groups, block_ids = self.meta.stores, self.layout.groups[KV], None
-            single = groups[0] if len(groups) == 1 else None
-            run = self.events.run(req, i)  # the events of the blocks stored here, built together once announced
             parent = keys[i * r - 1] if i else None
-            if parent is not None and parent not in held:
-                n_full = i  # a tier holds whole prefixes: no block without its parent
-            # each block's parent is the block before it, which the loop just stored or found
-            # held (pinned by reserve while its child is stored): checked once, above
-            while i < n_full:
-                k = keys[(i + 1) * r - 1]
-                if k in held:
-                    cpu.touch(k)
-                    if lower:
-                        self._write_through(k, parent, (i + 1) * B, run.announcer(i))
-                else:
-                    announce = run.announcer(i)
-                    entry = cpu.prepare_store(k, parent, announce)
-                    if entry is None:
-                        break
-                    if block_ids is None:
-                        block_ids = self.kv_cache_manager.get_block_ids(req_id)
-                    ids = (block_ids[single][i],) if single is not None else tuple(block_ids[g][i] for g in groups)
-                    stores.append(Store(k, KV, ids, entry.slot))
-                    if pic is not None:
-                        pic.stored(req, i, k, parent)
-                    if lower:
-                        self._write_through(k, parent, (i + 1) * B, announce)
-                parent = k
-                i += 1
+            # a tier holds whole prefixes: no block without its parent; each block's parent is the
+            # block before it, which is stored or found held here (pinned while its child is stored)
+            if parent is None or parent in self.primary.index.entries:
+                i = self._store_blocks(st, i, keys[(i + 1) * r - 1 : n_full * r : r], parent)
             st.stored_upto = max(st.stored_upto, i)
         x = computed_after_step
         if (self.layout.hybrid and x % self.hash_unit == 0 and x >= self.hash_unit
                 and (x % B == 0 or x <= req.num_prompt_tokens) and not (prompt_only and x > req.num_prompt_tokens)
                 and not scheduler_output.scheduled_spec_decode_tokens.get(req_id)):
             self._store_state(st, x)
+
+    def _store_blocks(self, st: RequestKeys, first: int, keys: list, parent) -> int:
+        """Store the request's whole blocks first, first + 1, ... (`keys`, the first under `parent`)
+        in the CPU tier (and write them through): a run of blocks the tier holds already is
+        touched (and written through), a run of new ones reserved in one call while the tier has
+        free slots; once it needs evictions, block by block (`_store_each`). Returns the block
+        after the last one stored or found held."""
+        cpu, lower = self.primary, self.lower
+        held = cpu.index.entries
+        run = self.events.run(st.request, first)  # the events of the blocks stored here, built together once announced
+        n, m = len(keys), 0
+        while m < n:
+            j = m + 1
+            if keys[m] in held:
+                while j < n and keys[j] in held:
+                    j += 1
+                cpu.touch_all(keys[m:j])
+                if lower:
+                    for b, k in enumerate(keys[m:j], first + m):
+                        self._write_through(k, parent, (b + 1) * self.block_size, run.announcer(b))
+                        parent = k
+            else:
+                while j < n and keys[j] not in held:
+                    j += 1
+                new = keys[m:j]
+                announcers = run.announcers(first + m, j - m)
+                made = cpu.prepare_stores(new, parent, announcers)
+                if made:
+                    self._planned_stores(st, first + m, new, made, parent, announcers)
+                if len(made) < j - m:  # the rest needs evictions
+                    m += len(made)
+                    return self._store_each(st, first, keys, m, keys[m - 1] if made else parent, run)
+            parent = keys[j - 1]
+            m = j
+        return first + n
+
+    def _planned_stores(self, st: RequestKeys, first: int, keys: list, made: list, parent, announcers: list) -> None:
+        """The Store operations (and pic index entries, write-throughs) of the blocks first, ...
+        whose CPU entries `made` were just reserved under `keys`."""
+        req = st.request
+        block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        groups = self.layout.groups[KV]
+        blocks = range(first, first + len(made))
+        if len(groups) == 1:
+            ids = block_ids[groups[0]]
+            self.meta.stores += [Store(k, KV, (ids[b],), e.slot) for k, b, e in zip(keys, blocks, made)]
+        else:
+            self.meta.stores += [Store(k, KV, tuple(block_ids[g][b] for g in groups), e.slot)
+                                 for k, b, e in zip(keys, blocks, made)]
+        pic = self.pic if self.pic is not None and self.pic.indexing else None
+        if pic is None and not self.lower:
+            return
+        B = self.block_size
+        for k, b, announce in zip(keys, blocks, announcers):
+            if pic is not None:
+                pic.stored(req, b, k, parent)
+            if self.lower:
+                self._write_through(k, parent, (b + 1) * B, announce)
+            parent = k
+
+    def _store_each(self, st: RequestKeys, first: int, keys: list, m: int, parent, run) -> int:
+        """_store_blocks from keys[m] on, block by block: a store may evict, even a block this
+        request goes on to, so each block is looked up when its turn comes."""
+        cpu = self.primary
+        held = cpu.index.entries
+        while m < len(keys):
+            b, k = first + m, keys[m]
+            if k in held:
+                cpu.touch(k)
+                if self.lower:
+                    self._write_through(k, parent, (b + 1) * self.block_size, run.announcer(b))
+            else:
+                announce = run.announcer(b)
+                entry = cpu.prepare_store(k, parent, announce)
+                if entry is None:
+                    break
+                self._planned_stores(st, b, [k], [entry], parent, [announce])
+            parent = k
+            m += 1
+        return first + m
 
     def _store_state(self, st: RequestKeys, x: int) -> None:
         """The recurrent state at x (and the KV block x ends inside), right after the step that

@@ -54,6 +54,9 @@ class TierIndex:
     def touch(self, key) -> None:
         self.policy.touch(key)
 
+    def touch_all(self, keys) -> None:
+        self.policy.touch_all(keys)
+
     def reserve(self, key, parent=None, meta=None) -> tuple[Entry | None, list[tuple[Hashable, Entry]]]:
         """A slot for `key` (not ready until `complete`), evicting as needed.
 
@@ -78,6 +81,30 @@ class TierIndex:
         self.policy.add(key, parent)
         return entry, evicted
 
+    def reserve_chain(self, keys, parent=None) -> list[Entry]:
+        """reserve() of each of `keys` in turn, each under the key before it (the first under
+        `parent`), for as long as free slots last: the same entries, slots and policy order, in one
+        call. Stops before the first key held already or the first that would need an eviction
+        (the caller goes on with reserve, which evicts); returns the entries made, in order."""
+        entries, free = self.entries, self._free
+        room = len(free) + max(0, self.capacity - self._next)
+        made = []
+        for key in keys:
+            if len(made) == room or key in entries:
+                break
+            if free:
+                slot = free.pop()
+            else:
+                slot, self._next = self._next, self._next + 1
+            entry = entries[key] = Entry(slot=slot, pins=1)
+            made.append(entry)
+        if not made:
+            return made
+        chain = keys[:len(made)] if len(keys) != len(made) else keys
+        self._pinned.update(chain)
+        self.policy.add_chain(chain, parent)
+        return made
+
     def complete(self, key) -> Entry | None:
         e = self.entries.get(key)
         if e is not None:
@@ -89,6 +116,39 @@ class TierIndex:
         e = self.entries[key]
         e.pins += 1
         self._pinned.add(key)
+
+    def complete_all(self, keys) -> list:
+        """complete() of each of `keys` in order; their entries (None where gone)."""
+        get, pinned = self.entries.get, self._pinned
+        out = []
+        for key in keys:
+            e = get(key)
+            if e is not None:
+                e.ready = True
+                if e.pins:
+                    e.pins -= 1
+                    if not e.pins:
+                        pinned.discard(key)
+            out.append(e)
+        return out
+
+    def pin_all(self, keys) -> None:
+        """pin() of each of `keys`."""
+        entries, pinned = self.entries, self._pinned
+        for key in keys:
+            entries[key].pins += 1
+        pinned.update(keys)
+
+    def unpin_all(self, keys) -> None:
+        """unpin() of each of `keys` (None: skipped)."""
+        get, pinned = self.entries.get, self._pinned
+        for key in keys:
+            e = get(key)
+            if e is None or e.pins == 0:
+                continue
+            e.pins -= 1
+            if e.pins == 0:
+                pinned.discard(key)
 
     def unpin(self, key) -> None:
         e = self.entries.get(key)

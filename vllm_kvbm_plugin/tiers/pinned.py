@@ -37,6 +37,30 @@ class PinnedStores:
             self.parents[key] = parent
         return entry, evicted
 
+    def reserve_chain(self, keys, parent=None) -> list[Entry]:
+        """reserve() of each of `keys` in turn, each under the key before it (the first under
+        `parent`), while the index has free slots (TierIndex.reserve_chain): a request's run of
+        new blocks in one call. Returns the entries made; the caller reserves the rest one by one."""
+        index = self.index
+        made = index.reserve_chain(keys, parent)
+        n = len(made)
+        if n:
+            chain = keys[:n] if len(keys) != n else keys
+            parents = [parent, *chain[:-1]]
+            if parent is None:
+                index.pin_all(parents[1:])
+            else:
+                index.pin_all(parents)
+            self.parents.update(zip(chain, parents) if parent is not None else zip(chain[1:], chain))
+        return made
+
+    def settle_landed(self, keys) -> list:
+        """settle(key, True) of each of `keys` in order: [(the ready entry or None, its parent)]."""
+        pop = self.parents.pop
+        parents = [pop(key, None) for key in keys]
+        self.index.unpin_all(parents)
+        return list(zip(self.index.complete_all(keys), parents))
+
     def settle(self, key, ok: bool):
         """The store of `key` ended: ready (ok) or dropped; its parent is released. Returns (the
         ready entry or None, the parent it was stored under)."""

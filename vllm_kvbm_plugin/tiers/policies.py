@@ -24,6 +24,18 @@ class EvictionPolicy:
     def touch(self, key: Hashable) -> None:
         raise NotImplementedError
 
+    def add_chain(self, keys, parent: Hashable | None = None) -> None:
+        """add() of each of `keys` in order, each the child of the one before it (the first of
+        `parent`): a request's run of new blocks in one call."""
+        for key in keys:
+            self.add(key, parent)
+            parent = key
+
+    def touch_all(self, keys) -> None:
+        """touch() of each of `keys` in order."""
+        for key in keys:
+            self.touch(key)
+
     def remove(self, key: Hashable) -> None:
         raise NotImplementedError
 
@@ -63,6 +75,20 @@ class LRU(EvictionPolicy):
     def touch(self, key) -> None:
         if key in self._order:
             self._order.move_to_end(key)
+
+    def add_chain(self, keys, parent=None) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            order[key] = None
+            move(key)
+
+    def touch_all(self, keys) -> None:
+        order = self._order
+        move = order.move_to_end
+        for key in keys:
+            if key in order:
+                move(key)
 
     def remove(self, key) -> None:
         self._order.pop(key, None)
