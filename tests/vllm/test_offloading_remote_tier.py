@@ -94,7 +94,7 @@ def test_a_bad_value_another_instance_wrote_is_deleted_and_its_removal_announced
     """Its Stored event is in the writer's stream; the remote tier is one index for every stream a
     router merges, so the instance that deletes it announces the removal (else the router would
     hold it for good, and a later write of it would be a duplicate store). A value found in the
-    store and written again is not announced again."""
+    store is neither written nor announced again."""
     keys = keys_of("f", 2)
     a = tiered(server.url)
     a.store(keys)
@@ -105,8 +105,12 @@ def test_a_bad_value_another_instance_wrote_is_deleted_and_its_removal_announced
     served = b.load(keys)
     assert np.array_equal(served[keys[0]], payload(keys[0])) and served[keys[1]] is None
     assert b.tier.failed_loads == 1 and b.storage_events(removed=True) == [keys[1]] and c.exists(name) == 0
-    b.store(keys)  # both written again by b: keys[0] was found there (a announced it), keys[1] is new
+    b.store(keys)  # keys[1] is new (keys[0] is in b's CPU tier since its load)
     assert b.storage_events(removed=False) == [keys[1]]
+    sets = c.info("commandstats")["cmdstat_set"]["calls"]
+    d = tiered(server.url)  # a third instance: both values are on the server, neither is sent again
+    d.store(keys)
+    assert d.storage_events(removed=False) == [] and c.info("commandstats")["cmdstat_set"]["calls"] == sets
 
 
 def test_a_chunk_back_in_the_cpu_tier_is_not_sent_again_while_the_server_holds_it(tiered, server):

@@ -102,8 +102,6 @@ class KVBMRemoteTier(ChunkTier):
         # keys this instance announced: Stored once each, Removed only for those (a value another
         # instance wrote is announced in that instance's stream)
         self._announced: collections.OrderedDict = collections.OrderedDict()
-        # keys this instance wrote or found held (not known lost since): asked for before a re-write
-        self._held: collections.OrderedDict = collections.OrderedDict()
         self.failed_writes = self.failed_loads = 0
         self._lookups = _Exists(self)
         logger.info("KVBMRemoteTier: %s, chunks of %d bytes under %s*", url, self.chunk_bytes, self.prefix)
@@ -130,7 +128,7 @@ class KVBMRemoteTier(ChunkTier):
         for key, chunk in zip(job.keys, job.chunk_ids):
             parent = parent_in_request(key, job.req_context)
             pos = job.req_context.get_offload_key_position(key) or 0
-            work.append((key, int(chunk), encode_meta(ChunkMeta(key, parent, pos)), key in self._held))
+            work.append((key, int(chunk), encode_meta(ChunkMeta(key, parent, pos))))
         self._jobs[job.job_id] = ([self._io["store"].submit(self._write, work)], False, work)
 
     def submit_load(self, job: TransferJob) -> None:
@@ -150,8 +148,6 @@ class KVBMRemoteTier(ChunkTier):
             if is_load:
                 self.failed_loads += len(keys) - len(done)
                 if other:
-                    for k in other:
-                        self._held.pop(k, None)
                     self._lookups.mark_miss(other)
                     # announced here and gone, or bad and deleted here (whoever announced it)
                     self._event([k for k, bad in other.items() if self._announced.pop(k, False) or bad], removed=True)
@@ -160,8 +156,6 @@ class KVBMRemoteTier(ChunkTier):
                                          transfer_time=seconds, transfer_bytes=len(done) * self.chunk_bytes))
             else:
                 self.failed_writes += len(keys) - len(done)
-                for k in done:
-                    _remember(self._held, k, self.MAX_ANNOUNCED)
                 fresh = [k for k in done if k not in self._announced and k not in other]
                 for k in fresh:  # one forgotten here will never have its removal announced by us
                     _remember(self._announced, k, self.MAX_ANNOUNCED)
@@ -184,7 +178,7 @@ class KVBMRemoteTier(ChunkTier):
             return None
         try:
             if op not in self._clients:
-                self._clients[op] = remotefmt.connect_direct(self.url) if op == "load" else remotefmt.connect(self.url)
+                self._clients[op] = remotefmt.connect_direct(self.url)
             out = fn(self._clients[op])
             breaker.success()
             return out
@@ -193,28 +187,25 @@ class KVBMRemoteTier(ChunkTier):
             return None
 
     def _write(self, work: list) -> tuple[set, set, float]:
-        """(keys written or held, those the server already held, seconds). Keys written before
-        (`_held`) are asked for first and written only if missing: one more round trip, no value."""
+        """(keys written or held, those the server already held, seconds). Every key is asked for
+        first (one round trip, no value): one held already (written here before, or by another
+        instance) is neither written again nor announced; the rest go in one pipelined SET (from
+        the slot's rows, not joined, on a redis:// or unix:// server)."""
         t0 = time.perf_counter()
-        held = set()
-        known = [w for w in work if w[3]]
-        if known:
-            replies = self._call("store", lambda c: remotefmt.run(c, [("EXISTS", self.name(w[0])) for w in known]))
-            held = {w[0] for w, r in zip(known, replies or ()) if r == 1}
-            work = [w for w in work if w[0] not in held]
 
-        def write(client) -> list:
-            pipe = client.pipeline(transaction=False)
-            for key, chunk, meta, _ in work:
-                name = self.name(key)
-                pipe.exists(name)  # held already (another instance's write): not announced again
-                pipe.set(name, b"".join(remotefmt.value_parts(file_key(key), self.fingerprint, self._rows[chunk], meta)))
-            return pipe.execute(raise_on_error=False)
+        def write(client) -> set:
+            names = [self.name(w[0]) for w in work]
+            held = {w[0] for w, r in zip(work, remotefmt.run(client, [("EXISTS", n) for n in names])) if r == 1}
+            missing = [(w, n) for w, n in zip(work, names) if w[0] not in held]
+            remotefmt.store_values(client, [n for _, n in missing], [
+                remotefmt.value_parts(file_key(key), self.fingerprint, self._rows[chunk], meta)
+                for (key, chunk, meta), _ in missing])
+            return held
 
-        replies = (self._call("store", write) if work else []) or [None] * (2 * len(work))
-        ok = {w[0] for w, r in zip(work, replies[1::2]) if r is True}
-        existing = {w[0] for w, r in zip(work, replies[0::2]) if w[0] in ok and r == 1}
-        return ok | held, existing | held, time.perf_counter() - t0
+        held = self._call("store", write) if work else set()
+        if held is None:  # the server failed (the breaker logs it): nothing written
+            return set(), set(), time.perf_counter() - t0
+        return {w[0] for w in work}, held, time.perf_counter() - t0
 
     def _read(self, work: list) -> tuple[set, dict, float]:
         t0 = time.perf_counter()
