@@ -40,6 +40,10 @@ def test_loads_run_behind_the_forward_except_the_blocks_it_writes():
     w.wait_for_save(meta)
     assert w.copies._layered is None and w.get_stats().data["cpu_load_blocks"] == 4
 
-    buf[:, 5:7].zero_()
-    w.start_load_kv(meta, None)  # a forward context without a slot mapping: all copied now
-    assert w.copies._layered is None and torch.equal(buf[:, 5], want1) and torch.equal(buf[:, 6], want2)
+    # a context that does not say what the forward writes into every KV layer: all copied now
+    partial = _context(names[1:], [6 * 32 + 3])
+    micro_batches = types.SimpleNamespace(slot_mapping=[context.slot_mapping])
+    for ctx in (None, partial, micro_batches):
+        buf[:, 5:7].zero_()
+        w.start_load_kv(meta, ctx)
+        assert w.copies._layered is None and torch.equal(buf[:, 5], want1) and torch.equal(buf[:, 6], want2)

@@ -25,6 +25,7 @@ from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.copy import helpers
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
 
 logger = get_logger("connector.worker")
@@ -260,7 +261,7 @@ class WorkerSide:
         others behind the forward, layer by layer (wait_for_layer_load), where _layered_ok."""
         loads = meta.loads
         if self._layered_ok(meta):
-            written = _written_blocks(forward_context, next(iter(self._kv_layers)), self.layout.block_size)
+            written = _written_blocks(forward_context, self._kv_layers, self.layout.block_size)
             if written is not None:
                 now = [ld for ld in loads if ld.block_ids[0] in written]
                 if now:
@@ -273,7 +274,8 @@ class WorkerSide:
                     self._jobs[job] = ("load", len(later), (), ())
                     if not self._told_layered:
                         self._told_layered = True
-                        logger.info("KVBMConnector worker: CPU tier loads run behind the forward, layer by layer")
+                        logger.info("KVBMConnector worker: CPU tier loads run behind the forward, layer by layer "
+                                    "(%d helper threads)", helpers()[1] - 1)
                     return
                 loads = later
         self._jobs[self.copies.submit(loads, to_pool=False)] = ("load", len(loads), (), ())
@@ -448,14 +450,23 @@ def _make_resident(t: torch.Tensor) -> bool:
     return end <= start or libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
-def _written_blocks(forward_context, layer_name: str, block_size: int) -> set | None:
-    """Block ids the forward writes new KV into (its slot mapping), or None where the forward
-    context does not say."""
+def _written_blocks(forward_context, layer_names, block_size: int) -> set | None:
+    """Block ids this step's forward writes new KV into before each attention waits for its layer
+    (vLLM's unified_kv_cache_update: the forward context's slot mapping of each layer, built for
+    this step, padding -1), or None where the context lacks one of `layer_names` (a step without
+    a forward, micro-batches: a list of mappings)."""
     mapping = getattr(forward_context, "slot_mapping", None)
-    slots = mapping.get(layer_name) if isinstance(mapping, dict) else None
-    if not isinstance(slots, torch.Tensor):
+    if not isinstance(mapping, dict):
         return None
-    return set((slots[slots >= 0] // block_size).tolist())
+    written, seen = set(), set()
+    for name in layer_names:  # one tensor per KV cache group, shared by its layers
+        slots = mapping.get(name)
+        if not isinstance(slots, torch.Tensor):
+            return None
+        if id(slots) not in seen:
+            seen.add(id(slots))
+            written.update((slots[slots >= 0] // block_size).tolist())
+    return written
 
 
 def _run_batches(jobs: queue.SimpleQueue, limit: int, run) -> None:

@@ -262,5 +262,6 @@ class LayeredCopy:
         try:
             self.wait(len(self.jobs) - 1)
         finally:
+            for f in self._futures:
+                f.cancel()  # a helper the OS has not run yet: nothing left for it, do not wait for it
             wait(self._futures)
-
