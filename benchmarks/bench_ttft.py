@@ -9,7 +9,17 @@ tier then measures disk hits (blocks read and verified into CPU slots, then load
 one with a CPU tier of two slots direct disk hits (blocks verified, then read straight into the KV
 cache). Medians of --reps prompts. Target: CPU hit >= 10x faster than recompute.
 
+--floor instead compares a CPU-tier hit with vLLM's own prefix-cache hit of the same tokens (the
+floor: nothing to load) at each of --sizes, in each of --dtypes, one engine process per dtype (CPU
+tier only, no disk). Sizes are 2k, 8k and 16k tokens plus one: both hits then end at a block
+boundary and vLLM computes one token (at a multiple of the block size vLLM's own hit stops a block
+short and the connector loads that block). Per size one prompt is computed once, then --reps + 1
+times (the first warms up) vLLM's prefix cache is reset and the prompt generated twice: a CPU-tier
+hit, then a prefix-cache hit. Prints the medians and the same-run ratio (the median of the
+per-pair ratios, their min-max). Target <= 1.05x.
+
     python benchmarks/bench_ttft.py [--model llama-big|qwen3next] [--tokens 1856] [--reps 5]
+    python benchmarks/bench_ttft.py --floor [--sizes 2049,8193,16385] [--dtypes float32,bfloat16] [--reps 5]
 """
 
 import argparse
@@ -27,18 +37,21 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
-def engine(model: str, disk_path: str, cpu_bytes: int = 1 << 30):
+def engine(model: str, disk_path: str | None, cpu_bytes: int = 1 << 30, dtype: str = "bfloat16",
+           max_len: int = 2048):
     from vllm import LLM
 
     from vllm_kvbm_plugin.testing import tiny_models
 
-    return LLM(model=str(tiny_models.build(model)), dtype="bfloat16", max_model_len=2048,
+    extra = {"cpu_bytes_to_use": cpu_bytes} | ({"disk_path": disk_path} if disk_path else {})
+    longer = {"hf_overrides": {"max_position_embeddings": max_len}} if max_len > 4096 else {}
+    return LLM(model=str(tiny_models.build(model)), dtype=dtype, max_model_len=max_len,
                enforce_eager=True, block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1,
                kv_transfer_config={"kv_connector": "KVBMConnector",
                                    "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                                    "kv_role": "kv_both",
-                                   "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes,
-                                                                 "disk_path": disk_path}})
+                                   "kv_connector_extra_config": extra},
+               **longer)
 
 
 def ttft(llm, prompt) -> tuple[float, int, list]:
@@ -90,17 +103,67 @@ def phase_disk(args, name: str) -> dict:
     return res
 
 
+def phase_floor(args) -> dict:
+    """A CPU-tier hit against vLLM's prefix-cache hit of the same prompt, per size (one dtype)."""
+    sizes = [int(n) for n in args.sizes.split(",")]
+    kv_bytes = 8 * 2 * 4 * 64 * (4 if args.dtype == "float32" else 2)  # llama-big: per token
+    llm = engine(args.model, None, cpu_bytes=(max(sizes) + 64) * kv_bytes * 5 // 4, dtype=args.dtype,
+                 max_len=max(max(sizes) + 64, 2048))
+    res = {}
+    for n in sizes:
+        prompt = prompts(n, 0)[0]
+        _, _, tok = ttft(llm, prompt)  # computed once: the CPU tier stores it
+        hits, floors = [], []
+        for i in range(args.reps + 1):
+            llm.reset_prefix_cache()
+            t_hit, cached, tok_hit = ttft(llm, prompt)
+            t_floor, cached_floor, tok_floor = ttft(llm, prompt)
+            assert tok == tok_hit == tok_floor, "a hit changed the output"
+            assert cached == cached_floor > 0, (cached, cached_floor)
+            if i:
+                hits.append(t_hit)
+                floors.append(t_floor)
+        res[str(n)] = {"hit": hits, "floor": floors, "cached": cached}
+        llm.reset_prefix_cache()
+    return res
+
+
+def main_floor(args) -> None:
+    print(f"CPU-tier hit vs vLLM's prefix-cache hit, {args.model} (random weights), in-process, "
+          f"medians of {args.reps}; ratio: median of same-run pairs (min-max)")
+    print(f"{'dtype':>9} {'tokens':>6} {'cached':>6} {'floor ms':>9} {'hit ms':>8} {'ratio':>6}  spread")
+    with tempfile.TemporaryDirectory() as d:
+        for dtype in args.dtypes.split(","):
+            f = os.path.join(d, dtype + ".json")
+            subprocess.run([sys.executable, __file__, "--phase", "floor", "--dtype", dtype, "--sizes", args.sizes,
+                            "--reps", str(args.reps), "--model", args.model, "--out", f],
+                           check=True, stdout=subprocess.DEVNULL, stderr=None if args.verbose else subprocess.DEVNULL)
+            for n, r in json.load(open(f)).items():
+                ratios = [h / f for h, f in zip(r["hit"], r["floor"])]
+                print(f"{dtype:>9} {n:>6} {r['cached']:>6} {statistics.median(r['floor']) * 1e3:9.1f} "
+                      f"{statistics.median(r['hit']) * 1e3:8.1f} {statistics.median(ratios):6.3f}  "
+                      f"{min(ratios):.3f}-{max(ratios):.3f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-big", choices=["llama-big", "qwen3next"])
     ap.add_argument("--tokens", type=int, default=1856)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--phase", choices=["store", "disk", "direct"])
+    ap.add_argument("--floor", action="store_true", help="CPU-tier hit vs vLLM's prefix-cache hit")
+    ap.add_argument("--sizes", default="2049,8193,16385")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--verbose", action="store_true", help="--floor: show the engines' logs")
+    ap.add_argument("--phase", choices=["store", "disk", "direct", "floor"])
     ap.add_argument("--disk")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.floor:
+        return main_floor(args)
     if args.phase:
-        res = phase_store(args) if args.phase == "store" else phase_disk(args, args.phase)
+        phases = {"store": phase_store, "floor": phase_floor}
+        res = phases[args.phase](args) if args.phase in phases else phase_disk(args, args.phase)
         json.dump(res, open(args.out, "w"))
         os._exit(0)
     with tempfile.TemporaryDirectory() as d:
