@@ -65,6 +65,9 @@ def main() -> None:
     args = ap.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         raise SystemExit("set PYTHONHASHSEED=0: vLLM's first block hash is random otherwise")
+    # a fixed tier secret: multi_lru's frequency sketch hashes the block keys, which a random
+    # per-process secret (the default without disk or remote tier) would make differ run to run
+    os.environ.setdefault("KVBM_KEY_SECRET", "6b76626d2d6576656e742d6469676573")
     prompts = workload(args.requests)
     for name, (geometry, connector) in WORKLOADS.items():
         if args.only in name:
