@@ -85,44 +85,6 @@ def test_out_of_range_blocks_or_slots_raise_and_leave_the_engine_usable():
         assert len(eng.get_finished()) == 1
 
 
-def test_layered_load_puts_each_layer_in_place_by_its_wait(monkeypatch):
-    """A CPU load behind the forward: after wait_layer(j) layers 0..j hold the slots' bytes (split
-    in chunks a helper and the caller share), the job is reported once finished, and a later
-    job is reported after it."""
-    from vllm_kvbm_plugin.tiers import copy as tcopy
-
-    monkeypatch.setattr(tcopy, "MIN_SPLIT_BYTES", 4096)  # several chunks per layer
-    g = torch.Generator().manual_seed(1)
-    tensors = [(torch.randn(NB, 2, 16, 64, generator=g), 0) for _ in range(4)]  # 8 KiB pages
-    eng = _engine(tensors, slots=8)
-    ids, slots, back = [3, 0, 11, 7, 5], [5, 1, 0, 6, 2], [1, 2, 4, 9, 10]
-    eng.submit([("kv", (b,), s) for b, s in zip(ids, slots)], to_pool=True)
-    want = [_blocks(t, 0, ids).clone() for t, _ in tensors]
-    for t, _ in tensors:
-        t.zero_()
-    job = eng.submit_layered([("kv", (b,), s) for b, s in zip(back, slots)])
-    assert job is not None and len(eng._layered[1].chunks) > len(tensors)
-    for layer, (t, _), w in zip(eng.layers["kv"][0], tensors, want):
-        eng.wait_layer(layer)
-        assert torch.equal(_blocks(t, 0, back), w)
-    later = eng.submit([("kv", (0,), 0)], to_pool=True)  # finishes the layered load first
-    assert [j for j, _ in eng.get_finished()][-2:] == [job, later]
-    assert eng.submit_layered([]) is None
-
-
-def test_layered_load_raises_at_the_wait_and_leaves_the_engine_usable():
-    t, _ = _layouts()["cpu_attn"]
-    eng = _engine([(t, 0)], slots=2)
-    assert eng.submit_layered([("kv", (0,), 2)]) is not None  # slot out of range
-    with pytest.raises(IndexError):
-        eng.wait_layer(eng.layers["kv"][0][0])
-    eng.finish_layered()  # already settled
-    eng.submit([("kv", (1,), 1)], to_pool=True)
-    assert len(eng.get_finished()) == 2  # the failed job too, once
-    u, dim = _layouts()["kv_split"]  # the torch path copies synchronously only
-    assert _engine([(u, dim)], slots=2).submit_layered([("kv", (0,), 0)]) is None
-
-
 # ---- the CUDA path's pieces, run on CPU addresses ------------------------------------------------
 
 @pytest.mark.parametrize("name", ["cpu_attn", "kv_split", "heads_outer", "mamba_state"])

@@ -60,12 +60,10 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if meta:
-            self._worker.start_load_kv(meta, forward_context)
+            self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """On CPU a step's loads run behind the forward: each attention waits for its layer."""
-        if self._worker is not None:
-            self._worker.wait_for_layer_load(layer_name)
+        return  # loads are synchronous, done in start_load_kv before the forward
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         return  # whole blocks are saved once per step, in wait_for_save

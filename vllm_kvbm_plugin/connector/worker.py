@@ -25,7 +25,6 @@ from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
-from vllm_kvbm_plugin.tiers.copy import helpers
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
 
 logger = get_logger("connector.worker")
@@ -69,9 +68,6 @@ class WorkerSide:
         self._disk_failed = False  # such a failure, not yet reported to the scheduler side
         self.held: dict = {}  # key -> open, verified block file (direct disk loads)
         self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
-        self._kv_layers: dict = {}  # layer name -> Layer of the KV kind (one KV group: see _layered_ok)
-        self._told_layered = False
-        self._waited: set = set()  # layer names the forward was seen to wait for (wait_for_layer_load)
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
         self.peaks: dict[str, float] = {}  # "<tier>_<direction>" -> bytes/s (measure_roofline)
@@ -93,8 +89,6 @@ class WorkerSide:
                     layer = Layer(t, dims[0])
                     layer.offset, offset = offset, offset + layer.nbytes
                     layers.append(layer)
-                    if kind == KV:
-                        self._kv_layers[name] = layer
                     described.append((name, layer.block_shape, str(t.dtype), layer.dim))
                 per_group.append(layers)
             if offset > self.slot_bytes:
@@ -211,7 +205,7 @@ class WorkerSide:
     def _report(self, op: Op, key, ok: bool) -> None:
         self.reports.append(Report(op, key, ok))
 
-    def start_load_kv(self, meta: KVBMMetadata, forward_context=None) -> None:
+    def start_load_kv(self, meta: KVBMMetadata) -> None:
         if meta.opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
             keys = list(meta.opens)
@@ -237,7 +231,8 @@ class WorkerSide:
         for f in meta.remote_fetches:
             self.remote.submit(("fetch", f.key, f.slot))
         if meta.loads:  # the forward waits for them (on CUDA its stream does, not the host)
-            self._load(meta, forward_context)
+            self._jobs[self.copies.submit(meta.loads, to_pool=False)] = ("load", len(meta.loads), (), ())
+            self._poll()
         if meta.direct_loads:
             t0 = time.perf_counter()
             for d in meta.direct_loads:
@@ -255,57 +250,12 @@ class WorkerSide:
             if fd is not None:
                 os.close(fd)
 
-    def _load(self, meta: KVBMMetadata, forward_context) -> None:
-        """Copy the step's loads out of their slots. On CPU the blocks this step's forward also
-        writes (a hit that ends inside a block, vLLM writing the rest of it) are copied now, the
-        others behind the forward, layer by layer (wait_for_layer_load), where _layered_ok."""
-        loads = meta.loads
-        if self._layered_ok(meta):
-            written = _written_blocks(forward_context, self._kv_layers, self.layout.block_size)
-            if written is not None:
-                now = [ld for ld in loads if ld.block_ids[0] in written]
-                if now:
-                    self._jobs[self.copies.submit(now, to_pool=False)] = ("load", len(now), (), ())
-                later = [ld for ld in loads if ld.block_ids[0] not in written] if now else loads
-                if not later:
-                    return
-                job = self.copies.submit_layered(later)
-                if job is not None:
-                    self._jobs[job] = ("load", len(later), (), ())
-                    if not self._told_layered:
-                        self._told_layered = True
-                        logger.info("KVBMConnector worker: CPU tier loads run behind the forward, layer by layer "
-                                    "(%d helper threads)", helpers()[1] - 1)
-                    return
-                loads = later
-        self._jobs[self.copies.submit(loads, to_pool=False)] = ("load", len(loads), (), ())
-        self._poll()
-
-    def _layered_ok(self, meta: KVBMMetadata) -> bool:
-        """Loads may run behind the forward on CPU when every KV layer is one the forward was seen
-        to wait for (wait_for_layer_load, learnt in earlier steps), the KV cache is one group
-        (one slot mapping tells which blocks the forward writes), and nothing else of the step
-        reads the loaded blocks before the attention (position-independent loads blend into them)."""
-        return (not self.copies.cuda and not meta.pic_loads and len(self.layout.groups.get(KV, ())) == 1
-                and len(self._waited) >= len(self._kv_layers) > 0 and self._waited.issuperset(self._kv_layers)
-                and all(ld.kind == KV for ld in meta.loads))
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._kv_layers.get(layer_name)
-        if layer is None:
-            self.copies.finish_layered()  # a layer of another kind: everything in place
-            return
-        if len(self._waited) < len(self._kv_layers):
-            self._waited.add(layer_name)
-        self.copies.wait_layer(layer)
-
     def before_forward(self) -> None:
         """The forward may write blocks a store in flight still reads (freed and reallocated)."""
         if self.copies is not None and self.copies.cuda:
             self.copies.fence()
 
     def wait_for_save(self, meta: KVBMMetadata) -> None:
-        self.copies.finish_layered()  # a layer the forward did not wait for is in place now too
         writes = [(self._submit_write, (w.key, w.slot, w.meta)) for w in meta.disk_writes]
         writes += [(self.remote.submit, (("write", w.key, w.slot, w.meta),)) for w in meta.remote_writes]
         if meta.stores:
@@ -448,25 +398,6 @@ def _make_resident(t: torch.Tensor) -> bool:
     start = -(-t.data_ptr() // page) * page
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
     return end <= start or libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
-
-
-def _written_blocks(forward_context, layer_names, block_size: int) -> set | None:
-    """Block ids this step's forward writes new KV into before each attention waits for its layer
-    (vLLM's unified_kv_cache_update: the forward context's slot mapping of each layer, built for
-    this step, padding -1), or None where the context lacks one of `layer_names` (a step without
-    a forward, micro-batches: a list of mappings)."""
-    mapping = getattr(forward_context, "slot_mapping", None)
-    if not isinstance(mapping, dict):
-        return None
-    written, seen = set(), set()
-    for name in layer_names:  # one tensor per KV cache group, shared by its layers
-        slots = mapping.get(name)
-        if not isinstance(slots, torch.Tensor):
-            return None
-        if id(slots) not in seen:
-            seen.add(id(slots))
-            written.update((slots[slots >= 0] // block_size).tolist())
-    return written
 
 
 def _run_batches(jobs: queue.SimpleQueue, limit: int, run) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numba
@@ -204,64 +203,3 @@ def copy_pages(jobs: list, pool_words: np.ndarray, total: int, to_pool: bool, th
     for f in futures:
         if not f.cancelled():
             f.result()
-
-
-class LayeredCopy:
-    """Page copies `jobs` (one per layer, in the order the forward reads them) run behind the
-    caller: a helper takes their chunks in order while the forward computes, and `wait(j)`
-    returns once jobs [0, j] are in place, the caller copying itself the chunks up to j that no
-    helper has started (so a busy or late helper never costs more than copying in place).
-    Regular stores unless a layer is larger than STREAM_MIN_BYTES: each layer is read by its
-    attention right after, from the cache when it fits."""
-
-    def __init__(self, jobs: list, pool_words: np.ndarray, total: int, to_pool: bool = False):
-        self.jobs, self.pool_words, self.total, self.to_pool = jobs, pool_words, total, to_pool
-        self.chunks, self.ends = [], []  # (job, part, parts); chunk index after each job's last
-        for j, (_, w, _, ids, _) in enumerate(jobs):
-            parts = max(1, min(ids.shape[0], 8 * w * ids.shape[0] // MIN_SPLIT_BYTES, 8))
-            self.chunks += [(j, part, parts) for part in range(parts)]
-            self.ends.append(len(self.chunks))
-        self.stream = [8 * w * ids.shape[0] > STREAM_MIN_BYTES for _, w, _, ids, _ in jobs]
-        self._next, self._left = 0, [parts for *_, parts in (self.chunks[e - 1] for e in self.ends)]
-        self._cond = threading.Condition()
-        self._error: BaseException | None = None
-        self.busy = 0.0  # seconds spent copying, over all threads (the forward's time left out)
-        pool, threads = helpers()
-        self._futures = [pool.submit(self._work, len(self.chunks)) for _ in range(threads - 1)] if pool else []
-
-    def _work(self, upto: int) -> None:
-        """Copy chunks in order until every chunk before `upto` is taken."""
-        while True:
-            with self._cond:
-                k = self._next
-                if k >= upto:
-                    return
-                self._next = k + 1
-            j, part, parts = self.chunks[k]
-            t0 = time.perf_counter()
-            try:
-                _run_part([self.jobs[j]], self.pool_words, self.total, self.to_pool, self.stream[j], part, parts)
-            except BaseException as e:  # noqa: BLE001 - raised by wait() on the caller's thread
-                self._error = e
-            with self._cond:
-                self.busy += time.perf_counter() - t0
-                self._left[j] -= 1
-                if not self._left[j]:
-                    self._cond.notify_all()
-
-    def wait(self, j: int) -> None:
-        """Return once jobs [0, j] are copied; raises what a chunk raised."""
-        self._work(self.ends[j])
-        with self._cond:
-            self._cond.wait_for(lambda: not any(self._left[:j + 1]))
-        if self._error is not None:
-            raise self._error
-
-    def finish(self) -> None:
-        """Every job copied and no helper still in a chunk."""
-        try:
-            self.wait(len(self.jobs) - 1)
-        finally:
-            for f in self._futures:
-                f.cancel()  # a helper the OS has not run yet: nothing left for it, do not wait for it
-            wait(self._futures)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_kvbm_plugin.tiers.copy import LayeredCopy, copy_pages
+from vllm_kvbm_plugin.tiers.copy import copy_pages
 
 try:
     import triton
@@ -215,14 +215,12 @@ class TransferEngine:
             ops = CudaOps(device)
         self.ops, self.cuda = ops, ops is not None
         self._stage = None
-        self._layered = None  # (job, LayeredCopy, id(layer) -> its index): a CPU load behind the forward
         self._pool_words = pool.numpy().reshape(-1).view(np.uint64) if not self.cuda else None
 
     # ---- the contract ----------------------------------------------------------------------
     def submit(self, ops, to_pool: bool) -> int:
         """Start copying `ops` [(kind, block ids, slot)] into the pool (store) or out of it (load);
         the job id. Blocks and slots out of range raise IndexError before anything is copied."""
-        self.finish_layered()  # it may read slots or write blocks this job touches
         job, self._next = self._next, self._next + 1
         by_kind: dict = {}
         for kind, ids, slot in ops:
@@ -262,13 +260,11 @@ class TransferEngine:
 
     def wait(self) -> None:
         """The host waits until every job submitted so far is done (they are still reported)."""
-        self.finish_layered()
         for j in list(self._inflight):
             j.end.synchronize()
 
     def wait_loads(self) -> None:
         """The host waits for the loads submitted so far: before it writes pool slots they read."""
-        self.finish_layered()
         if self._last_load is not None:
             self._last_load.synchronize()
 
@@ -279,54 +275,6 @@ class TransferEngine:
         ev = self._snapshot
         if ev is not None and not ev.query():
             self.ops.current().wait_event(ev)
-
-    # ---- CPU loads behind the forward ----------------------------------------------------------
-    def submit_layered(self, ops) -> int | None:
-        """Start a CPU load of `ops` [(kind, block ids, slot)] that runs behind the forward, layer by
-        layer: `wait_layer` before a layer's attention, `finish_layered` after the forward. None
-        (nothing started) where it cannot: CUDA, several kinds, or a layer without page views."""
-        if self.cuda or not ops or self._layered is not None:
-            return None
-        kind = ops[0][0]
-        if any(op[0] != kind for op in ops):
-            return None
-        sl = np.asarray([op[2] for op in ops], np.int64)
-        jobs, at = [], {}
-        for gi, layers in enumerate(self.layers[kind]):
-            ids = np.asarray([op[1][gi] for op in ops], np.int64)
-            for layer in layers:
-                if layer.pages is None:
-                    return None
-                at[id(layer)] = len(jobs)
-                jobs.append((layer.pages, layer.nbytes // 8, layer.offset // 8, ids, sl))
-        job, self._next = self._next, self._next + 1
-        self._layered = (job, LayeredCopy(jobs, self._pool_words, self.slot_bytes // 8), at)
-        return job
-
-    def wait_layer(self, layer: Layer) -> None:
-        """Return once the running layered load has put `layer` in place (every layer, if the
-        load has none of it)."""
-        if self._layered is not None:
-            _, copy, at = self._layered
-            j = at.get(id(layer))
-            if j is None:
-                self.finish_layered()
-                return
-            try:
-                copy.wait(j)
-            except BaseException:
-                self.finish_layered()  # raises the same error; the engine stays usable
-                raise
-
-    def finish_layered(self) -> None:
-        """The layered load done (reported by get_finished)."""
-        if self._layered is not None:
-            job, copy, _ = self._layered
-            self._layered = None
-            try:
-                copy.finish()
-            finally:  # every job is reported once, a failed one too; its time: copying, not the forward
-                self._done.append((job, copy.busy))
 
     # ---- CPU -------------------------------------------------------------------------------
     def _cpu_copy(self, by_kind: dict, to_pool: bool) -> None:
