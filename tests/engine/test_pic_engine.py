@@ -76,7 +76,7 @@ def runs(tmp_path_factory):
              # issue 32: after a reset, the RAG shape salted (twice: the second may not hit the first's
              # approximate KV), then unsalted and with a plain salt (full prefills, as without us)
              {"reset": True}, {"prompt": RAG, "salt": SALT, "capture": "rag"},
-             {"prompt": RAG, "salt": SALT}, {"reset": True},
+             {"prompt": RAG, "salt": SALT, "one_forward": False}, {"reset": True},
              {"prompt": RAG, "capture": "rag_prefill"}, {"prompt": RAG, "salt": "tenant-b"}]
     warm, out = run(tmp, steps)
     return cold, warm, out
@@ -144,6 +144,11 @@ def test_rag_after_a_new_preamble_loads_every_document(runs):
     got = {k: rag["pic"][k] - before["pic"][k] for k in ("tokens", "skipped", "skips", "served")}
     assert got == {"tokens": DOC_TOKENS, "skipped": DOC_TOKENS, "skips": 3, "served": 1}
     assert rag["num_cached_tokens"] == 0  # nothing exact: the preamble is new
+    # one forward computed the preamble, both separators and the question around the loaded runs
+    # (patches/pic_segments.py); the second request took a step per run (as before it), same tokens
+    split = {k: rag["segments"][k] - before["segments"][k] for k in rag["segments"]}
+    assert split == {"steps": 1, "requests": 1, "segments": 4}
+    assert rag_again["segments"] == rag["segments"]
     # item 3: the second same-salt request gets no exact hit on the first one's approximate KV
     # (neither vLLM's prefix cache nor our tiers): it is served position-independently again
     assert rag_again["num_cached_tokens"] == 0
