@@ -31,7 +31,8 @@ from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.patches.wrapping import _WRAPPED, add_class_default, logger, wrap_method
 
 NAME = "pic_segments"
-STATS = {"steps": 0, "requests": 0, "segments": 0}  # this process's split forwards
+# this process's split forwards: steps, split requests, their segments, batch rows of those steps
+STATS = {"steps": 0, "requests": 0, "segments": 0, "rows": 0}
 
 
 @dataclasses.dataclass
@@ -96,6 +97,7 @@ def _wrap_prepare(orig):
             self._kvbm_pic_offsets = None
             STATS["steps"] += 1
             STATS["requests"] += len(rows)
+            STATS["rows"] += self.input_batch.num_reqs
             STATS["segments"] += sum(len(s) for s in rows.values())
 
     return _prepare_inputs

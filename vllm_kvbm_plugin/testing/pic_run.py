@@ -3,7 +3,8 @@
     python -m vllm_kvbm_plugin.testing.pic_run SPEC.json OUT_DIR
 
 SPEC: {"model": "llama", "llm": {LLM kwargs}, "steps": [{"prompt": [ids], "salt": str | null,
-"max_tokens": 8, "capture": name | null, "logprobs": bool, "one_forward": bool} | {"reset": true}, ...]}. One request per step.
+"max_tokens": 8, "capture": name | null, "logprobs": bool, "one_forward": bool} | {"reset": true} |
+{"batch": [{"prompt", "salt"}, ...]}, ...]}. One request per step.
 OUT_DIR gets result.json ({"steps": [{"tokens", "num_cached_tokens", "pic": the planner's stats after the
 step, "logprobs": the first token's
 log-probabilities over the whole vocabulary (needs llm max_logprobs -1)}], "pic": the planner's
@@ -62,6 +63,13 @@ def run(spec: dict, out_dir: str) -> dict:
     for step in spec["steps"]:
         if step.get("reset"):
             steps.append({"reset": llm.reset_prefix_cache()})
+            continue
+        if step.get("batch"):  # several requests in one generate call (scheduled together)
+            prompts = [TokensPrompt(prompt_token_ids=b["prompt"], **({"cache_salt": b["salt"]} if b.get("salt") else {}))
+                       for b in step["batch"]]
+            outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+            steps.append({"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
+                          "pic": dict(pic.stats) if pic is not None else None, "segments": dict(pic_segments.STATS)})
             continue
         prompt = TokensPrompt(prompt_token_ids=step["prompt"])
         if step.get("salt"):
