@@ -38,6 +38,8 @@ NEW_PRE = [rng.randrange(10, 2000) for _ in range(23)]
 SEP = [rng.randrange(10, 2000) for _ in range(5)]
 RAG = NEW_PRE + DOCS[2] + SEP + DOCS[0] + DOCS[3] + SEP + DOCS[1] + QUESTION
 DOC_TOKENS = 4 * len(DOCS[0])
+# the same shape after another new preamble (the RAG prompt itself gets stored exactly below)
+BATCH_RAG = [rng.randrange(10, 2000) for _ in range(23)] + RAG[23:]
 
 
 def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_bytes=8 << 20,
@@ -79,7 +81,8 @@ def runs(tmp_path_factory):
              {"prompt": RAG, "salt": SALT, "one_forward": False}, {"reset": True},
              {"prompt": RAG, "capture": "rag_prefill"}, {"prompt": RAG, "salt": "tenant-b"},
              # the salted RAG request's split forward shared with an unsalted request
-             {"reset": True}, {"batch": [{"prompt": RAG, "salt": SALT + "-batch"}, {"prompt": REORDERED}]}]
+             {"reset": True}, {"prompt": BATCH_RAG, "salt": SALT + "-alone"},
+             {"reset": True}, {"batch": [{"prompt": BATCH_RAG, "salt": SALT + "-batch"}, {"prompt": REORDERED}]}]
     warm, out = run(tmp, steps)
     return cold, warm, out
 
@@ -152,10 +155,12 @@ def test_rag_after_a_new_preamble_loads_every_document(runs):
     assert split == {"steps": 1, "requests": 1, "segments": 4, "rows": 1}
     assert rag_again["segments"] == rag["segments"]
     # in a batch with an unsalted request (scheduled in the same forward): each gets its own tokens
-    batch = warm["steps"][-1]
-    assert {k: batch["segments"][k] - rag_tenant["segments"][k] for k in split} == {
-        "steps": 1, "requests": 1, "segments": 4, "rows": 2}
-    assert batch["batch_tokens"] == [rag["tokens"], cold["steps"][1]["tokens"]]
+    alone, _, batch = warm["steps"][-3:]
+    split_alone = {k: alone["segments"][k] - rag_tenant["segments"][k] for k in split}
+    split_batch = {k: batch["segments"][k] - alone["segments"][k] for k in split}
+    assert split_alone["steps"] == split_alone["requests"] == split_alone["rows"] == 1
+    assert split_batch == {**split_alone, "rows": 2}
+    assert batch["batch_tokens"] == [alone["tokens"], cold["steps"][1]["tokens"]]
     # item 3: the second same-salt request gets no exact hit on the first one's approximate KV
     # (neither vLLM's prefix cache nor our tiers): it is served position-independently again
     assert rag_again["num_cached_tokens"] == 0
