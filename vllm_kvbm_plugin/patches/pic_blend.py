@@ -13,9 +13,10 @@ Per attention layer, right before vLLM writes the step's fresh K/V into the cach
   fresh one, so attention and the cache use the loaded KV; selected tokens keep their fresh KV.
 Ratio 1 keeps every fresh KV (a full prefill); ratio 0 is never planned (plain loads, layer 2).
 
-This saves no compute: every reused token still runs through every layer (vLLM schedules whole
-tokens, not per-layer subsets); it trades the loaded KV's speed for fidelity. The loads are the
-reuse; the recompute only repairs the cross-attention the loaded KV misses.
+Compute saved (issue 32, eager models only: `apply_compute_saving`): from the layer after the
+selection on, the dense decoder layers run only the kept rows (computed tokens, selected ones, each
+request's last), with CPU attention metadata over those rows; the rest keep their loaded KV. In a
+compiled model every reused token still runs through every layer (only the KV kept differs).
 """
 
 from __future__ import annotations
