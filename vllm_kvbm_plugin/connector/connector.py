@@ -43,6 +43,10 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm_kvbm_plugin.connector.worker import WorkerSide
 
             self._worker = WorkerSide(layout, cfg, _tensor_parallel_rank())
+            if getattr(cfg, "pic_recompute_ratio", 0):  # eager models: layers after the selection run fewer rows
+                from vllm_kvbm_plugin.patches import pic_blend
+
+                pic_blend.apply_compute_saving(vllm_config)
 
     @property
     def requires_kv_delivery(self) -> bool:

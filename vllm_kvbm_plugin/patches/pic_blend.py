@@ -13,9 +13,10 @@ Per attention layer, right before vLLM writes the step's fresh K/V into the cach
   fresh one, so attention and the cache use the loaded KV; selected tokens keep their fresh KV.
 Ratio 1 keeps every fresh KV (a full prefill); ratio 0 is never planned (plain loads, layer 2).
 
-This saves no compute: every reused token still runs through every layer (vLLM schedules whole
-tokens, not per-layer subsets); it trades the loaded KV's speed for fidelity. The loads are the
-reuse; the recompute only repairs the cross-attention the loaded KV misses.
+Compute saved (issue 32, eager models only: `apply_compute_saving`): from the layer after the
+selection on, the dense decoder layers run only the kept rows (computed tokens, selected ones, each
+request's last), with CPU attention metadata over those rows; the rest keep their loaded KV. In a
+compiled model every reused token still runs through every layer (only the KV kept differs).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class BlendPlan:
 
         layer = extract_layer_index(layer_name)
         if layer < SELECTION_LAYER:
+            return key, value
+        if self.kept is not None:  # layers after the selection run the kept rows only (fresh KV)
             return key, value
         if self.rows is None:
             self._find_rows(slot_mapping, layer_name)
@@ -167,3 +170,114 @@ def _wrap_update(orig):
         return orig(self, layer, key, value, kv_cache, slot_mapping)
 
     return do_kv_cache_update
+
+
+# ---- compute saving (issue 32): layers after the selection run only the kept rows ----
+# Eager models only (applied by the worker's connector when vLLM does not compile the model: a
+# row count that changes mid-forward cannot live in the traced graph). After the selection layer,
+# the rows of reused tokens that were not selected leave the batch: their KV there is the loaded
+# one (already in the cache), their hidden states are never read (each request's last row is kept).
+DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
+                  ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer"),
+                  ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
+GATHER = {"on": False}  # this process's decoder layers gather (set by apply_compute_saving)
+
+
+def apply_compute_saving(vllm_config) -> bool:
+    """Patch the dense decoder layers to run only the kept rows after the selection layer, if the
+    model runs eagerly (vLLM's CompilationMode.NONE) and the attention patch is applied."""
+    import importlib
+
+    from vllm_kvbm_plugin import compat
+
+    if not applied() or not compat.decoder_rows_supported():
+        return False
+    from vllm.config import CompilationMode
+
+    if vllm_config.compilation_config.mode != CompilationMode.NONE:
+        logger.info("pic_blend: the model is compiled: every reused token runs through every layer "
+                    "(with enforce_eager only the selected ones run after the selection layer)")
+        return False
+    for module, name in DECODER_LAYERS:
+        cls = getattr(importlib.import_module(module), name)
+        wrap_method(cls, "forward", _wrap_layer)
+    GATHER["on"] = True
+    return True
+
+
+def _wrap_layer(orig):
+    def forward(self, positions, hidden_states, residual, *args, **kwargs):
+        plan = _current_plan()
+        if plan is None or plan.keep is None or not GATHER["on"]:
+            return orig(self, positions, hidden_states, residual, *args, **kwargs)
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        name = self.self_attn.attn.layer_name
+        layer = extract_layer_index(name)
+        if layer <= SELECTION_LAYER:
+            return orig(self, positions, hidden_states, residual, *args, **kwargs)
+        if plan.kept is None:  # the first layer after the selection
+            plan.gather(self.self_attn.attn, positions, hidden_states.dtype)
+            hidden_states, residual = hidden_states[plan.kept], residual[plan.kept]
+        out, res = orig(self, positions[plan.kept], hidden_states, residual, *args, **kwargs)
+        if layer == plan.last_layer:  # back to the step's rows for the final norm and the logits
+            full = out.new_zeros((plan.num_rows, out.shape[1]))
+            full_res = res.new_zeros((plan.num_rows, res.shape[1]))
+            full[plan.kept], full_res[plan.kept] = out, res
+            return full, full_res
+        return out, res
+
+    return forward
+
+
+def _gather(self, attn, positions, dtype) -> None:
+    """Kept rows (every row but the unselected reused ones; each request's last row always) and the
+    CPU attention metadata over them for the layers after the selection: each maximal run of kept
+    rows a request of its own (causal over the tokens before it), the request's block table row."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    ctx = get_forward_context()
+    metas = ctx.attn_metadata
+    meta = metas[attn.layer_name]
+    n = positions.shape[0]
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[self.rows[~self.keep]] = False
+    qsl = meta.query_start_loc.long().cpu()
+    keep[qsl[1:] - 1] = True
+    kept = keep.nonzero().squeeze(1)
+    pos = positions[kept].long().cpu()
+    req = torch.searchsorted(qsl, kept, right=True) - 1
+    # a new segment where the request changes or rows / positions stop being consecutive
+    brk = torch.ones(len(kept), dtype=torch.bool)
+    brk[1:] = (req[1:] != req[:-1]) | (kept[1:] != kept[:-1] + 1) | (pos[1:] != pos[:-1] + 1)
+    starts = brk.nonzero().squeeze(1)
+    ends = torch.cat([starts[1:], torch.tensor([len(kept)])])
+    seg_qsl = torch.cat([starts, torch.tensor([len(kept)])]).to(meta.query_start_loc.dtype)
+    seg_lens = (pos[ends - 1] + 1).to(meta.seq_lens.dtype)
+    seg_req = req[starts]
+    impl = attn.impl
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(starts), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seg_lens, dtype=dtype, query_start_loc=seg_qsl, causal=True,
+        sliding_window_size=-1, isa=attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=None, kv_cache_dtype=impl.kv_cache_dtype)
+    after = dataclasses.replace(meta, num_actual_tokens=len(kept), max_query_len=int((ends - starts).max()),
+                                query_start_loc=seg_qsl, max_seq_len=int(seg_lens.max()), seq_lens=seg_lens,
+                                block_table=meta.block_table[seg_req], slot_mapping=meta.slot_mapping[kept],
+                                scheduler_metadata=sched)
+    for k in list(metas):  # one KV cache group (the planner's condition): every layer's metadata
+        if extract_layer_index(k) > SELECTION_LAYER:
+            metas[k] = after
+    self.last_layer = max(extract_layer_index(k) for k in metas)
+    self.num_rows, self.kept = n, kept
+    STATS["gathered"] = STATS.get("gathered", 0) + len(kept)
+    STATS["rows"] = STATS.get("rows", 0) + n
+
+
+BlendPlan.kept = None
+BlendPlan.last_layer = -1
+BlendPlan.num_rows = 0
+BlendPlan.gather = _gather

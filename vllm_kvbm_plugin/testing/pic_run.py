@@ -3,7 +3,8 @@
     python -m vllm_kvbm_plugin.testing.pic_run SPEC.json OUT_DIR
 
 SPEC: {"model": "llama", "llm": {LLM kwargs}, "steps": [{"prompt": [ids], "salt": str | null,
-"max_tokens": 8, "capture": name | null, "logprobs": bool} | {"reset": true}, ...]}. One request per step.
+"max_tokens": 8, "capture": name | null, "logprobs": bool, "one_forward": bool} | {"reset": true} |
+{"batch": [{"prompt", "salt"}, ...]}, ...]}. One request per step.
 OUT_DIR gets result.json ({"steps": [{"tokens", "num_cached_tokens", "pic": the planner's stats after the
 step, "logprobs": the first token's
 log-probabilities over the whole vocabulary (needs llm max_logprobs -1)}], "pic": the planner's
@@ -55,19 +56,32 @@ def run(spec: dict, out_dir: str) -> dict:
 
         connector.request_finished_all_groups = request_finished_all_groups
     pic = getattr(getattr(connector, "_sched", None), "pic", None)
+    one_forward = pic is not None and pic.one_forward
+    from vllm_kvbm_plugin.patches import pic_blend, pic_segments
+
     steps = []
     for step in spec["steps"]:
         if step.get("reset"):
             steps.append({"reset": llm.reset_prefix_cache()})
             continue
+        if step.get("batch"):  # several requests in one generate call (scheduled together)
+            prompts = [TokensPrompt(prompt_token_ids=b["prompt"], **({"cache_salt": b["salt"]} if b.get("salt") else {}))
+                       for b in step["batch"]]
+            outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+            steps.append({"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
+                          "pic": dict(pic.stats) if pic is not None else None, "segments": dict(pic_segments.STATS)})
+            continue
         prompt = TokensPrompt(prompt_token_ids=step["prompt"])
         if step.get("salt"):
             prompt["cache_salt"] = step["salt"]
+        if pic is not None:  # false: one step per loaded run past a gap, as without patches/pic_segments.py
+            pic.one_forward = step.get("one_forward", one_forward)
         sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
                             logprobs=-1 if step.get("logprobs") else None)
         (o,) = llm.generate([prompt], sp, use_tqdm=False)
         steps.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-                      "pic": dict(pic.stats) if pic is not None else None})  # the planner's totals so far
+                      "pic": dict(pic.stats) if pic is not None else None,  # the planner's totals so far
+                      "segments": dict(pic_segments.STATS)})  # split forwards so far (worker: this process)
         if step.get("logprobs"):
             first = o.outputs[0].logprobs[0]
             steps[-1]["logprobs"] = [first[t].logprob for t in range(len(first))]
@@ -75,7 +89,6 @@ def run(spec: dict, out_dir: str) -> dict:
             (kv,) = llm.collective_rpc(_layer0_blocks, args=(finished[-1][0],))
             torch.save(kv, os.path.join(out_dir, f"{step['capture']}.pt"))
     side = getattr(connector, "_sched", None)
-    from vllm_kvbm_plugin.patches import pic_blend
 
     result = {"steps": steps, "pic": dict(pic.stats) if pic is not None else None, "blend": dict(pic_blend.STATS),
               "accounting": side.accounting() if side is not None else None,

@@ -313,8 +313,11 @@ class SimulatedWorker:
         if meta:
             self.side.start_load_kv(meta)
         self.check(spans)
-        for tokens, start, end, block_ids, _new in spans.values():
-            self._forward(tokens, start, end, block_ids)
+        queries = getattr(meta, "pic_queries", None) or {}
+        for rid, (tokens, start, end, block_ids, _new) in spans.items():
+            # a step may compute several segments of a request around loaded runs (pic_segments)
+            for s, c in queries[rid][1] if rid in queries else ((start, end - start),):
+                self._forward(tokens, s, s + c, block_ids)
         if meta:
             self.side.wait_for_save(meta)
         return self.side.build_worker_meta()
