@@ -208,18 +208,31 @@ def apply_compute_saving(vllm_config) -> bool:
 def _wrap_layer(orig):
     def forward(self, positions, hidden_states, residual, *args, **kwargs):
         plan = _current_plan()
-        if plan is None or plan.keep is None or not GATHER["on"]:
+        if plan is None or not GATHER["on"]:
             return orig(self, positions, hidden_states, residual, *args, **kwargs)
         from vllm.model_executor.models.utils import extract_layer_index
 
-        name = self.self_attn.attn.layer_name
-        layer = extract_layer_index(name)
-        if layer <= SELECTION_LAYER:
+        layer = extract_layer_index(self.self_attn.attn.layer_name)
+        if layer < SELECTION_LAYER or (layer > SELECTION_LAYER and plan.kept is None):
             return orig(self, positions, hidden_states, residual, *args, **kwargs)
-        if plan.kept is None:  # the first layer after the selection
-            plan.gather(self.self_attn.attn, positions, hidden_states.dtype)
-            hidden_states, residual = hidden_states[plan.kept], residual[plan.kept]
-        out, res = orig(self, positions[plan.kept], hidden_states, residual, *args, **kwargs)
+        if layer == SELECTION_LAYER:
+            # the decoder layer's body (the same in every DECODER_LAYERS class), split after the
+            # attention, which makes the selection: the MLP runs on the kept rows only
+            if residual is None:
+                residual = hidden_states
+                hidden_states = self.input_layernorm(hidden_states)
+            else:
+                hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+            if plan.keep is not None:  # reused rows were found and selected among
+                plan.gather(self.self_attn.attn, positions, hidden_states.dtype)
+                hidden_states, residual = hidden_states[plan.kept], residual[plan.kept]
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            out, res = self.mlp(hidden_states), residual
+            if plan.kept is None:
+                return out, res
+        else:
+            out, res = orig(self, positions[plan.kept], hidden_states, residual, *args, **kwargs)
         if layer == plan.last_layer:  # back to the step's rows for the final norm and the logits
             full = out.new_zeros((plan.num_rows, out.shape[1]))
             full_res = res.new_zeros((plan.num_rows, res.shape[1]))
