@@ -13,8 +13,8 @@ Per attention layer, right before vLLM writes the step's fresh K/V into the cach
   fresh one, so attention and the cache use the loaded KV; selected tokens keep their fresh KV.
 Ratio 1 keeps every fresh KV (a full prefill); ratio 0 is never planned (plain loads, layer 2).
 
-Compute saved (issue 32, eager models only: `apply_compute_saving`): from the layer after the
-selection on, the dense decoder layers run only the kept rows (computed tokens, selected ones, each
+Compute saved (issue 32, eager models only: `apply_compute_saving`): from the selection layer's
+MLP on, the dense decoder layers run only the kept rows (computed tokens, selected ones, each
 request's last), with CPU attention metadata over those rows; the rest keep their loaded KV. In a
 compiled model every reused token still runs through every layer (only the KV kept differs).
 """
@@ -172,10 +172,10 @@ def _wrap_update(orig):
     return do_kv_cache_update
 
 
-# ---- compute saving (issue 32): layers after the selection run only the kept rows ----
+# ---- compute saving (issue 32): from the selection layer's MLP on, only the kept rows run ----
 # Eager models only (applied by the worker's connector when vLLM does not compile the model: a
-# row count that changes mid-forward cannot live in the traced graph). After the selection layer,
-# the rows of reused tokens that were not selected leave the batch: their KV there is the loaded
+# row count that changes mid-forward cannot live in the traced graph). After the selection layer's
+# attention, the rows of reused tokens that were not selected leave the batch: their KV there is the loaded
 # one (already in the cache), their hidden states are never read (each request's last row is kept).
 DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
                   ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer"),
