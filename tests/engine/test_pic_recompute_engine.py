@@ -132,6 +132,23 @@ def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
           f"{loaded0['tokens']} / {loaded['tokens']} vs {full['tokens']}")
 
 
+def test_a_request_in_the_same_forward_as_a_blended_one_gets_its_own_tokens(tmp):
+    """Ratio 0.15: an unsalted request scheduled in the same forward as a blended one gets the
+    tokens it gets alone. Such a step runs every row (dropping the blended request's unselected
+    rows there gave the other request wrong tokens: pic_blend._alone_in_step)."""
+    other = [random.Random(5).randrange(10, 2000) for _ in range(300)]
+    steps = [{"prompt": FIRST, "max_tokens": 1}, {"reset": True},
+             {"batch": [{"prompt": REORDERED, "salt": "kvbm-pic:batch"}, {"prompt": other}]}, {"reset": True},
+             {"prompt": other, "salt": "alone"}]
+    result, _ = run(tmp, steps, ratio=0.15, name="batched-blend", max_model_len=2048, model="llama-big",
+                    cpu_bytes=64 << 20)
+    _, _, batch, _, alone = result["steps"]
+    blend = result["blend"]
+    assert blend["steps"] == 1 and blend["tokens"] == REUSABLE  # blended, in the forward shared with `other`
+    assert "gathered" not in blend  # no rows dropped in a step shared with another request
+    assert batch["batch_tokens"][1] == alone["tokens"]
+
+
 def test_recompute_removes_most_of_the_kl_where_deviation_is_local(tmp):
     # documents 0 and 2 were stored block-aligned: their first 16 tokens saw other tokens before
     # them (their layer-0 window), every other reused token saw the same ones as now
