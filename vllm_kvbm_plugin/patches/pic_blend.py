@@ -224,7 +224,7 @@ def _wrap_layer(orig):
             else:
                 hidden_states, residual = self.input_layernorm(hidden_states, residual)
             hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
-            if plan.keep is not None and _alone_in_step(self.self_attn.attn):  # selected among reused rows
+            if plan.keep is not None:  # selected among reused rows
                 plan.gather(self.self_attn.attn, positions, hidden_states.dtype)
                 hidden_states, residual = hidden_states[plan.kept], residual[plan.kept]
             hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
@@ -241,16 +241,6 @@ def _wrap_layer(orig):
         return out, res
 
     return forward
-
-
-def _alone_in_step(attn) -> bool:
-    """Whether the step's batch is the blended request alone. Rows are dropped only then: with
-    another request in the same forward its tokens came out wrong (a test batching one with a
-    blended request, 2026-11-28; cause not found yet), so such steps run every row, as compiled
-    models do."""
-    from vllm.forward_context import get_forward_context
-
-    return get_forward_context().attn_metadata[attn.layer_name].query_start_loc.shape[0] == 2
 
 
 def _gather(self, attn, positions, dtype) -> None:
@@ -294,6 +284,15 @@ def _gather(self, attn, positions, dtype) -> None:
     for k in list(metas):  # one KV cache group (the planner's condition): every layer's metadata
         if extract_layer_index(k) > SELECTION_LAYER:
             metas[k] = after
+    # and the slots vLLM writes each later layer's K/V to (unified_kv_cache_update reads them from
+    # the forward context, not from the metadata): the kept rows' own
+    mappings, picked = ctx.slot_mapping, {}
+    for k in list(mappings):
+        if extract_layer_index(k) > SELECTION_LAYER:
+            m = mappings[k]
+            if id(m) not in picked:
+                picked[id(m)] = m[kept.to(m.device)]
+            mappings[k] = picked[id(m)]
     self.last_layer = max(extract_layer_index(k) for k in metas)
     self.num_rows, self.kept = n, kept
     STATS["gathered"] = STATS.get("gathered", 0) + len(kept)
