@@ -6,9 +6,13 @@ tier; its real WorkerSide runs each step's copies (testing.scheduler.SimulatedWo
 scheduler's own calls are timed: `schedule()` and `update_from_output()`, which is where the
 connector's scheduler side runs (lookups, hit planning, store bookkeeping, metadata, events) and
 what sits on every token's critical path in an engine. Timed is the calling thread's CPU time
-(`time.thread_time`): the simulated worker's copy threads run on while the scheduler does, and
-process CPU time billed their copies (half the store pass's "overhead" up to session 21) to the
-scheduler; the connector's scheduler side runs no thread of its own. Two passes over the same requests:
+(`time.thread_time`): other threads of this process (the simulated worker's copy helpers, torch's
+OpenMP pool) ran during the timed calls, and process CPU time billed them to the scheduler (half
+of the store pass's "overhead" up to session 21); the connector's scheduler side runs no thread of
+its own. Also printed: the connector's own hooks' time (`timed_scheduler` says why that is the
+figure a GPU engine would see), and with `--native` the same for a connector that does nothing
+(null_connector.py: vLLM's own cost of having one) and vLLM's OffloadingConnector. Two passes over
+the same requests:
 
 - store: every prompt computed and offloaded (no tier hits): the connector's bookkeeping alone,
   over the very same steps as without it;
@@ -44,11 +48,23 @@ GEOMETRIES = {
 }
 
 
+# the connector's scheduler-side hooks vLLM's Scheduler calls (every stack's, KVConnectorBase_V1)
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "request_finished_all_groups", "take_events", "get_kv_connector_stats")
+
+
 def timed_scheduler(sched) -> list:
-    """Times the scheduler's two calls into the returned [CPU seconds, steps] (the caller counts
-    steps); events are sent, not kept, as vLLM's publisher does; startup's objects are frozen, as
-    vLLM's engine core does, so collections skip them."""
-    spent = [0.0, 0]
+    """Times the scheduler's two calls into the returned [CPU seconds, steps, of which in the
+    connector's own hooks] (the caller counts steps); events are sent, not kept, as vLLM's
+    publisher does; startup's objects are frozen, as vLLM's engine core does, so collections skip
+    them.
+
+    The hooks' own time is the connector's cost as a GPU engine would see it: the rest of what a
+    connector run adds is vLLM's own code running with cold caches, because the simulated
+    workers' copies and forward sweep memory between the steps in this process (sweeping 64 MiB
+    between the steps of the no-connector run makes its hybrid store pass 63 -> 110 ms); on a GPU
+    the copies are DMA and the forward runs on the device."""
+    spent = [0.0, 0, 0.0]
     sched.kv_event_publisher.publish = lambda batch: None
     gc.collect()
     gc.freeze()
@@ -61,15 +77,27 @@ def timed_scheduler(sched) -> list:
             return out
         return call
 
+    def hook(f):
+        def call(*args, **kwargs):
+            t0 = time.thread_time()
+            out = f(*args, **kwargs)
+            spent[2] += time.thread_time() - t0
+            return out
+        return call
+
     sched.schedule = timed(sched.schedule)
     sched.update_from_output = timed(sched.update_from_output)
+    for name in HOOKS if sched.connector is not None else ():
+        if hasattr(sched.connector, name):
+            setattr(sched.connector, name, hook(getattr(sched.connector, name)))
     return spent
 
 
-def timed_pass(h, spent: list, prompts) -> tuple[tuple[float, int], int]:
-    """One pass of `prompts` (2 tokens each) through harness `h` to the end: ((CPU seconds, steps),
+def timed_pass(h, spent: list, prompts) -> tuple[tuple[float, int, float], int]:
+    """One pass of `prompts` (2 tokens each) through harness `h` to the end: ((CPU seconds, steps,
+    of which in the connector's hooks),
     tokens served by the prefix cache and tiers)."""
-    spent[:] = [0.0, 0]
+    spent[:] = [0.0, 0, 0.0]
     ids = [h.add(p, max_tokens=2) for p in prompts]
     while h.scheduler.has_unfinished_requests():
         h.step()
@@ -108,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--native", action="store_true", help="only the table of the four stacks (native_table)")
+    ap.add_argument("--native", action="store_true", help="only the table of the five stacks (native_table)")
     ap.add_argument("--geometry", default="", help="with --native: only geometries whose name contains this")
     args = ap.parse_args()
     prompts = workload(args.requests)
@@ -128,15 +156,44 @@ def main() -> None:
               f"KVBMConnector ({tracked[True]}; its CPU tier holds the stored blocks)")
         for p in ("store", "hit"):
             best = {w: min(r[p][0] for r in rs) for w, rs in runs.items()}
+            hooks = min(r[p][2] for r in runs[True])
             steps = {w: rs[0][p][1] for w, rs in runs.items()}
             served = runs[True][0][f"{p}_served"]
             print(f"{name}, {p} pass: scheduler {best[False] * 1e3:.0f} ms in {steps[False]} steps without a "
                   f"connector, {best[True] * 1e3:.0f} ms in {steps[True]} steps with KVBMConnector -> "
-                  f"{best[True] / best[False]:.3f}x (tokens served by the prefix cache and tier: {served})")
+                  f"{best[True] / best[False]:.3f}x; its hooks {hooks * 1e3:.0f} ms -> (none + hooks) / none "
+                  f"{(best[False] + hooks) / best[False]:.3f}x (tokens served by the prefix cache and tier: {served})")
 
 
 # --- vLLM's own OffloadingConnector on the same workload (issue 29 item 5) ---
-STACKS = ("none", "KVBMConnector", "OffloadingConnector+vLLM spec", "OffloadingConnector+KVBMOffloadingSpec")
+STACKS = ("none", "a connector that does nothing", "KVBMConnector", "OffloadingConnector+vLLM spec",
+          "OffloadingConnector+KVBMOffloadingSpec")
+
+
+class NullHarness(SchedulerHarness):
+    """vLLM's Scheduler with null_connector.NullConnector: vLLM's own cost of having a connector."""
+
+    def _kv_transfer_config(self):
+        from vllm.config import KVTransferConfig
+
+        return KVTransferConfig(kv_connector="NullConnector", kv_connector_module_path="null_connector",
+                                kv_role="kv_both")
+
+    def _workers(self, kv_cache_config) -> list:
+        return []
+
+
+def run_null(geometry: dict, prompts) -> dict:
+    """run()'s passes with a connector that does nothing (never a hit: the hit pass recomputes)."""
+    h = NullHarness(HarnessConfig(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16, **geometry))
+    spent = timed_scheduler(h.scheduler)
+    result = {}
+    for name in ("store", "hit"):
+        if name == "hit":
+            h.reset_prefix_cache()
+        result[name], result[f"{name}_served"] = timed_pass(h, spent, prompts)
+    gc.unfreeze()
+    return result
 
 
 def run_native(geometry: dict, prompts, kvbm_spec: bool) -> dict:
@@ -164,7 +221,7 @@ def run_native(geometry: dict, prompts, kvbm_spec: bool) -> dict:
 
 
 def native_table(prompts, reps: int, only: str = "") -> None:
-    """The four stacks on each geometry (whose name contains `only`), runs alternating, best of
+    """The stacks (STACKS) on each geometry (whose name contains `only`), runs alternating, best of
     `reps` each: scheduler ms per pass, ms per step, and the ratio to no connector."""
     for name, geometry in GEOMETRIES.items():
         if only not in name:
@@ -172,16 +229,19 @@ def native_table(prompts, reps: int, only: str = "") -> None:
         runs = {s: [] for s in STACKS}
         for _ in range(reps):
             runs["none"].append(run(geometry, prompts, False))
+            runs["a connector that does nothing"].append(run_null(geometry, prompts))
             runs["KVBMConnector"].append(run(geometry, prompts, True))
             runs["OffloadingConnector+vLLM spec"].append(run_native(geometry, prompts, False))
             runs["OffloadingConnector+KVBMOffloadingSpec"].append(run_native(geometry, prompts, True))
         for p in ("store", "hit"):
             none = min(r[p][0] for r in runs["none"])
-            print(f"{name}, {p} pass (best of {reps}):")
+            print(f"{name}, {p} pass (best of {reps}; scheduler CPU, ms per step, ratio to none; the "
+                  f"connector's own hooks, (none + hooks) / none):")
             for stack, rs in runs.items():
-                best_s, steps = min(r[p][0] for r in rs), rs[0][p][1]
+                best_s, steps, hooks = min(r[p][0] for r in rs), rs[0][p][1], min(r[p][2] for r in rs)
                 print(f"  {stack:40s} {best_s * 1e3:8.0f} ms {steps:5d} steps {best_s * 1e3 / steps:7.2f} ms/step "
-                      f"{best_s / none:6.2f}x  served {rs[0][f'{p}_served']}")
+                      f"{best_s / none:6.2f}x  hooks {hooks * 1e3:5.0f} ms {(none + hooks) / none:5.2f}x  "
+                      f"served {rs[0][f'{p}_served']}")
 
 
 if __name__ == "__main__":

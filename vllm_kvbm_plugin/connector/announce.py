@@ -146,6 +146,13 @@ class BlockRun:
             templates.append(event)
         replace = msgspec.structs.replace
         out = []
+        if len(templates) == 1 and not extras:  # the usual case, without a generator per block
+            t = templates[0]
+            for j in range(have - first):
+                vhash = converted[j + 1]
+                out.append(Announce((replace(t, block_hashes=(vhash,), parent_block_hash=converted[j],
+                                             token_ids=tokens[j * B : (j + 1) * B]),), vhash))
+            return out + [Announce(())] * (upto - have)
         for j in range(have - first):
             parent, vhash = converted[j], converted[j + 1]
             extra = (None,)

@@ -48,8 +48,9 @@ class TierManager:
         return key in self.index
 
     def lookup(self, key) -> bool:
-        """Whether `key` is stored and ready to load."""
-        return self.index.ready(key) is not None
+        """Whether `key` is stored and ready to load (hit planning asks this per hash unit)."""
+        e = self.index.entries.get(key)
+        return e is not None and e.ready
 
     def touch(self, key) -> None:
         self.index.touch(key)

@@ -38,6 +38,7 @@ from vllm_kvbm_plugin.connector.metadata import (
     KVBMMetadata,
     KVBMWorkerMetadata,
     Load,
+    Op,
     Quorum,
     Store,
 )
@@ -306,9 +307,10 @@ class SchedulerSide:
             return (hit, [_Need(keys[(i + 1) * r - 1], KV, i) for i in range(start, full)]) if full > start else None
         unit = self.hash_unit
         keys = self._unit_keys(st, limit // unit)
-        for u in range(limit // unit, start * r, -1):  # the hit ends after unit u-1: X = u * unit
+        # the hit ends after unit u-1: X = u * unit, inside or at the end of block u // r <= full
+        for u in range(min(limit // unit, (full + 1) * r - 1), start * r, -1):
             x, nb = u * unit, u // r
-            if nb > full or not held(state_key(keys[u - 1])):
+            if not held(state_key(keys[u - 1])):
                 continue
             needs = [_Need(self._block_key(st, i), KV, i) for i in range(start, nb)]
             if x % B:  # X ends inside block nb: a partial entry, or the whole block if held
@@ -610,17 +612,19 @@ class SchedulerSide:
         if not wm:
             return
         cpu, by_label, quorum = self.primary, self._by_label, self.quorum
-        write, fetch, store = Verb.WRITE, Verb.FETCH, Verb.STORE
+        write, fetch, cpu_store = Verb.WRITE, Verb.FETCH, Op.STORE
+        alone = quorum.world == 1  # one worker: its report decides (Quorum.add), no count to keep
         landed: list = []  # consecutive CPU stores that landed: settled in one call, in order
         for report in wm.reports:
-            ok = quorum.add(report)
-            if ok is None:
-                continue  # other workers have yet to report
-            key, op = report.key, report.op
-            verb = op.verb
-            if verb is store and ok and op.tier == cpu.label:
+            op, key, ok = report
+            if not alone:
+                ok = quorum.add(report)
+                if ok is None:
+                    continue  # other workers have yet to report
+            if op is cpu_store and ok:
                 landed.append(key)
                 continue
+            verb = op.verb
             if landed:
                 cpu.complete_stores(landed)
                 landed = []

@@ -52,6 +52,13 @@ class BlendPlan:
     rows: torch.Tensor | None = None  # batch rows of the loaded tokens this step computes
     request: torch.Tensor | None = None  # per row: which request of the batch (selection is per request)
     keep: torch.Tensor | None = None  # per row: selected (keeps its fresh KV)
+    # set by `gather` (the compute saving, after the selection layer's attention):
+    kept: torch.Tensor | None = None  # the step's rows the later layers run
+    num_rows: int = 0  # the step's rows before the gather
+    last_layer: int = -1  # the layer after which the kept rows go back into the step's rows
+
+    def gather(self, attn, positions, dtype) -> None:
+        _gather(self, attn, positions, dtype)
 
     def _find_rows(self, slot_mapping: torch.Tensor, layer_name: str) -> None:
         """The batch rows whose cache slot is a loaded one (the scheduler loads only the tokens a
@@ -298,8 +305,3 @@ def _gather(self, attn, positions, dtype) -> None:
     STATS["gathered"] = STATS.get("gathered", 0) + len(kept)
     STATS["rows"] = STATS.get("rows", 0) + n
 
-
-BlendPlan.kept = None
-BlendPlan.last_layer = -1
-BlendPlan.num_rows = 0
-BlendPlan.gather = _gather
