@@ -17,9 +17,9 @@ offloaded chunk with its hashes, parent and tokens, but:
 Self-describing events cost the scheduler a payload per stored chunk; vLLM builds it with asserts
 and per-hash conversions (an environment lookup each where the engine has not cached them). With
 a self-describing tracker we build and announce the very same payloads more directly
-(`_record_store`, `_take_stored_event`): one hash conversion per chunk's list, no re-slicing.
+(`_build_event_metadata`, `_take_stored_event`): one hash conversion per chunk's list, no re-slicing.
 
-Inert unless the tracker is self-describing (the image keys: and the request has extra keys).
+Inert unless the tracker is self-describing (the image keys also need a request with extra keys).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ _PRIMARY = (Medium.CPU, None)  # the residency vLLM gives a freshly stored chunk
 def apply() -> bool:
     changed = wrap_method(OffloadingEventsTracker, "_build_event_metadata", _wrap_build)
     changed |= add_class_default(OffloadingEventsTracker, "_kvbm_convert", None)
-    changed |= wrap_method(OffloadingEventsTracker, "record_store", _wrap_record_store)
     changed |= wrap_method(OffloadingEventsTracker, "_take_stored_event", _wrap_take_stored)
     changed |= wrap_method(OffloadingEventsTracker, "_record_partial_tail", _wrap_partial_tail)
     changed |= wrap_method(OffloadingEventsTracker, "take_events", _wrap_take_events)
@@ -90,9 +89,9 @@ def _fill_extra_keys(meta, req, start: int) -> None:
 
 def _wrap_build(orig):
     def _build_event_metadata(self, req, group_config, chunk_idx):
-        meta = orig(self, req, group_config, chunk_idx)
-        _fill_extra_keys(meta, req, chunk_idx * group_config.tokens_per_chunk)
-        return meta
+        # called by record_store/record_lookup of a self-describing tracker, for whole chunks of
+        # full-attention groups only (they filter the rest out)
+        return _chunk_metadata(req, group_config, chunk_idx)
     return _build_event_metadata
 
 
@@ -103,18 +102,6 @@ def _wrap_partial_tail(orig):
         if meta is not None:
             _fill_extra_keys(meta, req, boundary_tokens - len(meta.token_ids))
     return _record_partial_tail
-
-
-def _wrap_record_store(orig):
-    def record_store(self, req, group_config, chunk_idx, offload_key):
-        if not self.self_describing_enabled or group_config.sliding_window_size_in_chunks is not None:
-            return orig(self, req, group_config, chunk_idx, offload_key)
-        meta = _chunk_metadata(req, group_config, chunk_idx)
-        existing = self._pending_event_metadata.get(offload_key)
-        if existing is not None:
-            meta.active_residencies.update(existing.active_residencies)
-        self._pending_event_metadata[offload_key] = meta
-    return record_store
 
 
 def _chunk_metadata(req, g, chunk_idx: int):
