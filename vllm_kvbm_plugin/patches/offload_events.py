@@ -30,9 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
     _OffloadEventMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 from vllm.v1.core.kv_cache_utils import resolve_block_hashes, to_event_extra_keys
 from vllm.v1.kv_offload.base import Medium
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.patches.wrapping import add_class_default, logger, wrap_method
@@ -122,7 +122,8 @@ def _chunk_metadata(req, g, chunk_idx: int):
         lora_id=lora.adapter_id if lora is not None else None, lora_name=lora.name if lora is not None else None,
         extra_keys=None, group_idx=g.group_idx, kv_cache_spec=g.kv_event_group_spec,
         active_residencies={_PRIMARY})
-    _fill_extra_keys(meta, req, start)
+    if compat.has_extra_keys(req):
+        _fill_extra_keys(meta, req, start)
     return meta
 
 
@@ -199,6 +200,9 @@ def parents_first(stored: list) -> list:
     for i, ev in enumerate(stored):
         if ev.block_hashes:
             by_last[(ev.medium, ev.ownership, ev.group_idx, ev.block_hashes[-1])] = i
+    if all(by_last.get((ev.medium, ev.ownership, ev.group_idx, ev.parent_block_hash), -1) < i
+           for i, ev in enumerate(stored)):
+        return stored  # already parents first (a request's chunks come in order): what emit() gives
     out, done = [], [False] * len(stored)
 
     def emit(i: int) -> None:
