@@ -10,7 +10,11 @@ requests, the same again after a prefix cache reset (tier hits), then half of th
 Disk tiers are left out: their writes finish asynchronously, so their events are not ordered
 deterministically.
 
-    PYTHONHASHSEED=0 python benchmarks/event_digest.py [--requests 60] [--only llama]
+`--native`: the same passes through vLLM's OffloadingConnector with KVBMOffloadingSpec
+(testing.offloading_scheduler, the KV oracle on, our offload_events patch applied): self-describing
+tier events, LineageCachePolicy, a CPU tier that holds everything and one that evicts.
+
+    PYTHONHASHSEED=0 python benchmarks/event_digest.py [--requests 60] [--only llama] [--native]
 """
 
 import argparse
@@ -34,10 +38,31 @@ WORKLOADS = {
 }
 
 
-def digest(geometry: dict, connector: dict, prompts) -> tuple[str, int, int]:
+NATIVE_WORKLOADS = {
+    "native-llama": (LLAMA, {"cpu_bytes_to_use": 1 << 30}),
+    "native-llama-evicting": (LLAMA, {"cpu_bytes_to_use": 24 << 20}),
+    "native-hybrid": (HYBRID, {"cpu_bytes_to_use": 1 << 30}),
+    "native-hybrid-evicting": (HYBRID, {"cpu_bytes_to_use": 48 << 20}),
+}
+
+
+def native_harness(geometry: dict, offloading: dict):
+    """vLLM's OffloadingConnector with KVBMOffloadingSpec, as bench_connector_scheduler.run_native
+    builds it, with the KV oracle checking every load."""
+    from vllm_kvbm_plugin.testing.offloading_scheduler import OffloadingHarness, OffloadingHarnessConfig
+
+    return OffloadingHarness(OffloadingHarnessConfig(
+        max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16, mamba_layers=1,
+        kvbm_spec=True, offloading=offloading, **geometry))
+
+
+def digest(geometry: dict, connector: dict, prompts, native: bool = False) -> tuple[str, int, int]:
     """(sha256 hex of the events and cached tokens, events, tokens served)."""
-    h = SchedulerHarness(HarnessConfig(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16,
-                                       connector=connector, **geometry))
+    if native:
+        h = native_harness(geometry, connector)
+    else:
+        h = SchedulerHarness(HarnessConfig(max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=16,
+                                           connector=connector, **geometry))
     served = 0
     for n, batch in enumerate((prompts, prompts, prompts[: len(prompts) // 2])):
         if n:
@@ -55,6 +80,8 @@ def digest(geometry: dict, connector: dict, prompts) -> tuple[str, int, int]:
             events += 1
         sha.update(b"|")
     sha.update(enc.encode(sorted(h.cached_tokens.items())))
+    if native:
+        h.close()
     return sha.hexdigest(), events, served
 
 
@@ -62,6 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--only", default="", help="only workloads whose name contains this")
+    ap.add_argument("--native", action="store_true", help="vLLM's OffloadingConnector with KVBMOffloadingSpec")
     args = ap.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         raise SystemExit("set PYTHONHASHSEED=0: vLLM's first block hash is random otherwise")
@@ -69,9 +97,9 @@ def main() -> None:
     # per-process secret (the default without disk or remote tier) would make differ run to run
     os.environ.setdefault("KVBM_KEY_SECRET", "6b76626d2d6576656e742d6469676573")
     prompts = workload(args.requests)
-    for name, (geometry, connector) in WORKLOADS.items():
+    for name, (geometry, connector) in (NATIVE_WORKLOADS if args.native else WORKLOADS).items():
         if args.only in name:
-            sha, events, served = digest(geometry, connector, prompts)
+            sha, events, served = digest(geometry, connector, prompts, args.native)
             print(f"{name:18s} {sha}  {events} events, {served} tokens served")
 
 

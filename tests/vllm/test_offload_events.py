@@ -54,3 +54,30 @@ def test_a_chunk_without_payload_names_its_groups_kind():
     out = list(t.take_events([OffloadingEvent(keys=[make_offload_key(digest("s"), 1), make_offload_key(digest("k"), 0)],
                                               medium=Medium.STORAGE, removed=False, ownership="kvbm-disk:x")]))
     assert [(e.group_idx, e.kv_cache_spec_kind, e.block_size) for e in out] == [(1, "mamba", 0), (0, "full_attention", 0)]
+
+
+def test_a_salted_requests_tier_events_carry_what_its_gpu_events_carry():
+    """Through vLLM's OffloadingConnector with KVBMOffloadingSpec (our payload builder and
+    announcer): each CPU-tier block of a salted request names the extra keys (the salt, on its
+    first block) and tokens of the same block's GPU event (~2 s)."""
+    from vllm_kvbm_plugin.events import types as events
+    from vllm_kvbm_plugin.testing.offloading_scheduler import OffloadingHarness, OffloadingHarnessConfig
+
+    h = OffloadingHarness(OffloadingHarnessConfig(hybrid=False, block_size=16, hash_block_size=None,
+                                                  offloading={"cpu_bytes_to_use": 8 << 20}))
+    try:
+        h.add(list(range(100, 260)), max_tokens=2, cache_salt="tenant-a")
+        h.run(timeout=60)
+        h.settle()
+        stored = [e for b in h.batches for e in b.events if isinstance(e, events.BlockStored)]
+    finally:
+        h.close()
+    gpu = {}  # hash -> (extra keys, tokens) of its GPU event
+    for e in stored:
+        if e.medium == "GPU":
+            for i, block in enumerate(e.block_hashes):
+                gpu[block] = (e.extra_keys[i] if e.extra_keys else None, e.token_ids[16 * i: 16 * i + 16])
+    cpu = [e for e in stored if e.medium == "CPU"]
+    assert len(cpu) == 10 and [e.extra_keys for e in cpu if e.extra_keys] == [[["tenant-a"]]]
+    for e in cpu:
+        assert (e.extra_keys[0] if e.extra_keys else None, e.token_ids) == gpu[e.block_hashes[0]]

@@ -7,7 +7,6 @@ request's ReqContext. The parent of a key is the key of the same group that ends
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 
 from vllm_kvbm_plugin import compat
@@ -15,11 +14,31 @@ from vllm_kvbm_plugin import compat
 
 @dataclasses.dataclass
 class _RequestLineage:
-    """Per request (kept in its ReqContext): keys by group, sorted by position; rebuilt when the
-    connector has named more keys since."""
+    """Per request (kept in its ReqContext): each key's parent, rebuilt when the connector has
+    named more keys since (once per step and request, not once per stored chunk)."""
     known: int = 0
-    positions: dict = dataclasses.field(default_factory=dict)  # group -> sorted positions
-    keys: dict = dataclasses.field(default_factory=dict)  # group -> keys in position order
+    parents: dict = dataclasses.field(default_factory=dict)  # key -> parent key or None
+
+
+def _parents(req_context) -> dict:
+    positions = compat.offload_key_positions(req_context)
+    state = req_context.get_state(_RequestLineage)
+    if state is None or state.known != len(positions):
+        by_group: dict = {}
+        for k, p in positions.items():
+            by_group.setdefault(k[-4:], []).append((p, k))
+        parents: dict = {}
+        for items in by_group.values():
+            items.sort()
+            before, last, last_pos = None, None, None
+            for p, k in items:
+                if p != last_pos:  # keys ending at the same position share the parent before them
+                    before, last_pos = last, p
+                parents[k] = before
+                last = k
+        state = _RequestLineage(known=len(positions), parents=parents)
+        req_context.set_state(state)
+    return state.parents
 
 
 def parent_in_request(key: bytes, req_context) -> bytes | None:
@@ -27,21 +46,12 @@ def parent_in_request(key: bytes, req_context) -> bytes | None:
     chunk, or positions unknown)."""
     if req_context is None:
         return None
-    positions = compat.offload_key_positions(req_context)
-    pos = positions.get(key)
-    if pos is None:
-        return None
-    state = req_context.get_state(_RequestLineage)
-    if state is None or state.known != len(positions):
-        state = _RequestLineage(known=len(positions))
-        by_group: dict = {}
-        for k, p in positions.items():
-            by_group.setdefault(k[-4:], []).append((p, k))
-        for g, items in by_group.items():
-            items.sort()
-            state.positions[g] = [p for p, _ in items]
-            state.keys[g] = [k for _, k in items]
-        req_context.set_state(state)
-    group = key[-4:]
-    i = bisect.bisect_left(state.positions[group], pos)
-    return state.keys[group][i - 1] if i > 0 else None
+    return _parents(req_context).get(key)
+
+
+def parents_in_request(keys, req_context) -> dict:
+    """{key: parent_in_request(key)} for each of `keys`, in their order."""
+    if req_context is None:
+        return dict.fromkeys(keys)
+    parents = _parents(req_context)
+    return {key: parents.get(key) for key in keys}

@@ -23,8 +23,11 @@ from collections.abc import Iterable, Sequence
 
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
-from vllm_kvbm_plugin.offloading.lineage import parent_in_request
+from vllm_kvbm_plugin.offloading.lineage import parent_in_request, parents_in_request
 from vllm_kvbm_plugin.tiers.policies import Lineage, MultiLRU, InEither
+
+
+_UNKNOWN = object()  # a key on_store_miss did not name
 
 
 class _PolicyAdapter(CachePolicy):
@@ -36,6 +39,7 @@ class _PolicyAdapter(CachePolicy):
         self._busy: set[bytes] = set()  # ref_cnt != 0: never a victim
         self._parents: dict[bytes, bytes | None] = {}  # of the last store miss's keys
         self.policy = self._new_policy()
+        self.get = self.chunks.get  # vLLM's manager asks per key: no Python frame per call
 
     def _new_policy(self):
         raise NotImplementedError
@@ -45,8 +49,8 @@ class _PolicyAdapter(CachePolicy):
 
     def insert(self, key, chunk: ChunkStatus, req_context=None) -> None:
         # vLLM 0.33 passes the storing request's context; 0.32 does not (on_store_miss told us)
-        parent = self._parents.pop(key, None)
-        if parent is None:
+        parent = self._parents.pop(key, _UNKNOWN)
+        if parent is _UNKNOWN:
             parent = parent_in_request(key, req_context)
         self.chunks[key] = chunk
         if chunk.ref_cnt != 0:
@@ -68,7 +72,7 @@ class _PolicyAdapter(CachePolicy):
 
     def on_store_miss(self, keys: Iterable, req_context=None) -> None:
         """Called by vLLM right before the misses are inserted: note each one's parent."""
-        self._parents = {key: parent_in_request(key, req_context) for key in keys}
+        self._parents = parents_in_request(keys, req_context)
 
     def evict(self, n: int, protected: set):
         if n == 0:

@@ -14,24 +14,38 @@ offloaded chunk with its hashes, parent and tokens, but:
   index) as a bare hash without its group's kind, so a router cannot tell a state from an
   attention block. 0.33 gives these placeholders their group's kind; on 0.32 we do the same.
 
-Inert unless the tracker is self-describing and the request has extra keys (images, LoRA, salt).
+Self-describing events cost the scheduler a payload per stored chunk; vLLM builds it with asserts
+and per-hash conversions (an environment lookup each where the engine has not cached them). With
+a self-describing tracker we build and announce the very same payloads more directly
+(`_build_event_metadata`, `_take_stored_event`): one hash conversion per chunk's list, no re-slicing.
+
+Inert unless the tracker is self-describing (the image keys also need a request with extra keys).
 """
 
 from __future__ import annotations
 
 import msgspec
-from vllm.distributed.kv_events import BlockStored
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import OffloadingEventsTracker
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventsTracker,
+    _OffloadEventMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from vllm.v1.core.kv_cache_utils import resolve_block_hashes, to_event_extra_keys
+from vllm.v1.kv_offload.base import Medium
 
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.patches.wrapping import add_class_default, wrap_method
+from vllm_kvbm_plugin.patches.wrapping import add_class_default, logger, wrap_method
 
 NAME = "offload_events"
+_MEDIUM_NAMES = {Medium.CPU: MEDIUM_CPU, Medium.STORAGE: MEDIUM_STORAGE}
+_PRIMARY = (Medium.CPU, None)  # the residency vLLM gives a freshly stored chunk
 
 
 def apply() -> bool:
     changed = wrap_method(OffloadingEventsTracker, "_build_event_metadata", _wrap_build)
+    changed |= add_class_default(OffloadingEventsTracker, "_kvbm_convert", None)
+    changed |= wrap_method(OffloadingEventsTracker, "_take_stored_event", _wrap_take_stored)
     changed |= wrap_method(OffloadingEventsTracker, "_record_partial_tail", _wrap_partial_tail)
     changed |= wrap_method(OffloadingEventsTracker, "take_events", _wrap_take_events)
     if not compat.offloading_placeholders_have_kind():
@@ -75,9 +89,9 @@ def _fill_extra_keys(meta, req, start: int) -> None:
 
 def _wrap_build(orig):
     def _build_event_metadata(self, req, group_config, chunk_idx):
-        meta = orig(self, req, group_config, chunk_idx)
-        _fill_extra_keys(meta, req, chunk_idx * group_config.tokens_per_chunk)
-        return meta
+        # called by record_store/record_lookup of a self-describing tracker, for whole chunks of
+        # full-attention groups only (they filter the rest out)
+        return _chunk_metadata(req, group_config, chunk_idx)
     return _build_event_metadata
 
 
@@ -90,8 +104,80 @@ def _wrap_partial_tail(orig):
     return _record_partial_tail
 
 
+def _chunk_metadata(req, g, chunk_idx: int):
+    """vLLM's `_build_event_metadata` payload of one whole chunk (its hashes at block size, the
+    hash before it as parent, its tokens), built without its checks, with our image keys."""
+    per_chunk, tokens = g.hashes_per_chunk, g.tokens_per_chunk
+    first = chunk_idx * per_chunk
+    hashes = req.block_hashes
+    chunk_hashes = hashes[first: first + per_chunk]
+    per_hash = tokens // per_chunk
+    if per_hash != g.tokens_per_block:
+        chunk_hashes = resolve_block_hashes(chunk_hashes, per_hash, g.tokens_per_block)
+    start = chunk_idx * tokens
+    lora = req.lora_request
+    meta = _OffloadEventMetadata(
+        block_hashes=tuple(chunk_hashes), parent_block_hash=hashes[first - 1] if first else None,
+        token_ids=tuple(req.all_token_ids[start: start + tokens]), block_size=g.tokens_per_block,
+        lora_id=lora.adapter_id if lora is not None else None, lora_name=lora.name if lora is not None else None,
+        extra_keys=None, group_idx=g.group_idx, kv_cache_spec=g.kv_event_group_spec,
+        active_residencies={_PRIMARY})
+    if compat.has_extra_keys(req):
+        _fill_extra_keys(meta, req, start)
+    return meta
+
+
+_warned_no_payload = False
+
+
+def _wrap_take_stored(orig):
+    def _take_stored_event(self, event):
+        if not self.self_describing_enabled:
+            return orig(self, event)
+        return _self_describing_stored(self, event)
+    return _take_stored_event
+
+
+def _self_describing_stored(tracker, event) -> list:
+    """vLLM's BlockStored of each key of a store event, its hashes converted a list at a time."""
+    global _warned_no_payload
+    convert = tracker._kvbm_convert
+    if convert is None:
+        convert = tracker._kvbm_convert = compat.event_hash_converter()
+    pending = tracker._pending_event_metadata
+    locality = event.locality.value if event.locality is not None else None
+    medium, ownership = event.medium, event.ownership
+    medium_name = _MEDIUM_NAMES[medium]
+    out = []
+    for key in event.keys:
+        meta = pending.get(key)
+        if meta is None:
+            if not _warned_no_payload:
+                _warned_no_payload = True
+                logger.warning("OffloadingEventsTracker: no payload for a stored chunk (a state group's, or a "
+                               "tier hit not seen by the primary tier): announced as a bare hash")
+            out.append(tracker._placeholder_stored(key, medium, locality, ownership))
+            continue
+        if event.removal_expected:
+            meta.active_residencies.add((medium, ownership))
+        parent = meta.parent_block_hash
+        spec = meta.kv_cache_spec
+        out.append(BlockStored(
+            block_hashes=convert(meta.block_hashes),
+            parent_block_hash=convert((parent,))[0] if parent is not None else None,
+            token_ids=list(meta.token_ids), block_size=meta.block_size, lora_id=meta.lora_id,
+            medium=medium_name, lora_name=meta.lora_name,
+            extra_keys=to_event_extra_keys(meta.extra_keys) if meta.extra_keys else None,
+            group_idx=meta.group_idx, kv_cache_spec_kind=spec.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=spec.kv_cache_spec_sliding_window,
+            locality=locality, ownership=ownership))
+    return out
+
+
 def _wrap_take_events(orig):
     def take_events(self, events):
+        if not self.self_describing_enabled:  # placeholders name no parent: nothing to reorder
+            return orig(self, events)
         out, run = [], []
         for ev in orig(self, events):
             if isinstance(ev, BlockStored):
@@ -114,6 +200,9 @@ def parents_first(stored: list) -> list:
     for i, ev in enumerate(stored):
         if ev.block_hashes:
             by_last[(ev.medium, ev.ownership, ev.group_idx, ev.block_hashes[-1])] = i
+    if all(by_last.get((ev.medium, ev.ownership, ev.group_idx, ev.parent_block_hash), -1) < i
+           for i, ev in enumerate(stored)):
+        return stored  # already parents first (a request's chunks come in order): what emit() gives
     out, done = [], [False] * len(stored)
 
     def emit(i: int) -> None:

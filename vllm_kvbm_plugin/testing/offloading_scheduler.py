@@ -55,6 +55,14 @@ class OffloadingHarness(SchedulerHarness):
 
     cfg: OffloadingHarnessConfig
 
+    def __init__(self, cfg: OffloadingHarnessConfig):
+        # what the plugin applies in every engine process: our patch of vLLM's offloading events
+        # (inert for vLLM's own spec), so benchmarks time what users run
+        from vllm_kvbm_plugin.patches import offload_events
+
+        offload_events.apply()
+        super().__init__(cfg)
+
     def _kv_transfer_config(self) -> KVTransferConfig:
         extra = dict(self.cfg.offloading)
         if self.cfg.kvbm_spec:
