@@ -37,6 +37,7 @@ import os
 import time
 
 import vllm
+import vllm.envs
 
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 
@@ -56,8 +57,9 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 def timed_scheduler(sched) -> list:
     """Times the scheduler's two calls into the returned [CPU seconds, steps, of which in the
     connector's own hooks] (the caller counts steps); events are sent, not kept, as vLLM's
-    publisher does; startup's objects are frozen, as vLLM's engine core does, so collections skip
-    them.
+    publisher does; startup's objects are frozen and vLLM's environment cached, as vLLM's engine
+    core does after startup (collections skip those objects; without the cache every event-hash
+    conversion reads the environment).
 
     The hooks' own time is the connector's cost as a GPU engine would see it: the rest of what a
     connector run adds is vLLM's own code running with cold caches, because the simulated
@@ -68,6 +70,7 @@ def timed_scheduler(sched) -> list:
     sched.kv_event_publisher.publish = lambda batch: None
     gc.collect()
     gc.freeze()
+    vllm.envs.enable_envs_cache()  # as the engine core after startup: vLLM's hash conversions read no env
 
     def timed(f):
         def call(*args, **kwargs):
