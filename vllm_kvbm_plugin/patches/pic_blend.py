@@ -58,7 +58,59 @@ class BlendPlan:
     last_layer: int = -1  # the layer after which the kept rows go back into the step's rows
 
     def gather(self, attn, positions, dtype) -> None:
-        _gather(self, attn, positions, dtype)
+        """Kept rows (every row but the unselected reused ones; each request's last row always) and the
+        CPU attention metadata over them for the layers after the selection: each maximal run of kept
+        rows a request of its own (causal over the tokens before it), the request's block table row."""
+        from vllm import _custom_ops as ops
+        from vllm import envs
+        from vllm.forward_context import get_forward_context
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        ctx = get_forward_context()
+        metas = ctx.attn_metadata
+        meta = metas[attn.layer_name]
+        n = positions.shape[0]
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[self.rows[~self.keep]] = False
+        qsl = meta.query_start_loc.long().cpu()
+        keep[qsl[1:] - 1] = True
+        kept = keep.nonzero().squeeze(1)
+        pos = positions[kept].long().cpu()
+        req = torch.searchsorted(qsl, kept, right=True) - 1
+        # a new segment where the request changes or rows / positions stop being consecutive
+        brk = torch.ones(len(kept), dtype=torch.bool)
+        brk[1:] = (req[1:] != req[:-1]) | (kept[1:] != kept[:-1] + 1) | (pos[1:] != pos[:-1] + 1)
+        starts = brk.nonzero().squeeze(1)
+        ends = torch.cat([starts[1:], torch.tensor([len(kept)])])
+        seg_qsl = torch.cat([starts, torch.tensor([len(kept)])]).to(meta.query_start_loc.dtype)
+        seg_lens = (pos[ends - 1] + 1).to(meta.seq_lens.dtype)
+        seg_req = req[starts]
+        impl = attn.impl
+        sched = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(starts), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+            head_dim=impl.head_size, seq_lens=seg_lens, dtype=dtype, query_start_loc=seg_qsl, causal=True,
+            sliding_window_size=-1, isa=attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=None, kv_cache_dtype=impl.kv_cache_dtype)
+        after = dataclasses.replace(meta, num_actual_tokens=len(kept), max_query_len=int((ends - starts).max()),
+                                    query_start_loc=seg_qsl, max_seq_len=int(seg_lens.max()), seq_lens=seg_lens,
+                                    block_table=meta.block_table[seg_req], slot_mapping=meta.slot_mapping[kept],
+                                    scheduler_metadata=sched)
+        for k in list(metas):  # one KV cache group (the planner's condition): every layer's metadata
+            if extract_layer_index(k) > SELECTION_LAYER:
+                metas[k] = after
+        # and the slots vLLM writes each later layer's K/V to (unified_kv_cache_update reads them from
+        # the forward context, not from the metadata): the kept rows' own
+        mappings, picked = ctx.slot_mapping, {}
+        for k in list(mappings):
+            if extract_layer_index(k) > SELECTION_LAYER:
+                m = mappings[k]
+                if id(m) not in picked:
+                    picked[id(m)] = m[kept.to(m.device)]
+                mappings[k] = picked[id(m)]
+        self.last_layer = max(extract_layer_index(k) for k in metas)
+        self.num_rows, self.kept = n, kept
+        STATS["gathered"] = STATS.get("gathered", 0) + len(kept)
+        STATS["rows"] = STATS.get("rows", 0) + n
 
     def _find_rows(self, slot_mapping: torch.Tensor, layer_name: str) -> None:
         """The batch rows whose cache slot is a loaded one (the scheduler loads only the tokens a
@@ -248,60 +300,3 @@ def _wrap_layer(orig):
         return out, res
 
     return forward
-
-
-def _gather(self, attn, positions, dtype) -> None:
-    """Kept rows (every row but the unselected reused ones; each request's last row always) and the
-    CPU attention metadata over them for the layers after the selection: each maximal run of kept
-    rows a request of its own (causal over the tokens before it), the request's block table row."""
-    from vllm import _custom_ops as ops
-    from vllm import envs
-    from vllm.forward_context import get_forward_context
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    ctx = get_forward_context()
-    metas = ctx.attn_metadata
-    meta = metas[attn.layer_name]
-    n = positions.shape[0]
-    keep = torch.ones(n, dtype=torch.bool)
-    keep[self.rows[~self.keep]] = False
-    qsl = meta.query_start_loc.long().cpu()
-    keep[qsl[1:] - 1] = True
-    kept = keep.nonzero().squeeze(1)
-    pos = positions[kept].long().cpu()
-    req = torch.searchsorted(qsl, kept, right=True) - 1
-    # a new segment where the request changes or rows / positions stop being consecutive
-    brk = torch.ones(len(kept), dtype=torch.bool)
-    brk[1:] = (req[1:] != req[:-1]) | (kept[1:] != kept[:-1] + 1) | (pos[1:] != pos[:-1] + 1)
-    starts = brk.nonzero().squeeze(1)
-    ends = torch.cat([starts[1:], torch.tensor([len(kept)])])
-    seg_qsl = torch.cat([starts, torch.tensor([len(kept)])]).to(meta.query_start_loc.dtype)
-    seg_lens = (pos[ends - 1] + 1).to(meta.seq_lens.dtype)
-    seg_req = req[starts]
-    impl = attn.impl
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(starts), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
-        head_dim=impl.head_size, seq_lens=seg_lens, dtype=dtype, query_start_loc=seg_qsl, causal=True,
-        sliding_window_size=-1, isa=attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=None, kv_cache_dtype=impl.kv_cache_dtype)
-    after = dataclasses.replace(meta, num_actual_tokens=len(kept), max_query_len=int((ends - starts).max()),
-                                query_start_loc=seg_qsl, max_seq_len=int(seg_lens.max()), seq_lens=seg_lens,
-                                block_table=meta.block_table[seg_req], slot_mapping=meta.slot_mapping[kept],
-                                scheduler_metadata=sched)
-    for k in list(metas):  # one KV cache group (the planner's condition): every layer's metadata
-        if extract_layer_index(k) > SELECTION_LAYER:
-            metas[k] = after
-    # and the slots vLLM writes each later layer's K/V to (unified_kv_cache_update reads them from
-    # the forward context, not from the metadata): the kept rows' own
-    mappings, picked = ctx.slot_mapping, {}
-    for k in list(mappings):
-        if extract_layer_index(k) > SELECTION_LAYER:
-            m = mappings[k]
-            if id(m) not in picked:
-                picked[id(m)] = m[kept.to(m.device)]
-            mappings[k] = picked[id(m)]
-    self.last_layer = max(extract_layer_index(k) for k in metas)
-    self.num_rows, self.kept = n, kept
-    STATS["gathered"] = STATS.get("gathered", 0) + len(kept)
-    STATS["rows"] = STATS.get("rows", 0) + n
-
