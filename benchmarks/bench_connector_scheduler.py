@@ -11,7 +11,10 @@ OpenMP pool) ran during the timed calls, and process CPU time billed them to the
 of the store pass's "overhead" up to session 21); the connector's scheduler side runs no thread of
 its own. Also printed: the connector's own hooks' time (`timed_scheduler` says why that is the
 figure a GPU engine would see), and with `--native` the same for a connector that does nothing
-(null_connector.py: vLLM's own cost of having one) and vLLM's OffloadingConnector. Two passes over
+(null_connector.py: vLLM's own cost of having one) and vLLM's OffloadingConnector, and the "wire":
+what the connector adds to the messages between the engine core and the workers (its metadata,
+the workers' output), as the engine core's CPU to pickle and unpickle them and their bytes, the
+part of the engine's critical path a single process does not show. Two passes over
 the same requests:
 
 - store: every prompt computed and offloaded (no tier hits): the connector's bookkeeping alone,
@@ -34,6 +37,7 @@ Nemotron-like hybrid (a Mamba group and an attention group, block 2176, hash uni
 import argparse
 import gc
 import os
+import pickle
 import time
 
 import vllm
@@ -56,7 +60,8 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 
 def timed_scheduler(sched) -> list:
     """Times the scheduler's two calls into the returned [CPU seconds, steps, of which in the
-    connector's own hooks] (the caller counts steps); events are sent, not kept, as vLLM's
+    connector's own hooks, what crossed processes] (the caller counts steps; `wire` prices the
+    last); events are sent, not kept, as vLLM's
     publisher does; startup's objects are frozen and vLLM's environment cached, as vLLM's engine
     core does after startup (collections skip those objects; without the cache every event-hash
     conversion reads the environment).
@@ -66,7 +71,7 @@ def timed_scheduler(sched) -> list:
     workers' copies and forward sweep memory between the steps in this process (sweeping 64 MiB
     between the steps of the no-connector run makes its hybrid store pass 63 -> 110 ms); on a GPU
     the copies are DMA and the forward runs on the device."""
-    spent = [0.0, 0, 0.0]
+    spent = [0.0, 0, 0.0, []]
     sched.kv_event_publisher.publish = lambda batch: None
     gc.collect()
     gc.freeze()
@@ -85,19 +90,45 @@ def timed_scheduler(sched) -> list:
     for name in HOOKS if sched.connector is not None else ():
         if hasattr(sched.connector, name):
             setattr(sched.connector, name, timed(getattr(sched.connector, name), 2))
+    if sched.connector is not None:  # the metadata sent to the workers, and what they send back
+        for name in ("build_connector_meta", "update_connector_output"):
+            hook = getattr(sched.connector, name)
+            setattr(sched.connector, name, lambda arg, _hook=hook, _name=name: crossed(_hook, arg, _name, spent[3]))
     return spent
 
 
-def timed_pass(h, spent: list, prompts) -> tuple[tuple[float, int, float], int]:
+def crossed(hook, arg, name: str, into: list):
+    """hook(arg), keeping what crosses processes as (received, object): the metadata it returns
+    (sent to the workers), the workers' output it gets."""
+    out = hook(arg)
+    into.append((False, out) if name == "build_connector_meta" else (True, arg))
+    return out
+
+
+def wire(crossings: list) -> tuple[float, int]:
+    """(the engine core's CPU seconds, bytes) of a pass's crossings: vLLM pickles the scheduler
+    output (the connector's metadata in it) in the engine core, which unpickles every worker's
+    output (KVConnectorOutput). Timed after the pass, each object alone."""
+    seconds, size = 0.0, 0
+    for received, obj in crossings:
+        blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        t0 = time.thread_time()
+        pickle.loads(blob) if received else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        seconds += time.thread_time() - t0
+        size += len(blob)
+    return seconds, size
+
+
+def timed_pass(h, spent: list, prompts) -> tuple[tuple[float, int, float, float, int], int]:
     """One pass of `prompts` (2 tokens each) through harness `h` to the end: ((CPU seconds, steps,
-    of which in the connector's hooks),
-    tokens served by the prefix cache and tiers)."""
-    spent[:] = [0.0, 0, 0.0]
+    of which in the connector's hooks, the engine core's CPU seconds and bytes for what crossed
+    processes), tokens served by the prefix cache and tiers)."""
+    spent[:] = [0.0, 0, 0.0, []]
     ids = [h.add(p, max_tokens=2) for p in prompts]
     while h.scheduler.has_unfinished_requests():
         h.step()
         spent[1] += 1
-    return tuple(spent), sum(h.cached_tokens[r] for r in ids)
+    return (*spent[:3], *wire(spent[3])), sum(h.cached_tokens[r] for r in ids)
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:
@@ -234,9 +265,10 @@ def native_table(prompts, reps: int, only: str = "") -> None:
                   f"connector's own hooks, (none + hooks) / none):")
             for stack, rs in runs.items():
                 best_s, steps, hooks = min(r[p][0] for r in rs), rs[0][p][1], min(r[p][2] for r in rs)
+                wire_s, wire_bytes = min(r[p][3] for r in rs), rs[0][p][4]
                 print(f"  {stack:40s} {best_s * 1e3:8.0f} ms {steps:5d} steps {best_s * 1e3 / steps:7.2f} ms/step "
                       f"{best_s / none:6.2f}x  hooks {hooks * 1e3:5.0f} ms {(none + hooks) / none:5.2f}x  "
-                      f"served {rs[0][f'{p}_served']}")
+                      f"wire {wire_s * 1e3:4.0f} ms {wire_bytes / 2**20:5.1f} MiB  served {rs[0][f'{p}_served']}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import tempfile
 import torch
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import Load
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
 
@@ -57,7 +56,7 @@ def main() -> None:
     # real bytes: reading never-written memory reads the kernel's shared zero page, from cache
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
-    ops = [Load(KV, (b,), s) for b, s in zip(ids, slots)]
+    ops = [(KV, (b,), s) for b, s in zip(ids, slots)]
     w._copy(ops, to_pool=True)  # compile / warm
     w._copy(ops, to_pool=False)
     t_plain, t_save, t_load = interleaved(args.rounds, lambda: dst.copy_(src),

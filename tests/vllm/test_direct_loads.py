@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import DirectLoad, KVBMMetadata, Load, Op, Report
+from vllm_kvbm_plugin.connector.metadata import DirectLoad, KVBMMetadata, Op, Report
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
 
@@ -17,7 +17,7 @@ def test_direct_load_reads_the_verified_file_into_the_block(tmp_path):
     # slots longer than an entry, as when a hybrid model's state entries are the larger kind
     w, buf = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, extra_slot_bytes=64, disk_path=str(tmp_path))
     key = (7, 9)
-    w._copy([Load(KV, (3,), 0)], to_pool=True)  # block 3 -> slot 0 -> a block file
+    w._copy([(KV, (3,), 0)], to_pool=True)  # block 3 -> slot 0 -> a block file
     path = disk.block_path(w.disk_base, key)
     disk.write_block(path, key, w.fingerprint, w.pool[0].numpy())
     buf[:, 5].zero_()

@@ -9,7 +9,7 @@ import time
 from vllm_kvbm_plugin.connector.announce import NOTHING
 from vllm_kvbm_plugin.connector.disk_tier import DiskTier
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import DiskWrite, KVBMMetadata, Load, Op
+from vllm_kvbm_plugin.connector.metadata import DiskWrite, KVBMMetadata, Op
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
 
@@ -32,7 +32,7 @@ def write(w, key) -> tuple[bool, tuple]:
 def test_worker_disk_writes_resume_after_a_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(disk, "WRITE_PAUSE_S", PAUSE, raising=False)
     w, _ = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_path=str(tmp_path))
-    w._copy([Load(KV, (3,), 0)], to_pool=True)
+    w._copy([(KV, (3,), 0)], to_pool=True)
     base = w.disk_base
     os.rename(base, base + ".away")
     open(base, "w").close()  # the tier directory replaced by a file: every write fails, even as root

@@ -89,6 +89,14 @@ class TierManager:
     def complete_load(self, key) -> None:
         self.index.unpin(key)
 
+    def prepare_loads(self, keys) -> None:
+        """prepare_load() of each of `keys` (ready entries): a hit's entries in one call."""
+        self.index.pin_all(keys)
+
+    def complete_loads(self, keys) -> None:
+        """complete_load() of each of `keys`."""
+        self.index.unpin_all(keys)
+
     def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
         """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no
         room. Its parent stays pinned until complete_store."""

@@ -2,13 +2,16 @@
 
 Named tuples of ints, one list per kind of operation: SchedulerOutput is pickled to the workers
 (vLLM's choice); nothing here defines a format of our own. An entry of a `kind` (layout.EntryKind)
-spans the groups of that kind: `block_ids` holds one block id per group.
+spans the groups of that kind: one block id per group. The copies between KV blocks and CPU slots,
+one per block, are columns of ints (`Copies`), not a tuple per block: the engine core pickles
+them every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,19 +25,36 @@ from vllm_kvbm_plugin.connector.layout import EntryKind
 Key = tuple[int, int]
 
 
-class Load(NamedTuple):
-    """CPU slot -> KV blocks, before the forward."""
+class Copies(NamedTuple):
+    """A step's copies of one entry kind between KV blocks and CPU slots: entry i is the blocks
+    block_ids[g][i] of the kind's groups g and the slot slots[i]. Loads (slot -> blocks) run
+    before the forward, stores (blocks -> slot) after it."""
     kind: EntryKind
-    block_ids: tuple[int, ...]
-    slot: int
+    block_ids: tuple[list[int], ...]  # one column per group of the kind
+    slots: list[int]
+
+    def add(self, ids: tuple[int, ...], slot: int) -> None:
+        for column, i in zip(self.block_ids, ids):
+            column.append(i)
+        self.slots.append(slot)
 
 
-class Store(NamedTuple):
-    """KV blocks -> CPU slot, after the forward."""
-    key: Key
-    kind: EntryKind
-    block_ids: tuple[int, ...]
-    slot: int
+def copies(table: dict, kind: EntryKind, groups: int) -> Copies:
+    """The Copies of `kind` in `table` (KVBMMetadata.loads or .stores), empty at first."""
+    c = table.get(kind)
+    if c is None:
+        c = table[kind] = Copies(kind, tuple([] for _ in range(groups)), [])
+    return c
+
+
+def copy_ops(table: dict):
+    """The (kind, block id per group, slot) of every entry of `table`: TransferEngine.submit's ops."""
+    return itertools.chain.from_iterable(zip(itertools.repeat(c.kind), zip(*c.block_ids), c.slots)
+                                         for c in table.values())
+
+
+def copy_count(table: dict) -> int:
+    return sum(len(c.slots) for c in table.values())
 
 
 class Prefetch(NamedTuple):
@@ -92,14 +112,17 @@ class KVBMMetadata(KVConnectorMetadata):
     # direct loads, position-independent loads, closes; wait_for_save runs stores, then queues the disk writes.
     opens: list[Key] = dataclasses.field(default_factory=list)
     prefetches: list[Prefetch] = dataclasses.field(default_factory=list)
-    loads: list[Load] = dataclasses.field(default_factory=list)
+    loads: dict[EntryKind, Copies] = dataclasses.field(default_factory=dict)
     direct_loads: list[DirectLoad] = dataclasses.field(default_factory=list)
     pic_loads: list[PicLoad] = dataclasses.field(default_factory=list)
     # req id -> (its tokens after the step, ((start, count), ...) computed): loaded runs between
     # them (patches/pic_segments.py computes them in one forward)
     pic_queries: dict = dataclasses.field(default_factory=dict)
     closes: list[Key] = dataclasses.field(default_factory=list)
-    stores: list[Store] = dataclasses.field(default_factory=list)
+    # the stores succeed or fail together: reported once, Report(Op.STORE, store_batch, ok); the
+    # scheduler side keeps their keys
+    stores: dict[EntryKind, Copies] = dataclasses.field(default_factory=dict)
+    store_batch: int = 0
     disk_writes: list[DiskWrite] = dataclasses.field(default_factory=list)
     # queued to the remote thread: fetches in start_load_kv, writes in wait_for_save
     remote_fetches: list[RemoteFetch] = dataclasses.field(default_factory=list)
@@ -127,11 +150,12 @@ class Op(enum.Enum):
 
 
 class Report(NamedTuple):
-    """Whether one worker's operation on one key succeeded: made by WorkerSide (worker process),
-    carried in KVBMWorkerMetadata, counted by the scheduler side's Quorum."""
+    """Whether one worker's operation on one key (on one step's stores: Op.STORE) succeeded: made
+    by WorkerSide (worker process), carried in KVBMWorkerMetadata, counted by the scheduler side's
+    Quorum."""
 
     op: Op  # or another tier's operation (a base.TierOp); op.tier settles it
-    key: Key
+    key: Key | int  # Op.STORE: the step's KVBMMetadata.store_batch
     ok: bool
 
 

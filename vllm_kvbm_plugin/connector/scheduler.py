@@ -25,6 +25,7 @@ A block that X ends inside is stored as a partial KV entry under the key of X. S
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
@@ -37,10 +38,9 @@ from vllm_kvbm_plugin.connector.metadata import (
     DirectLoad,
     KVBMMetadata,
     KVBMWorkerMetadata,
-    Load,
     Op,
     Quorum,
-    Store,
+    copies,
 )
 from vllm_kvbm_plugin.connector.pic_planner import PicPlanner
 from vllm_kvbm_plugin.connector.remote_tier import RemoteTier
@@ -87,7 +87,7 @@ def unit_keys(st: RequestKeys, n_units: int, unit: int, root, pool, keyer: Keyer
     return st.unit_keys
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Need:
     """One tier entry a hit needs: where it goes in the request's blocks."""
     key: tuple
@@ -129,6 +129,9 @@ class SchedulerSide:
         self.claims: dict[str, _Claim] = {}
         self.state_loads: dict[str, tuple[int, object]] = {}  # req id -> (hit tokens, source): see _load_state
         self.meta = KVBMMetadata()
+        self.store_keys: list = []  # the keys of this step's stores (meta.stores), in order
+        self.store_batches: dict[int, list] = {}  # store_batch -> its keys, until the workers report it
+        self.batch_numbers = itertools.count(1)
         self.loads_pinned: list = []
         self.kv_cache_manager = None  # bound later (block ids of the requests)
         # numba loads the key kernels from its cache at their first call (~0.7 s here): at startup,
@@ -246,12 +249,12 @@ class SchedulerSide:
         if plan is None:
             return 0, False
         tokens, needs = plan
-        for n in needs:  # nothing may evict a claimed entry or close its file before its load has run
-            if cpu.lookup(n.key):
-                cpu.prepare_load(n.key)
-            else:
+        # nothing may evict a claimed entry or close its file before its load has run
+        for n in needs if self._direct else ():
+            if not cpu.lookup(n.key):
                 n.direct = True
                 next(t for t in self._direct if t.ready_direct(n.key)).hold(n.key, request.request_id)
+        cpu.prepare_loads([n.key for n in needs if not n.direct])
         self.claims[request.request_id] = _Claim(num_computed_tokens, tokens - num_computed_tokens, needs)
         return tokens - num_computed_tokens, False
 
@@ -374,23 +377,34 @@ class SchedulerSide:
             num_external_tokens = 0
         end = claim.computed + max(num_external_tokens, 0)
         block_ids = blocks.get_block_ids()
+        kv_ids = [block_ids[g] for g in self.layout.groups[KV]]
+        B, entries = self.block_size, self.primary.index.entries
+        unwanted, loaded, state = [], [], []  # CPU entries: keys not loaded, KV needs loaded, the state's key
         for n in claim.needs:
-            if n.kind == STATE:
+            if n.kind is STATE:
                 wanted = num_external_tokens > 0
             else:  # a whole block, or the partial block a hybrid hit ends inside
-                wanted = n.index * self.block_size < end or (hybrid and num_external_tokens > 0)
+                wanted = n.index * B < end or (hybrid and num_external_tokens > 0)
             if not wanted:
                 if not n.direct:
-                    self.primary.complete_load(n.key)
-                continue
-            if not n.direct:
-                self.primary.touch(n.key)
-                self.loads_pinned.append(n.key)  # unpinned once the metadata is built
-            source = n.key if n.direct else self.primary.slot(n.key)  # a held file stays open until then
-            if n.kind == STATE:
-                self.state_loads[request.request_id] = (n.index, (n.direct, source))
+                    unwanted.append(n.key)
+            elif n.kind is STATE:  # from a held file (open until the metadata is built) or a slot
+                self.state_loads[request.request_id] = (n.index, (n.direct, n.key if n.direct else entries[n.key].slot))
+                if not n.direct:
+                    state.append(n.key)
+            elif n.direct:
+                self.meta.direct_loads.append(DirectLoad(KV, tuple(ids[n.index] for ids in kv_ids), n.key))
             else:
-                self._add_load(KV, tuple(block_ids[g][n.index] for g in self.layout.groups[KV]), n.direct, source)
+                loaded.append(n)
+        if loaded:
+            loads = copies(self.meta.loads, KV, len(kv_ids))
+            for column, ids in zip(loads.block_ids, kv_ids):
+                column += [ids[n.index] for n in loaded]
+            loads.slots.extend([entries[n.key].slot for n in loaded])
+        loaded = [n.key for n in loaded] + state  # the needs' order: the state comes last
+        self.primary.complete_loads(unwanted)
+        self.primary.touch_all(loaded)
+        self.loads_pinned += loaded  # unpinned once the metadata is built
         for t in self.lower:  # the files this request held open stay open only for the loads just planned
             t.release(request.request_id)
 
@@ -398,7 +412,7 @@ class SchedulerSide:
         if direct:
             self.meta.direct_loads.append(DirectLoad(kind, ids, source))
         else:
-            self.meta.loads.append(Load(kind, ids, source))
+            copies(self.meta.loads, kind, len(ids)).add(ids, source)
 
     def _load_state(self, req_id: str, scheduled: int) -> None:
         """Load a hit's recurrent state into the block vLLM reads it from, (X-1)//B, and into the
@@ -443,8 +457,7 @@ class SchedulerSide:
             scheduled = self._pic_step(req_id, cached.num_computed_tokens[i], scheduled,
                                        scheduler_output)  # later chunks of a prefill
             self._store(req_id, cached.num_computed_tokens[i] + scheduled, scheduler_output)
-        for k in self.loads_pinned:
-            self.primary.complete_load(k)
+        self.primary.complete_loads(self.loads_pinned)
         self.loads_pinned = []
         for req_id in list(self.claims):  # claimed, but vLLM could not allocate: no load
             self._release_claim(req_id)
@@ -453,6 +466,9 @@ class SchedulerSide:
             self.pic.ensure_loads_before_forward(scheduler_output, self.meta)
         self.state_loads.clear()
         meta, self.meta = self.meta, KVBMMetadata()
+        if meta.stores:
+            meta.store_batch = next(self.batch_numbers)
+            self.store_batches[meta.store_batch], self.store_keys = self.store_keys, []
         for t in self.tiers:
             t.on_schedule_end(meta)
         return meta
@@ -521,18 +537,18 @@ class SchedulerSide:
         return first + n
 
     def _planned_stores(self, st: RequestKeys, first: int, keys: list, made: list, parent, announcers: list) -> None:
-        """The Store operations (and pic index entries, write-throughs) of the blocks first, ...
+        """The stores (and pic index entries, write-throughs) of the blocks first, ...
         whose CPU entries `made` were just reserved under `keys`."""
         req = st.request
         block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         groups = self.layout.groups[KV]
-        blocks = range(first, first + len(made))
-        if len(groups) == 1:
-            ids = block_ids[groups[0]]
-            self.meta.stores += [Store(k, KV, (ids[b],), e.slot) for k, b, e in zip(keys, blocks, made)]
-        else:
-            self.meta.stores += [Store(k, KV, tuple(block_ids[g][b] for g in groups), e.slot)
-                                 for k, b, e in zip(keys, blocks, made)]
+        n = len(made)
+        stores = copies(self.meta.stores, KV, len(groups))
+        for column, g in zip(stores.block_ids, groups):
+            column += block_ids[g][first : first + n]
+        stores.slots.extend([e.slot for e in made])
+        self.store_keys += keys[:n] if len(keys) != n else keys
+        blocks = range(first, first + n)
         pic = self.pic if self.pic is not None and self.pic.indexing else None
         if pic is None and not self.lower:
             return
@@ -589,7 +605,8 @@ class SchedulerSide:
                 entry = self.primary.prepare_store(k, parent, announce)
                 if entry is None:
                     return
-                self.meta.stores.append(Store(k, kind, ids, entry.slot))
+                copies(self.meta.stores, kind, len(ids)).add(ids, entry.slot)
+                self.store_keys.append(k)
             else:
                 self.primary.touch(k)
             self._write_through(k, parent, x, announce)
@@ -612,29 +629,25 @@ class SchedulerSide:
         if not wm:
             return
         cpu, by_label, quorum = self.primary, self._by_label, self.quorum
-        write, fetch, cpu_store = Verb.WRITE, Verb.FETCH, Op.STORE
-        alone = quorum.world == 1  # one worker: its report decides (Quorum.add), no count to keep
-        landed: list = []  # consecutive CPU stores that landed: settled in one call, in order
         for report in wm.reports:
             op, key, ok = report
-            if not alone:
-                ok = quorum.add(report)
-                if ok is None:
-                    continue  # other workers have yet to report
-            if op is cpu_store and ok:
-                landed.append(key)
+            ok = quorum.add(report)
+            if ok is None:
+                continue  # other workers have yet to report
+            if op is Op.STORE:  # a step's stores, settled in one call in the order they were made
+                keys = self.store_batches.pop(key, ())
+                if ok:
+                    cpu.complete_stores(keys)
+                else:
+                    for k in keys:
+                        cpu.complete_store(k, False)
                 continue
             verb = op.verb
-            if landed:
-                cpu.complete_stores(landed)
-                landed = []
-            if verb is write:
+            if verb is Verb.WRITE:
                 cpu.complete_load(key)  # the write's source slot
             by_label[op.tier].settle(op, key, ok)
-            if verb is fetch:
+            if verb is Verb.FETCH:
                 cpu.settle(op, key, ok)  # the slot it was read into
-        if landed:
-            cpu.complete_stores(landed)
         for label in wm.broken:
             tier = by_label.get(label)
             if tier is not None:

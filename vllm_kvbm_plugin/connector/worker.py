@@ -20,7 +20,7 @@ import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout, tensor_fingerprint
-from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata, Load, Op, Report
+from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata, Op, Report, copy_count, copy_ops
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -134,7 +134,7 @@ class WorkerSide:
                     ", ".join(f"{d} {v / 2**30:.2f} GiB/s" for d, v in self.peaks.items()))
 
     # ---- copies ----------------------------------------------------------------------------
-    def _copy(self, ops: list[Load], to_pool: bool) -> None:
+    def _copy(self, ops: list, to_pool: bool) -> None:
         """Copy (kind, block id per group, slot) ops and wait for them (tests, benchmarks)."""
         self.copies.submit(ops, to_pool)
         self.copies.wait()
@@ -146,10 +146,10 @@ class WorkerSide:
             entry = self._jobs.pop(job, None)
             if entry is None:
                 continue  # a _copy
-            direction, blocks, keys, writes = entry
+            direction, blocks, batch, writes = entry
             self._record("cpu", direction, blocks, time.perf_counter() - seconds)
-            for key in keys:
-                self._report(Op.STORE, key, True)
+            if batch:
+                self._report(Op.STORE, batch, True)
             for fn, args in writes:
                 fn(*args)
             if job == self._last_store:
@@ -231,7 +231,8 @@ class WorkerSide:
         for f in meta.remote_fetches:
             self.remote.submit(("fetch", f.key, f.slot))
         if meta.loads:  # the forward waits for them (on CUDA its stream does, not the host)
-            self._jobs[self.copies.submit(meta.loads, to_pool=False)] = ("load", len(meta.loads), (), ())
+            job = self.copies.submit(copy_ops(meta.loads), to_pool=False)
+            self._jobs[job] = ("load", copy_count(meta.loads), 0, ())
             self._poll()
         if meta.direct_loads:
             t0 = time.perf_counter()
@@ -264,8 +265,8 @@ class WorkerSide:
         writes = [(self._submit_write, (w.key, w.slot, w.meta)) for w in meta.disk_writes]
         writes += [(self.remote.submit, (("write", w.key, w.slot, w.meta),)) for w in meta.remote_writes]
         if meta.stores:
-            job = self.copies.submit([Load(s.kind, s.block_ids, s.slot) for s in meta.stores], to_pool=True)
-            self._jobs[job] = ("store", len(meta.stores), [s.key for s in meta.stores], [])
+            job = self.copies.submit(copy_ops(meta.stores), to_pool=True)
+            self._jobs[job] = ("store", copy_count(meta.stores), meta.store_batch, [])
             self._last_store = job
         if self._last_store is not None:  # writes read slots stores fill: queued once they are done
             self._jobs[self._last_store][3].extend(writes)
