@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from vllm_kvbm_plugin.connector.layout import KV
+from vllm_kvbm_plugin.connector.metadata import Copies, Op, Report
 from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.events.types import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from vllm_kvbm_plugin.events.validator import Validator
@@ -216,6 +218,40 @@ def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_pat
         second.connector.tier("cpu").index.remove(key)
     assert second.serve(PROMPT) == 192  # rewritten on both ranks: a hit, every byte checked
     assert idle(second)
+
+
+def test_a_steps_copies_cross_as_columns_and_its_stores_are_reported_once_per_worker():
+    """What the engine core pickles for the connector every step does not grow by a named tuple or a
+    report per block: a step's loads and stores are one `Copies` per entry kind (columns of ints),
+    and each of two workers reports the step's stores once; the hit then loads exactly what was
+    stored (every byte checked)."""
+    h = harness(False, workers=2)
+    sent, received = [], []
+    side = h.scheduler.connector
+    build, update = side.build_connector_meta, side.update_connector_output
+
+    def keep_meta(out):
+        sent.append(build(out))
+        return sent[-1]
+
+    def keep_output(output):
+        received.append(output.kv_connector_worker_meta)
+        update(output)
+
+    side.build_connector_meta, side.update_connector_output = keep_meta, keep_output
+    assert h.serve(PROMPT) == 0
+    stored = [m for m in sent if m.stores]
+    assert len(stored) == 1 and list(stored[0].stores) == [KV]
+    copies = stored[0].stores[KV]
+    assert isinstance(copies, Copies) and len(copies.slots) == len(copies.block_ids[0]) == len(PROMPT) // 32
+    assert all(type(i) is int for i in copies.block_ids[0] + copies.slots)
+    store_reports = [r for wm in received if wm for r in wm.reports if r.op is Op.STORE]
+    assert store_reports == [Report(Op.STORE, stored[0].store_batch, True)] * 2
+    h.reset_prefix_cache()
+    assert h.serve(PROMPT) == 192
+    loads = [m.loads[KV] for m in sent if m.loads]
+    assert len(loads) == 1 and len(loads[0].slots) == 6 and sorted(loads[0].slots) == sorted(copies.slots)
+    assert idle(h) and not h.connector.store_batches
 
 
 def _block_files(base: str) -> list[str]:
