@@ -54,6 +54,7 @@ def copy_ops(table: dict):
 
 
 def copy_count(table: dict) -> int:
+    """The entries of `table` (for the stats)."""
     return sum(len(c.slots) for c in table.values())
 
 

@@ -379,7 +379,7 @@ class SchedulerSide:
         block_ids = blocks.get_block_ids()
         kv_ids = [block_ids[g] for g in self.layout.groups[KV]]
         B, entries = self.block_size, self.primary.index.entries
-        unwanted, loaded, state = [], [], []  # CPU entries: keys not loaded, KV needs loaded, the state's key
+        unwanted, kv_loads, state = [], [], []  # from CPU slots: keys not loaded, KV needs loaded, the state's key
         for n in claim.needs:
             if n.kind is STATE:
                 wanted = num_external_tokens > 0
@@ -395,13 +395,13 @@ class SchedulerSide:
             elif n.direct:
                 self.meta.direct_loads.append(DirectLoad(KV, tuple(ids[n.index] for ids in kv_ids), n.key))
             else:
-                loaded.append(n)
-        if loaded:
+                kv_loads.append(n)
+        if kv_loads:
             loads = copies(self.meta.loads, KV, len(kv_ids))
             for column, ids in zip(loads.block_ids, kv_ids):
-                column += [ids[n.index] for n in loaded]
-            loads.slots.extend([entries[n.key].slot for n in loaded])
-        loaded = [n.key for n in loaded] + state  # the needs' order: the state comes last
+                column += [ids[n.index] for n in kv_loads]
+            loads.slots.extend([entries[n.key].slot for n in kv_loads])
+        loaded = [n.key for n in kv_loads] + state  # the needs' order: the state comes last
         self.primary.complete_loads(unwanted)
         self.primary.touch_all(loaded)
         self.loads_pinned += loaded  # unpinned once the metadata is built
