@@ -393,7 +393,7 @@ class SchedulerSide:
                 if not n.direct:
                     state.append(n.key)
             elif n.direct:
-                self.meta.direct_loads.append(DirectLoad(KV, tuple(ids[n.index] for ids in kv_ids), n.key))
+                self._add_load(KV, tuple(ids[n.index] for ids in kv_ids), True, n.key)
             else:
                 kv_loads.append(n)
         if kv_loads:
