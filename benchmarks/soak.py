@@ -1,6 +1,7 @@
 """Soak with faults: client load against `vllm serve` with KVBMConnector's CPU, disk and remote tiers
 while a seeded injector strikes: redis-server SIGKILLed and restarted empty, `CLIENT PAUSE`, disk
-block files truncated, flipped, deleted, replaced by a FIFO or a symlink, the disk tier's filesystem
+block files truncated or flipped (one the engine holds open for a direct load when one shows up
+within 3 s, racing that load), deleted, replaced by a FIFO or a symlink, the disk tier's filesystem
 (a size-limited tmpfs mounted here; needs root, else that fault is skipped) filled then freed, and
 the engine SIGKILLed and restarted on the same disk path and Redis. Every completion's greedy tokens
 are compared with a reference `vllm serve` without connector (started beside it, prompts replayed at
@@ -158,7 +159,7 @@ class Soak:
                     "ignore_eos": True, "return_token_ids": True}
             restarting = self.restarting.is_set()
             t0 = time.monotonic()
-            rec = {"t": t0, "prompt": prompt, "restart_window": restarting}
+            rec = {"t": t0, "prompt": prompt, "restart_window": restarting, "lifetime": self.lifetime}
             try:
                 status, out = post(self.server.port, body)
                 rec["status"] = status
@@ -169,7 +170,7 @@ class Soak:
                     rec["error"] = out
             except TimeoutError:
                 rec["status"], rec["error"] = "hang", f"no answer in {HANG_S} s"
-            except OSError as e:  # refused or reset: the server is down
+            except (OSError, http.client.HTTPException) as e:  # refused, reset or cut short: the server is down
                 rec["status"], rec["error"] = "conn", repr(e)
             rec["latency"] = time.monotonic() - t0
             rec["restart_window"] = rec["restart_window"] or self.restarting.is_set()
@@ -237,11 +238,34 @@ class Soak:
                 time.sleep(0.05)
         return "skipped (every chosen block file was evicted first)"
 
+    def held_file(self, wait_s: float = 3.0) -> pathlib.Path | None:
+        """A block file the engine holds open right now (verified, to be read straight into the KV
+        cache a step later), polled for up to wait_s: damaging it races that load, which a file
+        damaged while nobody holds it (found at its next verification) never does."""
+        root, deadline = str(self.disk_root), time.monotonic() + wait_s
+        pids = self.server.pids()
+        while time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    fds = os.listdir(f"/proc/{pid}/fd")
+                except OSError:
+                    continue
+                for fd in fds:
+                    try:
+                        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    except OSError:
+                        continue
+                    if target.startswith(root) and target.endswith(".kvb"):
+                        return pathlib.Path(target)
+            time.sleep(0.002)
+        return None
+
     def damage_file(self, kind: str, rng: random.Random) -> str:
         files = self.block_files()
         if not files:
             return "skipped (no block file)"
-        f = rng.choice(files)
+        held = self.held_file() if kind in ("disk_flip", "disk_truncate") else None
+        f = held or rng.choice(files)
         if kind == "disk_truncate":
             os.truncate(f, f.stat().st_size // 2)
         elif kind == "disk_flip":
@@ -261,7 +285,7 @@ class Soak:
             target = rng.choice(other) if other else pathlib.Path("/etc/hostname")
             f.unlink()
             f.symlink_to(target)
-        return f.name
+        return f.name + (" (held open by the engine)" if held else "")
 
     def injector(self, start: float) -> None:
         a = self.args
@@ -329,7 +353,7 @@ class Soak:
     def run(self) -> bool:
         a = self.args
         self.start()
-        start = time.monotonic()
+        start = self.started = time.monotonic()
         self.stop_at = start + a.minutes * 60
         threads = [threading.Thread(target=self.client, args=(i,), daemon=True) for i in range(a.concurrency)]
         threads += [threading.Thread(target=self.injector, args=(start,), daemon=True),
@@ -342,7 +366,8 @@ class Soak:
         return self.judge()
 
     def replay(self) -> int:
-        """Each distinct answered prompt through the reference; the number of completions that differ."""
+        """Each distinct answered prompt through the reference; the number of completions that differ
+        (each one printed with what may explain it: when, after which fault, how much was cached)."""
         ref = {}
         mismatched = 0
         for rec in self.records:
@@ -356,7 +381,24 @@ class Soak:
                 ref[key] = out["choices"][0]["token_ids"] if status == 200 else None
             if ref[key] != rec["tokens"]:
                 mismatched += 1
+                self.print_mismatch(rec, ref[key])
         return mismatched
+
+    def print_mismatch(self, rec: dict, expected: list | None) -> None:
+        t = rec["t"] - self.started
+        first = next((i for i, (a, b) in enumerate(zip(rec["tokens"], expected or ())) if a != b), None)
+        before = [f"{f['kind']} at {f['t']:.1f} s" for f in self.faults if f["t"] <= t + rec["latency"]][-2:]
+        margin = None  # the reference's top-2 logprob gap there: a near tie flips on float noise alone
+        if first is not None:
+            status, out = post(self.reference.port, {"model": "model", "prompt": rec["prompt"] + expected[:first],
+                                                     "max_tokens": 1, "temperature": 0, "logprobs": 2}, 300)
+            if status == 200:
+                top = sorted(out["choices"][0]["logprobs"]["top_logprobs"][0].values(), reverse=True)
+                margin = top[0] - top[1] if len(top) > 1 else None
+        print(f"[soak] mismatch: sent at {t:.1f} s (lifetime {rec['lifetime']}, {rec['latency']:.2f} s, "
+              f"{rec.get('cached', 0)} of {len(rec['prompt'])} prompt tokens cached), first wrong token "
+              f"#{first} (reference's top-2 logprob gap there {margin}): {rec['tokens']} vs {expected}; "
+              f"last faults before its answer: {before or 'none'}", flush=True)
 
     def judge(self) -> bool:
         a = self.args

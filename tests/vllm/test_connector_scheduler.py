@@ -276,3 +276,41 @@ def test_a_corrupt_file_amid_a_batch_of_disk_loads_ends_the_hit_there(tmp_path, 
     stats = second.workers[0].side.get_stats().data
     assert stats["disk_read_blocks"] == 5 and stats["disk_read_failures"] == 1  # read in one batch
     assert idle(second)
+
+
+def test_a_failed_direct_load_stores_nothing_of_its_step(tmp_path):
+    """The soak's disk_flip on a block file held open for a direct load: the load fails (the bytes
+    read are checked) and is reported to vLLM, which recomputes from that block. The step that
+    loaded it would also store the request's blocks into the CPU tier, the failed one with the
+    flipped bytes it holds (and on a real model every block computed after it): the whole step's
+    stores and writes are dropped instead, so the next hit loads only what recompute writes (the
+    harness checks every load)."""
+    first = harness(False, disk_path=str(tmp_path))
+    first.serve(PROMPT)
+    files = {disk.decode_meta(disk.read_meta(p))[0]: p for p in _block_files(first.connector.layout.rank_dir(0))}
+    slots = 6
+    second = harness(False, disk_path=str(tmp_path), cpu_bytes_to_use=slots * first.connector.layout.slot_bytes)
+    cpu = second.connector.tier("cpu")
+    second.serve([t + 1 for t in PROMPT])  # another prompt fills the CPU tier...
+    pinned = list(cpu.index.entries)
+    assert len(pinned) == slots
+    cpu.prepare_loads(pinned)  # ...and its writes are in flight: no room for prefetches
+    second.add(PROMPT, max_tokens=2)
+    assert second.step() == 0 and second.connector.accounting()["direct"] == 6  # six files held open
+    with open(files[128], "r+b") as f:  # block 3's first value, flipped in place after verification
+        f.seek(disk.HEADER_SIZE + 3)
+        b = f.read(1)
+        f.seek(disk.HEADER_SIZE + 3)
+        f.write(bytes([b[0] ^ 0x40]))
+    cpu.complete_loads(pinned)  # the writes end: the hit's step finds room for its stores
+    sent = []
+    build = second.scheduler.connector.build_connector_meta
+    second.scheduler.connector.build_connector_meta = lambda out: sent.append(build(out)) or sent[-1]
+    second.run(timeout=30)
+    second.settle()
+    assert len(sent[0].direct_loads) == 6 and sent[0].stores  # the failing step planned its stores
+    assert second.workers[0].side.get_stats().data["disk_read_failures"] == 1
+    assert second.cached_tokens["r1"] == 192 and idle(second)
+    second.reset_prefix_cache()
+    assert second.serve(PROMPT) == 96  # from the disk tier up to the flipped file: none of it was kept
+    assert idle(second) and validate(second).errors == 0

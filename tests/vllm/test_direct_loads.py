@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import DirectLoad, KVBMMetadata, Op, Report
+from vllm_kvbm_plugin.connector.metadata import Copies, DirectLoad, DiskWrite, KVBMMetadata, Op, Report
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
 
@@ -44,3 +44,35 @@ def test_a_file_that_fails_verification_is_not_held(tmp_path):
     open(path, "wb").write(data)
     w.start_load_kv(KVBMMetadata(opens=[key, (2, 2)]))  # corrupt, missing
     assert w.reports == [Report(Op.OPEN, key, False), Report(Op.OPEN, (2, 2), False)] and not w.held
+
+
+def test_a_step_whose_load_failed_stores_and_writes_nothing(tmp_path):
+    """A held file changed in place before its direct load: the load fails and the step's stores
+    (which would copy the failed block, or blocks the forward computed from it, into the pool)
+    fail as one report, and the disk writes behind them are not made; the next step stores again."""
+    w, buf = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_path=str(tmp_path))
+    key, other = (7, 9), (8, 8)
+    w._copy([(KV, (3,), 0)], to_pool=True)
+    path = disk.block_path(w.disk_base, key)
+    disk.write_block(path, key, w.fingerprint, w.pool[0].numpy())
+    w.start_load_kv(KVBMMetadata(opens=[key]))
+    with open(path, "r+b") as f:  # flipped in place after verification
+        f.seek(disk.HEADER_SIZE + 1)
+        b = f.read(1)
+        f.seek(disk.HEADER_SIZE + 1)
+        f.write(bytes([b[0] ^ 0x20]))
+    w.reports.clear()
+    pool_before = w.pool[1].clone()
+    step = KVBMMetadata(direct_loads=[DirectLoad(KV, (5,), key)], stores={KV: Copies(KV, ([5],), [1])},
+                        store_batch=4, disk_writes=[DiskWrite(other, 1, b"meta")])
+    w.start_load_kv(step)
+    w.wait_for_save(step)
+    wm = w.build_worker_meta()
+    assert w.take_load_errors() == {5}
+    assert wm.reports == [Report(Op.STORE, 4, False), Report(Op.WRITE, other, False)]
+    assert torch.equal(w.pool[1], pool_before) and not os.path.exists(disk.block_path(w.disk_base, other))
+    step = KVBMMetadata(stores={KV: Copies(KV, ([5],), [1])}, store_batch=5)  # a step without failures
+    w.start_load_kv(step)
+    w.wait_for_save(step)
+    assert w.build_worker_meta().reports == [Report(Op.STORE, 5, True)]
+    assert torch.equal(w.pool[1].view(torch.bfloat16).view(2, -1)[0], buf[0, 5].reshape(-1))

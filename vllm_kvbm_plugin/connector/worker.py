@@ -68,6 +68,7 @@ class WorkerSide:
         self._disk_failed = False  # such a failure, not yet reported to the scheduler side
         self.held: dict = {}  # key -> open, verified block file (direct disk loads)
         self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
+        self._loads_failed = False  # a load of this step failed: its stores must not run (wait_for_save)
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
         self.peaks: dict[str, float] = {}  # "<tier>_<direction>" -> bytes/s (measure_roofline)
@@ -206,6 +207,7 @@ class WorkerSide:
         self.reports.append(Report(op, key, ok))
 
     def start_load_kv(self, meta: KVBMMetadata) -> None:
+        self._loads_failed = False
         if meta.opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
             keys = list(meta.opens)
@@ -250,7 +252,7 @@ class WorkerSide:
             from vllm_kvbm_plugin.connector import pic_load
 
             pic_load.load(meta.pic_loads, self.cfg.pic_model, self.layout.block_size, self.layers[KV], self.pool,
-                          self.cfg.pic_recompute_ratio, self.load_errors.update, self._count)
+                          self.cfg.pic_recompute_ratio, self._blocks_failed, self._count)
         for key in meta.closes:
             fd = self.held.pop(key, None)
             if fd is not None:
@@ -262,6 +264,9 @@ class WorkerSide:
             self.copies.fence()
 
     def wait_for_save(self, meta: KVBMMetadata) -> None:
+        if self._loads_failed:
+            self._drop_saves(meta)
+            return
         writes = [(self._submit_write, (w.key, w.slot, w.meta)) for w in meta.disk_writes]
         writes += [(self.remote.submit, (("write", w.key, w.slot, w.meta),)) for w in meta.remote_writes]
         if meta.stores:
@@ -274,6 +279,23 @@ class WorkerSide:
             for fn, args in writes:
                 fn(*args)
         self._poll()
+
+    def _drop_saves(self, meta: KVBMMetadata) -> None:
+        """A load of this step failed: its blocks hold whatever was in them, and the forward that
+        just ran read them (any request that shares them too). vLLM recomputes from the failed
+        block on, but nothing this step would store can be trusted, so none of it reaches a tier:
+        the step's stores fail as one, and its disk and remote writes (they read the slots those
+        stores fill) are not made. A miss, never a wrong block kept."""
+        if meta.stores:
+            self._report(Op.STORE, meta.store_batch, False)
+        for w in meta.disk_writes:
+            self._disk_results.put((w.key, False))
+        for w in meta.remote_writes:
+            self._report(Op.REMOTE_WRITE, w.key, False)
+        n = copy_count(meta.stores) if meta.stores else 0
+        if n or meta.disk_writes or meta.remote_writes:
+            logger.warning("KVBMConnector: a load failed; this step's %d stores and %d writes are dropped",
+                           n, len(meta.disk_writes) + len(meta.remote_writes))
 
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         self._poll()
@@ -298,13 +320,19 @@ class WorkerSide:
         them, or fail the request); with several groups it would stop the engine, so then the
         error is only logged."""
         self._failed("read")
+        self._loads_failed = True  # even where vLLM cannot be told (below): its stores are dropped
         if len(self.layout.layer_names) == 1:
-            self.load_errors.update(ids)
+            self._blocks_failed(ids)
             logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM",
                          diskfmt.key_hex(key))
         else:
             logger.error("KVBMConnector: direct load of disk block %s failed; the request that loads "
                          "it may produce wrong tokens", diskfmt.key_hex(key))
+
+    def _blocks_failed(self, ids) -> None:
+        """Blocks whose load failed this step: vLLM recomputes them; this step stores nothing."""
+        self._loads_failed = True
+        self.load_errors.update(ids)
 
     def take_load_errors(self) -> set:
         errors, self.load_errors = self.load_errors, set()

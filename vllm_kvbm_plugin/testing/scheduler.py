@@ -215,11 +215,12 @@ class SchedulerHarness:
         if not self.workers:
             return None
         spans = self._spans(out, rids)
-        meta = None
+        meta, invalid = None, set()
         for w in self.workers:
             wm = w.run_step(out, spans)
             meta = wm if meta is None else (meta.aggregate(wm) if wm is not None else meta)
-        return KVConnectorOutput(kv_connector_worker_meta=meta)
+            invalid |= w.side.take_load_errors()  # as the model runner asks each step
+        return KVConnectorOutput(kv_connector_worker_meta=meta, invalid_block_ids=invalid)
 
     def _spans(self, out, rids: list[str]) -> dict:
         """request id -> (its tokens, first and end position computed this step, its block ids per
@@ -344,12 +345,16 @@ class SimulatedWorker:
     def check(self, spans: dict) -> None:
         """Before the forward: every token a request already has (computed before, hit in vLLM's
         prefix cache or loaded from a tier) sits in its block with its id and position, and a new
-        request that starts after a hit finds the state at the hit."""
-        B = self.block_size
+        request that starts after a hit finds the state at the hit. A request's tokens from a
+        block whose load failed this step (reported to vLLM, which recomputes them) are not checked."""
+        B, failed = self.block_size, self.side.load_errors
         for rid, (tokens, start, _end, block_ids, new) in spans.items():
+            ids = block_ids[self._kv_group()]
+            bad = [i for i in range(-(-start // B)) if ids[i] in failed] if failed else ()
+            if bad:
+                start, new = bad[0] * B, False
             if start == 0:
                 continue
-            ids = block_ids[self._kv_group()]
             pos = torch.arange(start)
             blocks = torch.tensor([ids[p // B] for p in range(start)])
             want_tokens = torch.tensor(tokens[:start], dtype=torch.float32)
