@@ -1,11 +1,12 @@
 """Soak with faults: client load against `vllm serve` with KVBMConnector's CPU, disk and remote tiers
 while a seeded injector strikes: redis-server SIGKILLed and restarted empty, `CLIENT PAUSE`, disk
 block files truncated or flipped (one the engine holds open for a direct load when one shows up
-within 3 s, racing that load), deleted, replaced by a FIFO or a symlink, the disk tier's filesystem
+within 10 s, racing that load), deleted, replaced by a FIFO or a symlink, the disk tier's filesystem
 (a size-limited tmpfs mounted here; needs root, else that fault is skipped) filled then freed, and
 the engine SIGKILLed and restarted on the same disk path and Redis. Every completion's greedy tokens
 are compared with a reference `vllm serve` without connector (started beside it, prompts replayed at
-the end). Sampled: RSS, open fds, disk bytes vs disk_bytes_to_use, redis memory. KV events of each
+the end); one that first differs where the reference's two best tokens are within NEAR_TIE is
+reported as a near tie, not a mismatch (vLLM's own paths differ by float noise there). Sampled: RSS, open fds, disk bytes vs disk_bytes_to_use, redis memory. KV events of each
 engine lifetime are recorded by `vllm-kvbm subscribe` and validated. Prints the acceptance checks
 of issue 31 and exits 1 if one fails.
 
@@ -41,6 +42,7 @@ from vllm_kvbm_plugin.testing.tiny_models import build  # noqa: E402
 FAULTS = ("redis_kill", "redis_pause", "disk_truncate", "disk_flip", "disk_delete", "disk_fifo", "disk_symlink",
           "disk_full", "engine_kill")
 HANG_S = 60
+NEAR_TIE = 1e-5  # a reference top-2 logprob gap this small may flip on float noise alone (~20x the noise)
 
 
 def post(port: int, body: dict, timeout: float = HANG_S) -> tuple[int, dict | str]:
@@ -238,7 +240,7 @@ class Soak:
                 time.sleep(0.05)
         return "skipped (every chosen block file was evicted first)"
 
-    def held_file(self, wait_s: float = 3.0) -> pathlib.Path | None:
+    def held_file(self, wait_s: float = 10.0) -> pathlib.Path | None:
         """A block file the engine holds open right now (verified, to be read straight into the KV
         cache a step later), polled for up to wait_s: damaging it races that load, which a file
         damaged while nobody holds it (found at its next verification) never does."""
@@ -365,11 +367,11 @@ class Soak:
         self.stop_subscriber()
         return self.judge()
 
-    def replay(self) -> int:
-        """Each distinct answered prompt through the reference; the number of completions that differ
-        (each one printed with what may explain it: when, after which fault, how much was cached)."""
+    def replay(self) -> tuple[int, int]:
+        """Each distinct answered prompt through the reference: (completions that differ, those of
+        them that differ first at a near tie), each one printed with what may explain it."""
         ref = {}
-        mismatched = 0
+        mismatched = ties = 0
         for rec in self.records:
             if "tokens" not in rec:
                 continue
@@ -380,25 +382,34 @@ class Soak:
                                                          "ignore_eos": True, "return_token_ids": True}, 300)
                 ref[key] = out["choices"][0]["token_ids"] if status == 200 else None
             if ref[key] != rec["tokens"]:
-                mismatched += 1
-                self.print_mismatch(rec, ref[key])
-        return mismatched
+                tie = self.explain_mismatch(rec, ref[key])
+                mismatched += not tie
+                ties += tie
+        return mismatched, ties
 
-    def print_mismatch(self, rec: dict, expected: list | None) -> None:
+    def explain_mismatch(self, rec: dict, expected: list | None) -> bool:
+        """Print a differing completion: when it was sent, the faults before its answer, what was
+        cached, and the reference's two best tokens where it first differs. True for a near tie:
+        the served token is the reference's runner-up by less than NEAR_TIE, a gap vLLM's own prefix
+        cache and batching can flip (float noise up to ~5e-7 in logprobs: benchmarks/float_noise.py)."""
         t = rec["t"] - self.started
         first = next((i for i, (a, b) in enumerate(zip(rec["tokens"], expected or ())) if a != b), None)
         before = [f"{f['kind']} at {f['t']:.1f} s" for f in self.faults if f["t"] <= t + rec["latency"]][-2:]
-        margin = None  # the reference's top-2 logprob gap there: a near tie flips on float noise alone
+        top = []  # the reference's (logprob, token id), best first
         if first is not None:
             status, out = post(self.reference.port, {"model": "model", "prompt": rec["prompt"] + expected[:first],
-                                                     "max_tokens": 1, "temperature": 0, "logprobs": 2}, 300)
+                                                     "max_tokens": 1, "temperature": 0, "logprobs": 2,
+                                                     "return_tokens_as_token_ids": True}, 300)
             if status == 200:
-                top = sorted(out["choices"][0]["logprobs"]["top_logprobs"][0].values(), reverse=True)
-                margin = top[0] - top[1] if len(top) > 1 else None
-        print(f"[soak] mismatch: sent at {t:.1f} s (lifetime {rec['lifetime']}, {rec['latency']:.2f} s, "
-              f"{rec.get('cached', 0)} of {len(rec['prompt'])} prompt tokens cached), first wrong token "
-              f"#{first} (reference's top-2 logprob gap there {margin}): {rec['tokens']} vs {expected}; "
-              f"last faults before its answer: {before or 'none'}", flush=True)
+                top = sorted(((lp, int(tok.split(":")[-1]))
+                              for tok, lp in out["choices"][0]["logprobs"]["top_logprobs"][0].items()), reverse=True)
+        gap = top[0][0] - top[1][0] if len(top) > 1 else None
+        tie = gap is not None and gap < NEAR_TIE and rec["tokens"][first] == top[1][1]
+        print(f"[soak] {'near tie' if tie else 'MISMATCH'}: sent at {t:.1f} s (lifetime {rec['lifetime']}, "
+              f"{rec['latency']:.2f} s, {rec.get('cached', 0)} of {len(rec['prompt'])} prompt tokens cached), "
+              f"first different token #{first}, the reference's top two there {top[:2]} (gap {gap}): "
+              f"{rec['tokens']} vs {expected}; last faults before its answer: {before or 'none'}", flush=True)
+        return tie
 
     def judge(self) -> bool:
         a = self.args
@@ -406,7 +417,7 @@ class Soak:
         errors = [r for r in self.records if r["status"] not in (200, "hang") and not r["restart_window"]]
         window_errors = [r for r in self.records if r["status"] not in (200, "hang") and r["restart_window"]]
         hangs = [r for r in self.records if r["status"] == "hang"]
-        mismatched = self.replay()
+        mismatched, ties = self.replay()
         counts = collections.Counter(f["kind"] for f in self.faults if "skipped" not in f["what"]
                                      and "injector error" not in f["what"])
         bound = int(a.disk_bytes * (1 + a.disk_slack))
@@ -421,7 +432,8 @@ class Soak:
         checks = [
             ("every fault kind at least %d x" % a.repeat,
              all(counts[k] >= a.repeat for k in FAULTS if k != "disk_full" or self.mounted), dict(counts)),
-            ("0 mismatched tokens", mismatched == 0, f"{mismatched} of {len(ok)} completions"),
+            ("0 mismatched tokens", mismatched == 0, f"{mismatched} of {len(ok)} completions"
+             f"{f' ({ties} more differ first at a near tie, gap < {NEAR_TIE:g}: float noise)' if ties else ''}"),
             ("0 HTTP errors outside the engine's restart window", not errors,
              f"{len(errors)} ({len(window_errors)} inside it){': ' + str(errors[0]['error'])[:200] if errors else ''}"),
             ("0 hangs (answer or refusal within %d s)" % HANG_S, not hangs, len(hangs)),

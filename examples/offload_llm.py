@@ -25,6 +25,7 @@ def main() -> None:
                   "kv_connector": "KVBMConnector",
                   "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                   "kv_role": "kv_both",
+                  "kv_load_failure_policy": "recompute",  # a disk block failing its load is a miss
                   "kv_connector_extra_config": {"cpu_bytes_to_use": 256 << 20, "disk_path": disk,
                                                 "disk_bytes_to_use": 1 << 30, "eviction_policy": "lineage"},
               })

@@ -41,7 +41,7 @@ setsid prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WOR
   --web.listen-address="127.0.0.1:$PROM_PORT" > "$WORK/prometheus.log" 2>&1 &
 PIDS+=($!)
 # the tier sizes the load is built for: 12 CPU slots and 30 disk slots of the tiny Llama's 16 KiB
-KTC="{\"kv_connector\":\"KVBMConnector\",\"kv_connector_module_path\":\"vllm_kvbm_plugin.connector\",\"kv_role\":\"kv_both\",\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":196608,\"disk_path\":\"$WORK/disk\",\"disk_bytes_to_use\":614400,\"remote_url\":\"redis://127.0.0.1:$REDIS_PORT/0\",\"measure_roofline\":true}}"
+KTC="{\"kv_connector\":\"KVBMConnector\",\"kv_connector_module_path\":\"vllm_kvbm_plugin.connector\",\"kv_role\":\"kv_both\",\"kv_load_failure_policy\":\"recompute\",\"kv_connector_extra_config\":{\"cpu_bytes_to_use\":196608,\"disk_path\":\"$WORK/disk\",\"disk_bytes_to_use\":614400,\"remote_url\":\"redis://127.0.0.1:$REDIS_PORT/0\",\"measure_roofline\":true}}"
 # dev mode for POST /reset_prefix_cache (vLLM's own cache only; the tiers keep their blocks)
 VLLM_SERVER_DEV_MODE=1 setsid "$ROOT/.venv/bin/vllm" serve "$MODEL" --host 127.0.0.1 --port "$PORT" \
   --dtype bfloat16 --max-model-len 1024 --enforce-eager --block-size 32 --enable-prefix-caching \

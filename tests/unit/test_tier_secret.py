@@ -101,13 +101,37 @@ def test_remote_secret_is_set_once_and_shared(tmp_path):
         b = secret.load(server.url, None, env={})
         assert a.source == b.source == "remote" and a.key == b.key and not a.remote_off
         assert server.client().get(secret.REMOTE_NAME).decode() == a.key.hex()
-        assert not os.listdir(tmp_path)  # the disk is not asked when the server answers
+        assert secret.on_disk(str(tmp_path)) == a.key  # kept beside the disk tier too
         # an entry written by another instance first is the one used
         server.client().set(secret.REMOTE_NAME, HEX)
         assert secret.load(server.url, None, env={}).key == bytes.fromhex(HEX)
         server.client().set(secret.REMOTE_NAME, "garbage")
         with pytest.raises(ValueError, match="kvbm-key-secret"):
             secret.load(server.url, None, env={})
+    finally:
+        server.stop()
+
+
+@needs_redis
+def test_a_server_restarted_empty_gets_the_secret_back_from_the_disk_tier(tmp_path, caplog):
+    """The soak killed redis-server (restarted empty) and then the engine, before any running
+    instance wrote the secret back: the restarted engine drew a new one, and its disk tier moved to
+    a new tier directory, the old one left behind (twice disk_bytes_to_use on disk). The disk tier's
+    file now offers its secret to the empty store."""
+    server = RedisServer(maxmemory="16mb").start()
+    try:
+        first = secret.load(server.url, str(tmp_path), env={})
+        server.client().flushall()  # restarted empty
+        again = secret.load(server.url, str(tmp_path), env={})
+        assert again.source == "remote" and again.key == first.key
+        assert server.client().get(secret.REMOTE_NAME).decode() == first.key.hex()
+        assert secret.load(server.url, None, env={}).key == first.key  # an instance without a disk tier
+        # the store holds another secret (another instance came first): it wins, the file follows it
+        server.client().set(secret.REMOTE_NAME, HEX)
+        assert secret.load(server.url, str(tmp_path), env={}).key == bytes.fromhex(HEX)
+        assert secret.on_disk(str(tmp_path)) == bytes.fromhex(HEX) and "unreachable" in caplog.text
+        assert stat.S_IMODE(os.stat(tmp_path / secret.FILE_NAME).st_mode) == 0o600
+        assert sorted(os.listdir(tmp_path)) == [secret.FILE_NAME]  # no temporary file left
     finally:
         server.stop()
 

@@ -320,9 +320,9 @@ class WorkerSide:
         them, or fail the request); with several groups it would stop the engine, so then the
         error is only logged."""
         self._failed("read")
-        self._loads_failed = True  # even where vLLM cannot be told (below): its stores are dropped
+        self._loads_failed = True  # the step's stores are dropped, even where vLLM cannot be told (below)
         if len(self.layout.layer_names) == 1:
-            self._blocks_failed(ids)
+            self.load_errors.update(ids)
             logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM",
                          diskfmt.key_hex(key))
         else:
@@ -330,7 +330,7 @@ class WorkerSide:
                          "it may produce wrong tokens", diskfmt.key_hex(key))
 
     def _blocks_failed(self, ids) -> None:
-        """Blocks whose load failed this step: vLLM recomputes them; this step stores nothing."""
+        """Position-independent loads that failed: vLLM recomputes them; this step stores nothing."""
         self._loads_failed = True
         self.load_errors.update(ids)
 

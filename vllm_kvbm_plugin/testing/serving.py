@@ -53,7 +53,7 @@ def kv_transfer_config(server: str, cpu_bytes: int, disk_path: str | None = None
         if "remote" in tiers:
             extra["remote_url"] = remote_url
         return {"kv_connector": "KVBMConnector", "kv_connector_module_path": MODULE, "kv_role": "kv_both",
-                "kv_connector_extra_config": extra}
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     extra = {"spec_name": "KVBMOffloadingSpec", "spec_module_path": OFFLOADING, "cpu_bytes_to_use": cpu_bytes}
     secondary = []
     if "disk" in tiers:

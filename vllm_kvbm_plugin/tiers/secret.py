@@ -6,9 +6,12 @@ comes from, first match wins:
 
 1. `KVBM_KEY_SECRET`: 32 hex characters (a fleet sets one for all its instances);
 2. with a remote tier (`remote_url`): the store's entry `kvbm-key-secret`, written once by the
-   first instance (SET NX) and read back by all. If the server cannot be reached at startup, the
-   remote tier is off for this process (its keys would not match the fleet's) and the next source
-   decides;
+   first instance (SET NX) and read back by all. With a disk tier too, the secret is also kept in
+   its file (3.), and that file's secret is the one offered to the store: a server restarted empty
+   then gets the fleet's secret back from the first instance that starts, and the disk tier's
+   entries stay reachable (a new secret would move every block to a new tier directory, the old
+   one left behind). If the server cannot be reached at startup, the remote tier is off for this
+   process (its keys would not match the fleet's) and the next source decides;
 3. with a disk tier (`disk_path`): the file `kvbm-key-secret` at the root of disk_path, written
    once (0600, published by a hard link so nobody reads half a file) and read with the disk tier's
    checks (no symlink followed, a regular file of exactly the right size). A malformed file is a
@@ -64,14 +67,15 @@ def parse(text: str, where: str) -> bytes:
     return bytes.fromhex(text.strip())
 
 
-def from_remote(url: str) -> bytes:
-    """The secret kept in the remote store (written once: the first writer wins, all read it back).
-    Raises the client's error when the server cannot be used, ValueError when the entry is malformed."""
+def from_remote(url: str, offer: bytes | None = None) -> bytes:
+    """The secret kept in the remote store (written once, `offer` or a new one: the first writer
+    wins, all read it back). Raises the client's error when the server cannot be used, ValueError
+    when the entry is malformed."""
     from vllm_kvbm_plugin.tiers import remote
 
     client = remote.connect(url)
     try:
-        client.set(REMOTE_NAME, secrets.token_hex(SECRET_BYTES), nx=True)
+        client.set(REMOTE_NAME, (offer or secrets.token_bytes(SECRET_BYTES)).hex(), nx=True)
         value = client.get(REMOTE_NAME)
     finally:
         client.close()
@@ -79,6 +83,31 @@ def from_remote(url: str) -> bytes:
         raise ConnectionError(f"{REMOTE_NAME} vanished right after it was written")
     text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
     return parse(text, f"the remote entry {REMOTE_NAME} at {url} (delete it only if no instance uses it)")
+
+
+def on_disk(disk_path: str | None) -> bytes | None:
+    """The secret in `<disk_path>/kvbm-key-secret`, None if there is none yet (or no disk tier)."""
+    if not disk_path or not os.path.lexists(os.path.join(disk_path, FILE_NAME)):
+        return None
+    return _read(os.path.join(disk_path, FILE_NAME))
+
+
+def keep_on_disk(disk_path: str, key: bytes) -> None:
+    """Make `<disk_path>/kvbm-key-secret` hold `key` (the remote store's): written once, or replaced
+    (a new file renamed over it) when it holds another secret, whose disk entries are unreachable
+    from now on."""
+    path = os.path.join(disk_path, FILE_NAME)
+    if not os.path.lexists(path):
+        os.makedirs(disk_path, mode=0o700, exist_ok=True)
+        _write_once(path, key.hex() + "\n")
+        return
+    if _read(path) != key:
+        tmp = f"{path}.tmp{os.getpid()}.{secrets.token_hex(4)}"
+        _create(tmp, key.hex() + "\n")
+        os.replace(tmp, path)
+        logger.warning("KVBMConnector: the remote tier's block-key secret differs from the one in %s; the "
+                       "file now holds the remote's, and the disk tier's entries under the old one are "
+                       "unreachable (their tier directory under %s stays until removed)", path, disk_path)
 
 
 def from_disk(disk_path: str) -> bytes:
@@ -94,17 +123,8 @@ def _write_once(path: str, text: str) -> None:
     """Create `path` with `text` unless it exists: a new temporary file (0600, O_EXCL, no symlink
     followed) published by a hard link, which fails if another process published first. Where hard
     links are not supported, the file is created O_EXCL in place (readers wait for its size)."""
-    def create(name: str) -> None:
-        fd = os.open(name, _WFLAGS, 0o600)
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, text.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
     tmp = f"{path}.tmp{os.getpid()}.{secrets.token_hex(4)}"
-    create(tmp)
+    _create(tmp, text)
     try:
         os.link(tmp, path, follow_symlinks=False)
     except FileExistsError:
@@ -113,7 +133,7 @@ def _write_once(path: str, text: str) -> None:
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
             raise
         try:
-            create(path)
+            _create(path, text)
         except FileExistsError:
             pass
     finally:
@@ -121,6 +141,17 @@ def _write_once(path: str, text: str) -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def _create(name: str, text: str) -> None:
+    """A new file `name` (0600, O_EXCL, no symlink followed) holding `text`, synced."""
+    fd = os.open(name, _WFLAGS, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _read(path: str) -> bytes:
@@ -161,7 +192,7 @@ def load(remote_url: str | None, disk_path: str | None, env: dict | None = None)
     remote_off = False
     if remote_url:
         try:
-            return TierSecret(from_remote(remote_url), "remote")
+            key = from_remote(remote_url, on_disk(disk_path))
         except ValueError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure to use the server at startup
@@ -170,6 +201,13 @@ def load(remote_url: str | None, disk_path: str | None, env: dict | None = None)
                            "the remote tier is off for this process (its keys would not match the other "
                            "instances'); set %s to share a secret without asking the server", remote_url,
                            type(e).__name__, e, ENV)
+        else:
+            if disk_path:
+                try:
+                    keep_on_disk(disk_path, key)
+                except OSError as e:  # an unusable disk_path: the disk tier is off too (the workers find out)
+                    logger.warning("KVBMConnector: cannot keep the block-key secret in %s (%s)", disk_path, e)
+            return TierSecret(key, "remote")
     if disk_path:
         try:
             return TierSecret(from_disk(disk_path), "disk", remote_off)
