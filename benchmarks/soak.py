@@ -6,8 +6,9 @@ within 10 s, racing that load), deleted, replaced by a FIFO or a symlink, the di
 the engine SIGKILLed and restarted on the same disk path and Redis. Every completion's greedy tokens
 are compared with a reference `vllm serve` without connector (started beside it, prompts replayed at
 the end); one that first differs where the reference's two best tokens are within NEAR_TIE is
-reported as a near tie, not a mismatch (vLLM's own paths differ by float noise there). Sampled: RSS, open fds, disk bytes vs disk_bytes_to_use, redis memory. KV events of each
-engine lifetime are recorded by `vllm-kvbm subscribe` and validated. Prints the acceptance checks
+reported as a near tie, not a mismatch (vLLM's own paths differ by float noise there). Sampled:
+RSS, open fds, disk bytes vs disk_bytes_to_use, redis memory. KV events of each engine lifetime
+are recorded by `vllm-kvbm subscribe` and validated. Prints the acceptance checks
 of issue 31 and exits 1 if one fails.
 
     .venv/bin/python benchmarks/soak.py --minutes 20            # the acceptance run

@@ -96,12 +96,8 @@ def keep_on_disk(disk_path: str, key: bytes) -> None:
     """Make `<disk_path>/kvbm-key-secret` hold `key` (the remote store's): written once, or replaced
     (a new file renamed over it) when it holds another secret, whose disk entries are unreachable
     from now on."""
-    path = os.path.join(disk_path, FILE_NAME)
-    if not os.path.lexists(path):
-        os.makedirs(disk_path, mode=0o700, exist_ok=True)
-        _write_once(path, key.hex() + "\n")
-        return
-    if _read(path) != key:
+    if from_disk(disk_path, key) != key:
+        path = os.path.join(disk_path, FILE_NAME)
         tmp = f"{path}.tmp{os.getpid()}.{secrets.token_hex(4)}"
         _create(tmp, key.hex() + "\n")
         os.replace(tmp, path)
@@ -110,12 +106,12 @@ def keep_on_disk(disk_path: str, key: bytes) -> None:
                        "unreachable (their tier directory under %s stays until removed)", path, disk_path)
 
 
-def from_disk(disk_path: str) -> bytes:
-    """The secret in `<disk_path>/kvbm-key-secret`, written first if missing."""
+def from_disk(disk_path: str, key: bytes | None = None) -> bytes:
+    """The secret in `<disk_path>/kvbm-key-secret`, written first (`key`, or a new one) if missing."""
     path = os.path.join(disk_path, FILE_NAME)
     if not os.path.lexists(path):
         os.makedirs(disk_path, mode=0o700, exist_ok=True)
-        _write_once(path, secrets.token_hex(SECRET_BYTES) + "\n")
+        _write_once(path, (key or secrets.token_bytes(SECRET_BYTES)).hex() + "\n")
     return _read(path)
 
 
