@@ -58,6 +58,7 @@ class Layout:
     world: int  # workers that each hold a shard and report every operation
     disk_path: str | None
     keyer: Keyer | None = dataclasses.field(default=None, repr=False, compare=False)  # the scheduler's
+    secret: bytes = dataclasses.field(default=b"", repr=False, compare=False)  # the tier secret (tiers/secret.py)
     remote_off: bool = False  # remote_url is set but the tier secret could not be read from it
 
     @property
@@ -107,6 +108,7 @@ class Layout:
             world=pc.world_size,
             disk_path=cfg.disk_path,
             keyer=keyer,
+            secret=secret.key,
             remote_off=secret.remote_off,
         )
 
