@@ -51,28 +51,59 @@ def test_tiers_across_processes(run_engine, tmp_path):
 
 def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
     """Two tensor-parallel workers: each keeps its own KV shard in its pool and its own rank
-    directory; the scheduler side counts a block done once both reported it; a CPU hit and, in a
-    new engine process with a CPU tier smaller than the hit (direct disk loads on both ranks), a
-    disk hit give the tokens of the run that computed them."""
+    directory; the scheduler side counts a block done once both reported it; a CPU hit, a disk hit
+    in a new engine process with a CPU tier smaller than the hit (direct disk loads on both ranks)
+    and a remote hit in a third (no disk tier) give the tokens of the run that computed them.
+
+    One decision per engine: Redis refusing the first connection of an engine's start (under the
+    old design a worker's own secret read, so that rank alone ran without the remote tier and
+    crashed at the first remote write planned for it) turns the remote tier off everywhere; the
+    workers follow the scheduler side and never connect themselves; one secret, one tier directory."""
+    from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
+    from vllm_kvbm_plugin.testing.tcp_proxy import RefusingProxy
+
     from .helpers import outputs
     from .test_tiers_engine import HIT, PROMPT, REPEAT, spec
 
+    if server_binary() is None:
+        pytest.skip("no redis-server on PATH: scripts/setup.sh installs Debian's as root")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node here: vLLM cannot bind 2 workers
 
-    def tp(steps, cpu=4 << 20):
-        s = spec(steps, cpu_bytes_to_use=cpu, disk_path=str(tmp_path))
+    def tp(steps, cpu=4 << 20, **tiers):
+        s = spec(steps, cpu_bytes_to_use=cpu, **tiers)
         s["llm"]["tensor_parallel_size"] = 2
         return run_engine(s, env=env)
 
-    r = tp(REPEAT)
-    first, again = outputs(r)
-    assert again["num_cached_tokens"] == HIT and again["tokens"] == first["tokens"]
-    ranks = {p.parent.parent.name: {f.name for f in p.parent.parent.rglob("*.kvb")}
-             for p in tmp_path.rglob("*.kvb")}
-    assert sorted(ranks) == ["r0", "r1"] and ranks["r0"] == ranks["r1"] and len(ranks["r0"]) == HIT // 32
-    # the two shards differ: each rank wrote its own half of the heads
-    f0 = sorted(tmp_path.rglob("r0/*/*.kvb"))[0]
-    assert f0.read_bytes() != (f0.parents[2] / "r1" / f0.parent.name / f0.name).read_bytes()
-    r = tp([{"prompts": [PROMPT]}], cpu=2 * 8192)  # two slots of a rank's half block
-    (o,) = outputs(r)
-    assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]
+    server = RedisServer().start()
+    try:
+        r = tp(REPEAT, disk_path=str(tmp_path), remote_url=server.url)
+        first, again = outputs(r)
+        assert again["num_cached_tokens"] == HIT and again["tokens"] == first["tokens"]
+        ranks = {p.parent.parent.name: {f.name for f in p.parent.parent.rglob("*.kvb")}
+                 for p in tmp_path.rglob("*.kvb")}
+        assert sorted(ranks) == ["r0", "r1"] and ranks["r0"] == ranks["r1"] and len(ranks["r0"]) == HIT // 32
+        # the two shards differ: each rank wrote its own half of the heads
+        f0 = sorted(tmp_path.rglob("r0/*/*.kvb"))[0]
+        assert f0.read_bytes() != (f0.parents[2] / "r1" / f0.parent.name / f0.name).read_bytes()
+        assert len([k for k in server.client().keys("kvbm:*")]) == 2 * HIT // 32  # a value per block and rank
+        r = tp([{"prompts": [PROMPT]}], cpu=2 * 8192, disk_path=str(tmp_path))  # two slots of a rank's half block
+        (o,) = outputs(r)
+        assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]
+        r = tp([{"prompts": [PROMPT]}], remote_url=server.url)  # the remote tier alone
+        (o,) = outputs(r)
+        assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]
+
+        proxy = RefusingProxy(("127.0.0.1", server.port), refuse={0})
+        try:  # 40 tokens complete block 7: a store, written through to every tier that is on
+            r = tp([{"prompts": [PROMPT], "max_tokens": 40}], disk_path=str(tmp_path), remote_url=proxy.url())
+        finally:
+            proxy.close()
+        (o,) = outputs(r)
+        assert o["num_cached_tokens"] == HIT and o["tokens"][:8] == first["tokens"]
+        assert proxy.accepted == 1, "a worker connected to the remote tier the scheduler side turned off"
+        assert "the remote tier is off for this process" in r["log"]
+        assert r["log"].count("follows the scheduler side") == 2 and "remote=False" in r["log"]
+        tier_dirs = {p.parents[2] for p in tmp_path.rglob("*.kvb")}
+        assert len(tier_dirs) == 1, f"two secrets: {sorted(tier_dirs)}"
+    finally:
+        server.stop()

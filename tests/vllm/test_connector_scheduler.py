@@ -22,9 +22,9 @@ PROMPT = [rng.randrange(10, 2000) for _ in range(200)]
 IDLE = {"prefetching": 0, "direct": 0, "reports_pending": 0}
 
 
-def harness(hybrid: bool, workers: int = 1, **connector) -> SchedulerHarness:
+def harness(hybrid: bool, workers: int = 1, policy: str | None = None, **connector) -> SchedulerHarness:
     geometry = dict(block_size=160, hash_block_size=32) if hybrid else dict(block_size=32, hash_block_size=None)
-    return SchedulerHarness(HarnessConfig(hybrid=hybrid, num_blocks=64, workers=workers,
+    return SchedulerHarness(HarnessConfig(hybrid=hybrid, num_blocks=64, workers=workers, kv_load_failure_policy=policy,
                                           connector={"cpu_bytes_to_use": 1 << 24, **connector}, **geometry))
 
 
@@ -313,4 +313,36 @@ def test_a_failed_direct_load_stores_nothing_of_its_step(tmp_path):
     assert second.cached_tokens["r1"] == 192 and idle(second)
     second.reset_prefix_cache()
     assert second.serve(PROMPT) == 96  # from the disk tier up to the flipped file: none of it was kept
+    assert idle(second) and validate(second).errors == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_hybrid_hits_failed_direct_load_recomputes_the_request(tmp_path, workers):
+    """Hybrid models have several KV cache groups, where vLLM takes no block-level load errors: a
+    hit with direct disk loads is loaded asynchronously (the request waits a step) and a failed
+    direct load fails the request's load as a whole (failed_recving, on any rank). With
+    kv_load_failure_policy recompute the request starts again from a fresh lookup, which no longer
+    finds the changed files; every step's KV and state checks pass (the harness), so no token is
+    computed from the bytes that failed."""
+    first = harness(True, workers, disk_path=str(tmp_path))
+    first.serve(PROMPT)
+    files = _block_files(first.connector.layout.rank_dir(0))
+    second = harness(True, workers, policy="recompute", disk_path=str(tmp_path), cpu_bytes_to_use=1)  # no CPU tier
+    sent = []
+    build = second.scheduler.connector.build_connector_meta
+    second.scheduler.connector.build_connector_meta = lambda out: sent.append(build(out)) or sent[-1]
+    rid = second.add(PROMPT, max_tokens=2)
+    assert second.step() == 0 and second.connector.accounting()["direct"] > 0  # files verified and held open
+    for path in files:  # rank 0's entries (KV, partial block, states), changed in place after verification
+        with open(path, "r+b") as f:
+            f.seek(disk.HEADER_SIZE + 3)
+            b = f.read(1)
+            f.seek(disk.HEADER_SIZE + 3)
+            f.write(bytes([b[0] ^ 0x40]))
+    second.run(timeout=30)
+    second.settle()
+    loading = [m for m in sent if m.recving]
+    assert loading and loading[0].recving == [rid] and all(d.request == rid for d in loading[0].direct_loads)
+    assert second.workers[0].side.get_stats().data["disk_read_failures"] >= 1
+    assert second.cached_tokens[rid] == 0  # started again: nothing left verifies
     assert idle(second) and validate(second).errors == 0

@@ -7,6 +7,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -31,7 +32,8 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = with_model_support(config.connector_config(vllm_config), vllm_config)
         self._sched = self._worker = self._remote_counters = None
 
-        layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg)  # raises for groups we cannot hold
+        # raises for groups we cannot hold; only the scheduler side decides the tier secret (TierDecision)
+        layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg, decide=role == KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvbm_plugin.connector.layout import remove_v1_tier_dir, v1_key_root
             from vllm_kvbm_plugin.connector.scheduler import SchedulerSide
@@ -79,6 +81,12 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The requests whose asynchronous loads ran this step (hybrid hits with direct loads),
+        failed ones in both sets: vLLM then recomputes them or fails them (kv_load_failure_policy)."""
+        done, failed = self._worker.take_recving()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def build_connector_worker_meta(self):
         return self._worker.build_worker_meta()

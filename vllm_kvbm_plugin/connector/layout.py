@@ -18,6 +18,7 @@ import dataclasses
 import enum
 import hashlib
 import os
+from typing import NamedTuple
 
 from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.hashing.spec import v1_root_key
@@ -54,12 +55,13 @@ class Layout:
     slot_bytes: int  # one tier entry, the larger of a KV and a state entry
     cpu_slots: int
     disk_slots: int
-    root: tuple[int, int]  # the key root (see module docstring)
+    root: tuple[int, int] | None  # the key root (see module docstring); a worker's: None until it follows the decision
     world: int  # workers that each hold a shard and report every operation
     disk_path: str | None
     keyer: Keyer | None = dataclasses.field(default=None, repr=False, compare=False)  # the scheduler's
     secret: bytes = dataclasses.field(default=b"", repr=False, compare=False)  # the tier secret (tiers/secret.py)
     remote_off: bool = False  # remote_url is set but the tier secret could not be read from it
+    secret_source: str = ""  # tiers/secret.TierSecret.source
 
     @property
     def hybrid(self) -> bool:
@@ -81,7 +83,10 @@ class Layout:
         return rank_dir(self.disk_path, self.root, rank) if self.disk_path else None
 
     @classmethod
-    def from_vllm(cls, vllm_config, kv_cache_config, cfg) -> "Layout":
+    def from_vllm(cls, vllm_config, kv_cache_config, cfg, decide: bool = True) -> "Layout":
+        """The layout of this engine. `decide` (the scheduler side): also read the tier secret and
+        derive the key root from it. A worker passes False: it follows the scheduler side's
+        decision (`decision()`, sent with the first step), never reads the secret itself."""
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
         kv_groups = kv_cache_config.kv_cache_groups
@@ -89,11 +94,13 @@ class Layout:
         block_size = kv_groups[0].kv_cache_spec.block_size
         unit = kv_cache_config.hash_block_size or block_size  # the patch applied cfg.hash_block_size
         size = slot_bytes(kv_cache_config, groups)
-        pc = vllm_config.parallel_config
-        from vllm_kvbm_plugin.tiers.secret import tier_secret
+        secret = keyer = root = None
+        if decide:
+            from vllm_kvbm_plugin.tiers.secret import tier_secret
 
-        secret = tier_secret(cfg.remote_url, cfg.disk_path)
-        keyer = Keyer(secret.key)
+            secret = tier_secret(cfg.remote_url, cfg.disk_path)
+            keyer = Keyer(secret.key)
+            root = key_root(vllm_config, kv_cache_config, unit, keyer)
         return cls(
             groups=groups,
             spec_kinds=tuple(get_kv_cache_spec_kind(g.kv_cache_spec).value for g in kv_groups),
@@ -104,13 +111,39 @@ class Layout:
             slot_bytes=size,
             cpu_slots=cfg.cpu_bytes_to_use // size,
             disk_slots=cfg.disk_bytes_to_use // diskfmt.file_footprint(size, disk_meta_bytes(size, block_size, groups)),
-            root=key_root(vllm_config, kv_cache_config, unit, keyer),
-            world=pc.world_size,
+            root=root,
+            world=vllm_config.parallel_config.world_size,
             disk_path=cfg.disk_path,
             keyer=keyer,
-            secret=secret.key,
-            remote_off=secret.remote_off,
+            secret=secret.key if secret else b"",
+            remote_off=secret.remote_off if secret else False,
+            secret_source=secret.source if secret else "",
         )
+
+    def decision(self) -> TierDecision:
+        """What the workers must follow (scheduler side)."""
+        return TierDecision(self.secret, self.root, not self.remote_off, self.secret_source)
+
+    def following(self, decision: TierDecision) -> "Layout":
+        """A worker's layout once it follows `decision`."""
+        return dataclasses.replace(self, root=decision.root, secret=decision.secret, remote_off=not decision.remote,
+                                   secret_source=decision.source)
+
+
+class TierDecision(NamedTuple):
+    """What the scheduler side decides once for the whole engine and hands to every worker with the
+    first step's metadata: the tier secret and the key root derived from it (tier directory,
+    remote key prefix, block MACs) and whether the remote tier is on. With tensor parallelism each
+    worker process deciding alone could end with two secrets, or a worker without the remote tier
+    the scheduler plans fetches for (Redis down for one process's start)."""
+
+    secret: bytes
+    root: tuple[int, int]
+    remote: bool  # False: remote_url is set but the secret could not be read; the tier is off everywhere
+    source: str  # where the secret came from (tiers/secret.py), for the log
+
+    def __repr__(self) -> str:  # never the secret
+        return f"TierDecision(root={self.root[0]:016x}{self.root[1]:016x}, remote={self.remote}, source={self.source})"
 
 
 def disk_meta_bytes(slot_bytes: int, block_size: int, groups: dict) -> int:

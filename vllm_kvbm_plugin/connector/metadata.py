@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_kvbm_plugin.connector.base import Verb
-from vllm_kvbm_plugin.connector.layout import EntryKind
+from vllm_kvbm_plugin.connector.layout import EntryKind, TierDecision
 
 Key = tuple[int, int]
 
@@ -85,10 +85,12 @@ class RemoteWrite(NamedTuple):
 
 
 class DirectLoad(NamedTuple):
-    """An open, verified disk file -> KV blocks (entries the CPU tier has no room for)."""
+    """An open, verified disk file -> KV blocks (entries the CPU tier has no room for). `request`:
+    the request it loads for when that request's load is asynchronous (KVBMMetadata.recving)."""
     kind: EntryKind
     block_ids: tuple[int, ...]
     key: Key
+    request: str | None = None
 
 
 class PicLoad(NamedTuple):
@@ -128,6 +130,12 @@ class KVBMMetadata(KVConnectorMetadata):
     # queued to the remote thread: fetches in start_load_kv, writes in wait_for_save
     remote_fetches: list[RemoteFetch] = dataclasses.field(default_factory=list)
     remote_writes: list[RemoteWrite] = dataclasses.field(default_factory=list)
+    # requests whose loads above are asynchronous (hybrid hits with direct loads: vLLM takes a failed
+    # load of a model with several KV cache groups per request only): each worker reports them
+    # received, or failed, through vLLM's get_transfer_results
+    recving: list[str] = dataclasses.field(default_factory=list)
+    # the first step's only: what every worker follows (WorkerSide.follow), before anything above
+    decision: TierDecision | None = None
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))

@@ -101,6 +101,7 @@ class _Claim:
     computed: int  # tokens vLLM had before the hit
     tokens: int  # tokens claimed
     needs: list
+    load_async: bool = False  # loaded while the request waits a step (see _exact_hit)
 
 
 class SchedulerSide:
@@ -134,18 +135,22 @@ class SchedulerSide:
         self.batch_numbers = itertools.count(1)
         self.loads_pinned: list = []
         self.kv_cache_manager = None  # bound later (block ids of the requests)
+        self.decision = layout.decision()  # sent to the workers with the first step, then None
+        self.several_groups = len(layout.layer_names) > 1
         # numba loads the key kernels from its cache at their first call (~0.7 s here): at startup,
         # not in the first request's scheduler step
         if layout.keyer is not None:
             layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.root)
         logger.info(
-            "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s",
+            "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s; block-key "
+            "secret from %s, followed by every worker",
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
             f"{layout.disk_slots} slots under {cfg.disk_path}" if "disk" in self._by_label else "off",
             cfg.eviction_policy,
             f", remote tier {cfg.remote_url}" if "remote" in self._by_label else "",
             f", hybrid: state groups {list(layout.groups[STATE])}, hits every {self.hash_unit} tokens"
             if layout.hybrid else "",
+            layout.secret_source or "the test's layout",
         )
 
     def tier(self, label: str):
@@ -255,8 +260,12 @@ class SchedulerSide:
                 n.direct = True
                 next(t for t in self._direct if t.ready_direct(n.key)).hold(n.key, request.request_id)
         cpu.prepare_loads([n.key for n in needs if not n.direct])
-        self.claims[request.request_id] = _Claim(num_computed_tokens, tokens - num_computed_tokens, needs)
-        return tokens - num_computed_tokens, False
+        # A direct load can fail (a file changed in place after its verification). vLLM takes
+        # block-level load errors for one KV cache group only; with several, only a request's
+        # asynchronous load can fail as a whole (failed_recving): such a hit waits a step for it.
+        load_async = self.several_groups and any(n.direct for n in needs)
+        self.claims[request.request_id] = _Claim(num_computed_tokens, tokens - num_computed_tokens, needs, load_async)
+        return tokens - num_computed_tokens, load_async
 
     def _held(self, key) -> bool:
         if self.primary.lookup(key):
@@ -389,11 +398,16 @@ class SchedulerSide:
                 if not n.direct:
                     unwanted.append(n.key)
             elif n.kind is STATE:  # from a held file (open until the metadata is built) or a slot
-                self.state_loads[request.request_id] = (n.index, (n.direct, n.key if n.direct else entries[n.key].slot))
+                source = (n.direct, n.key if n.direct else entries[n.key].slot)
+                if claim.load_async:  # where the request's first step finds it (vLLM copies it on)
+                    self._load_state_at(request.request_id, source, [(n.index - 1) // B], block_ids, True)
+                else:
+                    self.state_loads[request.request_id] = (n.index, source)
                 if not n.direct:
                     state.append(n.key)
             elif n.direct:
-                self._add_load(KV, tuple(ids[n.index] for ids in kv_ids), True, n.key)
+                self._add_load(KV, tuple(ids[n.index] for ids in kv_ids), True, n.key,
+                               request.request_id if claim.load_async else None)
             else:
                 kv_loads.append(n)
         if kv_loads:
@@ -405,12 +419,14 @@ class SchedulerSide:
         self.primary.complete_loads(unwanted)
         self.primary.touch_all(loaded)
         self.loads_pinned += loaded  # unpinned once the metadata is built
+        if claim.load_async and num_external_tokens > 0:
+            self.meta.recving.append(request.request_id)
         for t in self.lower:  # the files this request held open stay open only for the loads just planned
             t.release(request.request_id)
 
-    def _add_load(self, kind: EntryKind, ids: tuple, direct: bool, source) -> None:
+    def _add_load(self, kind: EntryKind, ids: tuple, direct: bool, source, request: str | None = None) -> None:
         if direct:
-            self.meta.direct_loads.append(DirectLoad(kind, ids, source))
+            self.meta.direct_loads.append(DirectLoad(kind, ids, source, request))
         else:
             copies(self.meta.loads, kind, len(ids)).add(ids, source)
 
@@ -421,16 +437,22 @@ class SchedulerSide:
         pending = self.state_loads.pop(req_id, None)
         if pending is None:
             return
-        x, (direct, source) = pending
+        x, source = pending
         B = self.block_size
-        block_ids = self.kv_cache_manager.get_block_ids(req_id)
+        self._load_state_at(req_id, source, sorted({(x - 1) // B, (x + scheduled + B - 1) // B - 1}),
+                            self.kv_cache_manager.get_block_ids(req_id))
+
+    def _load_state_at(self, req_id: str, source: tuple, indices: list, block_ids,
+                       load_async: bool = False) -> None:
+        """The state at X from `source` ((direct, key or slot)) into the request's state blocks `indices`."""
+        direct, where = source
         null = self.pool.null_block.block_id
-        for index in sorted({(x - 1) // B, (x + scheduled + B - 1) // B - 1}):
+        for index in indices:
             ids = tuple(block_ids[g][index] for g in self.layout.groups[STATE])
             if null in ids:
                 logger.error("KVBMConnector: request %s has no state block at index %d", req_id, index)
                 continue
-            self._add_load(STATE, ids, direct, source)
+            self._add_load(STATE, ids, direct, where, req_id if load_async else None)
 
     def _pic_step(self, req_id: str, computed: int, scheduled: int, scheduler_output) -> int:
         """Position-independent loads of this step (pic_planner.py); returns the step's tokens,
@@ -466,6 +488,8 @@ class SchedulerSide:
             self.pic.ensure_loads_before_forward(scheduler_output, self.meta)
         self.state_loads.clear()
         meta, self.meta = self.meta, KVBMMetadata()
+        if self.decision is not None:
+            meta.decision, self.decision = self.decision, None
         if meta.stores:
             meta.store_batch = next(self.batch_numbers)
             self.store_batches[meta.store_batch], self.store_keys = self.store_keys, []

@@ -19,8 +19,16 @@ import time
 import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout, tensor_fingerprint
-from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, KVBMWorkerMetadata, Op, Report, copy_count, copy_ops
+from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout, TierDecision, tensor_fingerprint
+from vllm_kvbm_plugin.connector.metadata import (
+    DirectLoad,
+    KVBMMetadata,
+    KVBMWorkerMetadata,
+    Op,
+    Report,
+    copy_count,
+    copy_ops,
+)
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -42,15 +50,39 @@ class WorkerSide:
     def __init__(self, layout: Layout, cfg: KVBMConfig, rank: int):
         self.layout, self.cfg, self.rank = layout, cfg, rank
         self.slot_bytes = layout.slot_bytes
-        self.disk_base = layout.rank_dir(rank)
+        self.disk_base: str | None = None
         self._init_state()
+        if layout.root is not None:  # a layout decided already (tests); an engine's worker follows the first step's
+            self._open_tiers()
+
+    def follow(self, decision: TierDecision) -> None:
+        """Take the scheduler side's decision (the first step's metadata): the tier secret, the key
+        root and whether the remote tier is on, then open the disk and remote tiers under it. A
+        worker never reads the secret or probes the server itself, so all ranks agree with the
+        scheduler side whatever each process saw at startup."""
+        if self.layout.root is not None:
+            if (decision.root, decision.secret) != (self.layout.root, self.layout.secret):
+                raise RuntimeError(f"KVBMConnector worker {self.rank}: told {decision!r}, but it follows another "
+                                   "decision already (the key root differs)")
+            return
+        self.layout = self.layout.following(decision)
+        if self.described is not None:
+            self.fingerprint = tensor_fingerprint(self.layout.root, self.described)
+        self._open_tiers()
+        logger.info("KVBMConnector worker %d follows the scheduler side: %r", self.rank, decision)
+
+    def _open_tiers(self) -> None:
+        """The disk tier's rank directory and the remote tier's connection, under the decided root."""
+        self.disk_base = self.layout.rank_dir(self.rank)
         if self.disk_base is not None:
             try:  # 0700 whatever the umask; existing tier directories are tightened (logged)
-                diskfmt.prepare_block_dir(layout.disk_path, self.disk_base)
+                diskfmt.prepare_block_dir(self.layout.disk_path, self.disk_base)
             except OSError as e:
                 self._disk_broken = True
                 logger.warning("KVBMConnector: disk tier directory %s unusable (%s); no more disk writes",
                                self.disk_base, e)
+        if self.cfg.remote_url and not self.layout.remote_off:
+            self.remote = RemoteIO(self, self.cfg.remote_url)
 
     def _init_state(self) -> None:
         # kind -> per group of that kind, its layers (each with its offset inside a slot)
@@ -68,12 +100,15 @@ class WorkerSide:
         self._disk_failed = False  # such a failure, not yet reported to the scheduler side
         self.held: dict = {}  # key -> open, verified block file (direct disk loads)
         self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
+        self.recved: set = set()  # requests whose asynchronous loads ran (KVBMMetadata.recving)
+        self.failed_recving: set = set()  # those of them with a failed load
         self._loads_failed = False  # a load of this step failed: its stores must not run (wait_for_save)
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the disk writer thread records too
         self.peaks: dict[str, float] = {}  # "<tier>_<direction>" -> bytes/s (measure_roofline)
-        remote_on = self.cfg.remote_url and not self.layout.remote_off  # as the scheduler side decided
-        self.remote = RemoteIO(self, self.cfg.remote_url) if remote_on else None
+        self.remote: RemoteIO | None = None  # opened by _open_tiers when the decision says so
+        self.described: list | None = None  # the KV layers' layout (register_kv_caches), for the fingerprint
+        self.fingerprint: bytes | None = None  # of the exact byte layout of an entry, under the key root
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.layout.num_blocks
@@ -95,7 +130,9 @@ class WorkerSide:
             if offset > self.slot_bytes:
                 raise ValueError(f"KVBMConnector: a {kind} entry needs {offset} bytes, slots have {self.slot_bytes}")
             self.layers[kind] = per_group
-        self.fingerprint = tensor_fingerprint(self.layout.root, described)
+        self.described = described
+        if self.layout.root is not None:
+            self.fingerprint = tensor_fingerprint(self.layout.root, described)
         pin = torch.cuda.is_available()
         self.pool = torch.empty((self.layout.cpu_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
         t0 = time.perf_counter()
@@ -119,10 +156,10 @@ class WorkerSide:
         n = min(kv.untyped_storage().nbytes(), self.pool.numel(), 256 << 20)
         kv_bytes = torch.empty(0, dtype=torch.uint8, device=kv.device).set_(kv.untyped_storage(), 0, (n,))
         peaks = roofline.copy_peaks(kv_bytes, self.pool.view(-1)[:n])
-        try:
-            if self.disk_base is not None and not self._disk_broken:
-                peaks.update(roofline.disk_peaks(self.disk_base))
-            if self.remote is not None:
+        try:  # before the scheduler side's decision: the disk_path's file system, the configured server
+            if self.cfg.disk_path and os.path.isdir(self.cfg.disk_path):
+                peaks.update(roofline.disk_peaks(self.cfg.disk_path))
+            if self.cfg.remote_url:
                 client = remotefmt.connect(self.cfg.remote_url)
                 try:
                     peaks.update(roofline.remote_peaks(client, self.slot_bytes))
@@ -207,6 +244,11 @@ class WorkerSide:
         self.reports.append(Report(op, key, ok))
 
     def start_load_kv(self, meta: KVBMMetadata) -> None:
+        if meta.decision is not None:
+            self.follow(meta.decision)
+        elif self.layout.root is None:
+            raise RuntimeError("KVBMConnector: a worker got work before the scheduler side's decision (the first "
+                               "step's metadata carries it); vLLM delivered the steps out of order")
         self._loads_failed = False
         if meta.opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
@@ -241,8 +283,9 @@ class WorkerSide:
             for d in meta.direct_loads:
                 fd = self.held.get(d.key)
                 if fd is None or not self._load_direct(d.kind, d.block_ids, fd):
-                    self._direct_load_failed(d.key, d.block_ids)
+                    self._direct_load_failed(d)
             self._record("disk", "load", len(meta.direct_loads), t0)
+        self.recved.update(meta.recving)
         if meta.pic_queries:  # the scheduler side split a request's query (patches/pic_segments.py)
             from vllm_kvbm_plugin.patches import pic_segments
 
@@ -313,21 +356,29 @@ class WorkerSide:
         failed, self._disk_failed = self._disk_failed, False
         return KVBMWorkerMetadata(reports, broken=("disk",) if self._disk_broken or failed else ())
 
-    def _direct_load_failed(self, key, ids: tuple[int, ...]) -> None:
+    def _direct_load_failed(self, d: DirectLoad) -> None:
         """Verified a step ago and held open since: only a failing device, or someone changing the
-        file in place meanwhile (read_payload checks the bytes again), gets here. vLLM takes
-        block-level load errors for one KV cache group only (its kv_load_failure_policy: recompute
-        them, or fail the request); with several groups it would stop the engine, so then the
-        error is only logged."""
+        file in place meanwhile (read_payload checks the bytes again), gets here. vLLM then follows
+        its kv_load_failure_policy (recompute, or fail the request). An asynchronous load (hybrid
+        models: vLLM takes block-level errors for one KV cache group only) fails its request's
+        load as a whole; its blocks are that waiting request's alone, nothing else read them. A
+        synchronous one reports its blocks, and the step's stores are dropped (the forward read them)."""
         self._failed("read")
-        self._loads_failed = True  # the step's stores are dropped, even where vLLM cannot be told (below)
-        if len(self.layout.layer_names) == 1:
-            self.load_errors.update(ids)
-            logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM",
-                         diskfmt.key_hex(key))
-        else:
-            logger.error("KVBMConnector: direct load of disk block %s failed; the request that loads "
-                         "it may produce wrong tokens", diskfmt.key_hex(key))
+        if d.request is not None:
+            self.failed_recving.add(d.request)
+            logger.error("KVBMConnector: direct load of disk block %s failed; request %s recomputes",
+                         diskfmt.key_hex(d.key), d.request)
+            return
+        self._loads_failed = True
+        self.load_errors.update(d.block_ids)
+        logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM", diskfmt.key_hex(d.key))
+
+    def take_recving(self) -> tuple[set, set]:
+        """(requests whose asynchronous loads ran, those of them that failed) since the last call:
+        vLLM's finished_recving and failed_recving (a failed one is both, as vLLM wants it)."""
+        done, failed = self.recved, self.failed_recving
+        self.recved, self.failed_recving = set(), set()
+        return done, failed
 
     def _blocks_failed(self, ids) -> None:
         """Position-independent loads that failed: vLLM recomputes them; this step stores nothing."""

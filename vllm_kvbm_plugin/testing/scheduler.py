@@ -59,6 +59,7 @@ class HarnessConfig:
     # Scheduler and `workers` real WorkerSides (tensor-parallel ranks) run its plans over CPU tensors
     connector: dict | None = None
     workers: int = 1
+    kv_load_failure_policy: str | None = None  # None: vLLM's default
 
 
 def _config_only_model(max_len: int) -> str:
@@ -146,7 +147,8 @@ class SchedulerHarness:
     def _kv_transfer_config(self) -> KVTransferConfig | None:
         return None if self.cfg.connector is None else KVTransferConfig(
             kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
-            kv_role="kv_both", kv_connector_extra_config=self.cfg.connector)
+            kv_role="kv_both", kv_connector_extra_config=self.cfg.connector,
+            **({"kv_load_failure_policy": self.cfg.kv_load_failure_policy} if self.cfg.kv_load_failure_policy else {}))
 
     def _workers(self, kv_cache_config) -> list:
         return [] if self.cfg.connector is None else [
@@ -215,12 +217,16 @@ class SchedulerHarness:
         if not self.workers:
             return None
         spans = self._spans(out, rids)
-        meta, invalid = None, set()
+        meta, invalid, recved, failed = None, set(), None, set()
         for w in self.workers:
             wm = w.run_step(out, spans)
             meta = wm if meta is None else (meta.aggregate(wm) if wm is not None else meta)
             invalid |= w.side.take_load_errors()  # as the model runner asks each step
-        return KVConnectorOutput(kv_connector_worker_meta=meta, invalid_block_ids=invalid)
+            done, bad = w.side.take_recving()  # vLLM's KVOutputAggregator: done once every worker is
+            recved = done if recved is None else recved & done
+            failed |= bad
+        return KVConnectorOutput(kv_connector_worker_meta=meta, invalid_block_ids=invalid,
+                                 finished_recving=recved or None, failed_recving=failed & (recved or set()))
 
     def _spans(self, out, rids: list[str]) -> dict:
         """request id -> (its tokens, first and end position computed this step, its block ids per
@@ -283,7 +289,7 @@ class SimulatedWorker:
         from vllm_kvbm_plugin.connector.worker import WorkerSide
 
         cfg = with_model_support(connector_config(vllm_config), vllm_config)  # as KVBMConnector builds it
-        layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg)
+        layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg, decide=False)  # follows the first step's
         n = kv_cache_config.num_blocks
         self.tensors = {}
         self.attention, self.state = [], []

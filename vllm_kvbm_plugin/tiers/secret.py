@@ -19,8 +19,8 @@ comes from, first match wins:
    too) falls through to 4;
 4. else a random secret for this process: the CPU tier lives no longer than the process.
 
-The connector's processes (scheduler and workers) each load it the same way and agree; each
-process loads it once.
+KVBMConnector's scheduler side loads it, once per process; its workers follow that decision
+(connector/layout.py TierDecision), never load it themselves.
 """
 
 from __future__ import annotations
