@@ -56,11 +56,6 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
 
-    def bind_connector_metadata(self, connector_metadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None:  # before every forward
-            self._worker.before_forward()
-
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if meta:
