@@ -109,7 +109,7 @@ class WorkerSide:
         self.copies = TransferEngine(self.layers, self.pool)
         n_layers = sum(len(ls) for gs in self.layers.values() for ls in gs)
         logger.info("KVBMConnector worker: %d layers, %d bytes per slot, CPU pool %d slots (%.1f MiB, %s in %.2f s)",
-                    n_layers, self.slot_bytes, self.pool.shape[0], self.pool.numel() / 2**20,
+                    n_layers, self.slot_bytes, self.layout.cpu_slots, self.pool.numel() / 2**20,
                     "pinned" if pin else "resident" if resident else "faulted in on use", time.perf_counter() - t0)
         if self.cfg.measure_roofline:
             self._measure_roofline()
