@@ -52,7 +52,8 @@ FRONT_DOOR = 4
 PURE = 1
 VLLM_INSIDE_FUNCTIONS = {f"{PACKAGE}.events.announcer"}  # the pure-layer modules that may use vLLM, lazily
 NO_TORCH = {"hashing", "tiers", "events"}
-TORCH_COPIES = {f"{PACKAGE}.tiers.transfer", f"{PACKAGE}.tiers.roofline", f"{PACKAGE}.tiers.host_memory"}  # copies of KV bytes: torch, never vLLM
+# copies of KV bytes and the pool they go to: torch, never vLLM
+TORCH_COPIES = {f"{PACKAGE}.tiers.transfer", f"{PACKAGE}.tiers.roofline", f"{PACKAGE}.tiers.host_memory"}
 ALLOWED: set[tuple[str, str]] = set()  # (importer, imported) edges exempt from the rules, with reasons
 
 
