@@ -17,9 +17,18 @@ runs on a bare GPU machine from the repository root without an install:
    Targets: >= 80 % of it at 64 and 256 KiB, >= 50 % at 16 KiB (the `auto` mode, the engine's).
 3. Steps: the default stream's time per step with a store per step against the same steps
    without, where each step the host waits for the forward (as for sampled tokens) and then
-   spends --gap-ms scheduling: the store itself never makes the default stream wait; the fence
-   before the next forward (transfer.py) waits at most for the store's gather into device
-   staging (HBM speed), not for its PCIe transfer.
+   spends --gap-ms scheduling.
+4. The store fence: blocks rewritten on the default stream right after a store's submit, with no
+   host wait (as the next step's Mamba state copies or block zeroing would) must reach the pool
+   as they were; and a long prefill's store (1 GiB) followed at once by the next forward: how
+   long that forward waits with staging bounded at STAGE_LIMIT against one buffer (the engine
+   before), next to the store's own PCIe time.
+5. The pinned pool: bytes pinned for a pool of 1 GiB + 4 KiB by tiers/host_memory.py
+   (cudaHostRegister, exact) and by torch's pinned allocator (a power of two), and whether
+   registered memory is used at its host address (the kernels need it).
+6. Direct disk loads: block files (tmpfs) read into pinned staging rows in batches and moved by
+   load jobs (connector/worker.py load_direct_staged) against the path before it (a pageable
+   scratch slot, then a copy per layer per block); bytes checked, time ratio printed.
 
 Exits 1 on any byte mismatch or a check that raised (the figures are printed, not enforced).
 """
@@ -27,14 +36,16 @@ Exits 1 on any byte mismatch or a check that raised (the figures are printed, no
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 import traceback
 
 import numpy as np
 import torch
 
-from vllm_kvbm_plugin.tiers import transfer
+from vllm_kvbm_plugin.tiers import host_memory, transfer
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine
 
 KIB = 1024
@@ -69,6 +80,8 @@ def layouts(device, nb: int, block_bytes: int, layers: int) -> dict:
         "block-major pages": lambda: {"kv": block_major()},
         "mamba state in padded raw pages": lambda: {"state": states()},
         "hybrid: kv + state in one job": lambda: {"kv": packed(), "state": states()},
+        "kernel blocks grouped [nb, 4, heads, bs/4, 2*hd]": lambda: {"kv": [
+            (rnd(4 * nb, heads, bs // 4, 2 * hd).unflatten(0, (nb, 4)), 0) for _ in range(layers)]},
         "tiny pieces (torch path on CUDA)": lambda: {"kv": [(rnd(nb, bs, heads, tiny).permute(0, 2, 1, 3), 0)
                                                             for _ in range(layers)]},
     }
@@ -84,8 +97,9 @@ def engine(kinds: dict, mode: str, slots: int) -> TransferEngine:
             layer.offset, offset = offset, offset + layer.nbytes
             group.append(layer)
         built[kind], width = [group], max(width, offset)
-    pin = torch.cuda.is_available()
-    return TransferEngine(built, torch.zeros(slots, width, dtype=torch.uint8, pin_memory=pin), mode)
+    pool = host_memory.allocate(slots, width, pin=torch.cuda.is_available())  # as the worker's
+    pool.zero_()
+    return TransferEngine(built, pool, mode)
 
 
 def host_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -215,18 +229,16 @@ def steps(device, block_bytes: int, n: int, gap_ms: float, count: int) -> None:
     per_cycle = timed(device, lambda: torch.cuda._sleep(cycles), 3) / cycles
     forward = int(2 * store_s / per_cycle)  # a forward twice as long as the store
 
-    def run(store: bool, fence: bool) -> tuple[float, float]:
+    def run(store: bool) -> tuple[float, float]:
         spans, issue = [], 0.0
         for _ in range(count):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            if fence:
-                eng.fence()
             torch.cuda._sleep(forward)
             b.record()
             if store:
                 t0 = time.perf_counter()
-                eng.submit(ops, to_pool=True)
+                eng.submit(ops, to_pool=True)  # the default stream then waits for its gather
                 issue += time.perf_counter() - t0
             b.synchronize()  # the host waits for the step's sampled tokens
             time.sleep(gap_ms / 1e3)  # then schedules the next step
@@ -235,13 +247,166 @@ def steps(device, block_bytes: int, n: int, gap_ms: float, count: int) -> None:
         eng.get_finished()
         return float(np.median(spans)), issue / count * 1e3
 
-    base, _ = run(False, False)
-    alone, issue = run(True, False)
-    fenced, _ = run(True, True)
+    base, _ = run(False)
+    alone, issue = run(True)
     print(f"  store of {n} blocks x {layers} x {block_bytes // KIB} KiB: {store_s * 1e3:.2f} ms; forward {base:.2f} ms, "
           f"host gap {gap_ms} ms; host issue {issue:.2f} ms per store")
-    print(f"  default stream blocked per step: by the store {max(0.0, alone - base):.3f} ms, "
-          f"with the fence before the next forward {max(0.0, fenced - base):.3f} ms")
+    print(f"  default stream blocked per step by the store: {max(0.0, alone - base):.3f} ms")
+
+
+def rewrite_after_store(device, block_bytes: int, n: int) -> int:
+    """Blocks zeroed on the default stream right after a store's submit (no host wait) reach the
+    pool as they were before: the mismatching layers (0 when the fence holds)."""
+    layers = 8
+    kinds = layouts(device, n, block_bytes, layers)["packed [nb, heads, bs, 2*hd]"]()
+    eng = engine(kinds, "auto", slots=n)
+    want = [t.clone() for t, _ in kinds["kv"]]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(busy_cycles(device, 20))  # the forward: the host queues all below meanwhile
+    eng.submit([("kv", (b,), b) for b in range(n)], to_pool=True)
+    for t, _ in kinds["kv"]:
+        t.zero_()  # the next step's rewrite of freed blocks, queued at once
+    eng.wait()
+    bad = 0
+    for i, w in enumerate(want):
+        got = eng.pool[:, i * block_bytes:(i + 1) * block_bytes]
+        bad += not torch.equal(got.to(device), w.reshape(n, -1).view(torch.uint8))
+    print(f"  {'ok ' if not bad else 'BAD'} {n} blocks x {layers} layers zeroed right after the store's submit: "
+          f"{'the pool holds them as stored' if not bad else f'{bad} layers reached the pool rewritten'}")
+    return bad
+
+
+def busy_cycles(device, ms: float) -> int:
+    """torch.cuda._sleep cycles that keep the default stream busy for about `ms`."""
+    cycles = 1 << 20
+    return int(ms / 1e3 / (timed(device, lambda: torch.cuda._sleep(cycles), 3) / cycles))
+
+
+def next_forward(device, total: int) -> None:
+    """A long prefill's store (`total` bytes) and the next forward queued at once: how long that
+    forward waits with staging up to STAGE_LIMIT, and with one buffer (the engine before). The
+    store is queued behind a 20 ms forward, so the host's issue time is not counted."""
+    layers, bb = 8, 256 * KIB
+    n = total // (layers * bb)
+    kinds = layouts(device, n, bb, layers)["packed [nb, heads, bs, 2*hd]"]()
+    ops = [("kv", (b,), b) for b in range(n)]
+    forward = busy_cycles(device, 20)
+    limit = transfer.STAGE_LIMIT
+    out = {}
+    try:
+        for name, stage_limit in (("bounded", limit), ("one buffer", transfer.STAGE_BYTES)):
+            transfer.STAGE_LIMIT = stage_limit
+            eng = engine(kinds, "auto", slots=n)
+            store_s = timed(device, lambda: (eng.submit(ops, True), eng.wait()), 2)  # also allocates staging
+            waits = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(forward)
+                a.record()
+                eng.submit(ops, to_pool=True)
+                torch.cuda._sleep(1000)  # the next forward
+                b.record()
+                b.synchronize()
+                waits.append(a.elapsed_time(b))
+                eng.wait()
+            eng.get_finished()
+            out[name] = (min(waits), store_s * 1e3)
+            del eng
+    finally:
+        transfer.STAGE_LIMIT = limit
+    (new, store_ms), (old, _) = out["bounded"], out["one buffer"]
+    print(f"  store of {total >> 20} MiB: {store_ms:.2f} ms to the host; the next forward waits "
+          f"{new:.2f} ms (staging up to {limit >> 20} MiB) vs {old:.2f} ms (one {transfer.STAGE_BYTES >> 20} MiB "
+          f"buffer): ratio {old / max(new, 1e-6):.1f}x")
+
+
+def pinned_pool(device) -> int:
+    """Bytes pinned for a 1 GiB + 4 KiB pool, ours against torch's allocator; 1 if registered
+    memory is not usable at its host address."""
+    rows, row = 1, (1 << 30) + 4096
+    n = rows * row
+    lib = host_memory.cudart()
+    t0 = time.perf_counter()
+    ours = host_memory.allocate(rows, row, pin=True)
+    ours_s = time.perf_counter() - t0
+    same = host_memory.CudaHost(lib).device_pointer(ours.data_ptr()) == ours.data_ptr() if lib else False
+    ours[0, :8] = 1
+    ok = ours.is_pinned() and bool(ours[0, :8].to(device).sum() == 8)
+    del ours
+    stats = getattr(torch.cuda, "host_memory_stats", dict)  # torch >= 2.6
+    before = stats().get("allocated_bytes.current", 0)
+    t0 = time.perf_counter()
+    theirs = torch.empty((rows, row), dtype=torch.uint8, pin_memory=True)
+    theirs_s = time.perf_counter() - t0
+    pinned = stats().get("allocated_bytes.current", 0) - before
+    del theirs
+    torch.cuda.synchronize()
+    if hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()  # give torch's cached pinned block back
+    print(f"  {'ok ' if ok and same else 'BAD'} pool of {n} bytes: host_memory pins {-(-n // 4096) * 4096} bytes "
+          f"in {ours_s:.2f} s (device address {'=' if same else '!='} host address); torch's allocator pins "
+          f"{pinned} bytes in {theirs_s:.2f} s ({pinned / n:.2f}x)")
+    return 0 if ok and same else 1
+
+
+def direct_loads(device, nfiles: int, rounds: int) -> int:
+    """Block files read into the KV cache: pinned staging rows + load jobs against a pageable
+    scratch slot + a copy per layer per block (before). Bytes checked (mismatching blocks)."""
+    layers, bb = 32, 64 * KIB  # a 8B model's block: 32 layers x 64 KiB
+    kinds = layouts(device, 2 * nfiles, bb, layers)["packed [nb, heads, bs, 2*hd]"]()
+    staging = 32
+    eng = engine(kinds, "auto", slots=staging)
+    width = eng.slot_bytes
+    root = tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    paths = []
+    rng = np.random.default_rng(0)
+    for i in range(nfiles):
+        paths.append(os.path.join(root, f"{i}.kvb"))
+        with open(paths[-1], "wb") as f:
+            f.write(rng.integers(0, 256, width, dtype=np.uint8).tobytes())
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    scratch = torch.empty((1, width), dtype=torch.uint8)
+    group = eng.layers["kv"][0]
+
+    def before():  # blocks nfiles.. : the old path
+        for i, fd in enumerate(fds):
+            os.preadv(fd, [scratch[0].numpy()], 0)
+            for layer in group:
+                transfer.slots_to_layer(layer, [nfiles + i], [0], scratch)
+
+    def staged():  # blocks 0.. : load_direct_staged
+        for at in range(0, nfiles, staging):
+            eng.wait_loads()
+            for row, fd in enumerate(fds[at:at + staging]):
+                os.preadv(fd, [eng.pool[row].numpy()], 0)
+            eng.submit([("kv", (at + r,), r) for r in range(min(staging, nfiles - at))], to_pool=False)
+
+    try:
+        old_s = timed(device, before, rounds)
+        new_s = timed(device, staged, rounds)
+        bad = sum(not torch.equal(host_bytes(ly.tensor[i]), host_bytes(ly.tensor[nfiles + i]))  # bytes: NaNs
+                  for ly in group for i in range(nfiles))
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for p in paths:
+            os.unlink(p)
+        os.rmdir(root)
+    mib = nfiles * width / 2**20
+    print(f"  {'ok ' if not bad else 'BAD'} {nfiles} files x {width >> 20} MiB ({layers} layers): staged "
+          f"{new_s * 1e3:.1f} ms ({mib / 1024 / new_s:.1f} GiB/s), per layer per block {old_s * 1e3:.1f} ms "
+          f"({mib / 1024 / old_s:.1f} GiB/s): ratio {old_s / new_s:.2f}x")
+    return bad
+
+
+def guarded(check, *args) -> int:
+    """A check's mismatches; 1 if it raised (printed, and the other checks go on)."""
+    try:
+        return check(*args) or 0
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        return 1
 
 
 def main() -> int:
@@ -261,18 +426,23 @@ def main() -> int:
         how = (f"row copies by {'libcudart cudaMemcpyAsync' if eng.ops.memcpy else 'torch copy_'}, "
                f"{eng.ops.programs} kernel programs" if eng.cuda else "no Triton or pinned pool: the torch path")
         print(f"engine: CUDA path {eng.cuda} ({how}), copy engine from {transfer.DMA_MIN_ROW_BYTES // KIB} KiB rows, "
-              f"staging {transfer.STAGE_BYTES >> 20} MiB")
+              f"staging {transfer.STAGE_BYTES >> 20} MiB buffers up to {transfer.STAGE_LIMIT >> 20} MiB, "
+              f"d2h stream {'separate' if eng.cuda and eng.ops.d2h is not eng.ops.stream else 'n/a'}")
     t0 = time.perf_counter()
     print("1. layouts: store, load to other blocks, every byte")
     bad = check_layouts(device, modes, nb=64, block_bytes=(4 if args.quick else 16) * KIB, n=20, seed=args.seed)
     print(f"2. throughput ({time.perf_counter() - t0:.0f} s)")
     met = throughput(device, modes, (32 if args.quick else 256) << 20, 3 if args.quick else 5, args.seed)
     print(f"3. steps ({time.perf_counter() - t0:.0f} s)")
-    try:
-        steps(device, 64 * KIB, 256, args.gap_ms, 20)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc()
-        bad += 1
+    bad += guarded(steps, device, 64 * KIB, 256, args.gap_ms, 20)
+    if cuda:
+        print(f"4. the store fence ({time.perf_counter() - t0:.0f} s)")
+        bad += guarded(rewrite_after_store, device, 256 * KIB, 128)
+        bad += guarded(next_forward, device, 1 << 30)
+        print(f"5. the pinned pool ({time.perf_counter() - t0:.0f} s)")
+        bad += guarded(pinned_pool, device)
+        print(f"6. direct disk loads ({time.perf_counter() - t0:.0f} s)")
+        bad += guarded(direct_loads, device, 96, 3)
     print(f"done in {time.perf_counter() - t0:.0f} s: {'BYTE MISMATCHES: ' + str(bad) if bad else 'every byte checked'}; "
           f"throughput targets {'met' if met else 'missed'}")
     return 1 if bad else 0  # byte mismatches, wrong reports, or a check that raised

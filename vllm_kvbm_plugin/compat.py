@@ -222,3 +222,21 @@ def plan_kv_cache(vllm_config, layer_specs: dict, memory: int):
         c.hash_block_size = hash_block_size
         c.cache_hit_alignment_tokens = alignment
     return worker, sched, block_size, hash_block_size
+
+
+def block_major_view(kv_cache, num_blocks: int):
+    """A layer's KV cache tensor as vLLM hands it to `register_kv_caches`, viewed with its blocks
+    on dim 0. Read from how vLLM lays the views out, never guessed from sizes: every layer view is
+    the logical [B, H, N, C] of `create_kv_cache_views` (v1/kv_cache_interface.py, 0.32 L377,
+    0.33 L418), blocks on dim 0 whatever the physical KVCacheLayout (its strides say where they
+    lie), counted in kernel blocks when the attention backend splits a block (B = num_blocks x
+    ratio: a hybrid model's inflated block on a backend with smaller pages). vLLM's own
+    `group_kernel_blocks` (0.32 L307, 0.33 L348) puts them back under their block. The attention
+    backends of 0.32 and 0.33 no longer describe shapes (`get_kv_cache_shape` and its stride
+    order are gone), so this is the one description there is. Raises ValueError for a tensor
+    that is not such a view (a spec without layer views gets the raw backing buffer)."""
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    if kv_cache.dim() < 2 or kv_cache.shape[0] % num_blocks:
+        raise ValueError(f"a KV cache view with {num_blocks} blocks on dim 0 expected, got {tuple(kv_cache.shape)}")
+    return group_kernel_blocks(kv_cache, num_blocks)

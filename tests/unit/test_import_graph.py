@@ -14,7 +14,8 @@ Layers, low to high (a module belongs to the layer of its top-level package or m
    `events.announcer`, which publishes with vLLM's own publisher and may import vLLM only
    inside functions. `hashing`, `tiers` and `events` import no torch either (`reuse` re-rotates
    K with it), except the tiers' copies between the KV cache and the pool (`tiers.transfer`,
-   `tiers.roofline`): torch and CUDA streams without vLLM, so they run on a GPU box that has none.
+   `tiers.roofline`, and the pool's pinned memory, `tiers.host_memory`): torch and CUDA streams
+   without vLLM, so they run on a GPU box that has none.
 2. vLLM glue: `compat` (the only module that knows 0.32 from 0.33), `config` (settings).
 3. inside vLLM: `patches` (every monkeypatch), `connector` (KVBMConnector), `offloading` (our
    plug-ins of vLLM's OffloadingConnector).
@@ -51,7 +52,8 @@ FRONT_DOOR = 4
 PURE = 1
 VLLM_INSIDE_FUNCTIONS = {f"{PACKAGE}.events.announcer"}  # the pure-layer modules that may use vLLM, lazily
 NO_TORCH = {"hashing", "tiers", "events"}
-TORCH_COPIES = {f"{PACKAGE}.tiers.transfer", f"{PACKAGE}.tiers.roofline"}  # copies of KV bytes: torch, never vLLM
+# copies of KV bytes and the pool they go to: torch, never vLLM
+TORCH_COPIES = {f"{PACKAGE}.tiers.transfer", f"{PACKAGE}.tiers.roofline", f"{PACKAGE}.tiers.host_memory"}
 ALLOWED: set[tuple[str, str]] = set()  # (importer, imported) edges exempt from the rules, with reasons
 
 

@@ -58,11 +58,6 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches) -> None:
         self._worker.register_kv_caches(kv_caches)
 
-    def bind_connector_metadata(self, connector_metadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None:  # before every forward
-            self._worker.before_forward()
-
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if meta:
@@ -75,6 +70,16 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         return  # whole blocks are saved once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
+        # On CUDA a store's copy job returns with vLLM's stream ordered after the gather of its
+        # blocks (tiers/transfer.py submit): that is the fence against a freed block being
+        # rewritten while a store still reads it. bind_connector_metadata is too late for it:
+        # the next step may rewrite a block before binding. Model runner V1
+        # (v1/worker/gpu_model_runner.py execute_model) copies Mamba state in preprocess_mamba
+        # (0.32 L4091, 0.33 L4057) before maybe_get_kv_connector_output binds (0.32 L4202,
+        # 0.33 L4168); V2 (v1/worker/gpu/model_runner.py, the default where Triton is) runs
+        # model_state.preprocess_state (0.32 L1820, 0.33 L1870) before kv_connector.pre_forward's
+        # handle_preemptions and bind (0.32 L2003/L2028, 0.33 L2056/L2081). wait_for_save is the
+        # last hook before all of them.
         meta = self._get_connector_metadata()
         if meta:
             self._worker.wait_for_save(meta)

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout, TierDecision, tensor_fingerprint
 from vllm_kvbm_plugin.connector.metadata import (
@@ -32,6 +33,7 @@ from vllm_kvbm_plugin.connector.metadata import (
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import host_memory
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
 
@@ -118,11 +120,11 @@ class WorkerSide:
             for g in group_ids:
                 layers = []
                 for name in self.layout.layer_names[g]:
-                    t = kv_caches[name]
-                    dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
-                    if not dims:
-                        raise ValueError(f"KVBMConnector: cannot find the block dimension of {name} {tuple(t.shape)}")
-                    layer = Layer(t, dims[0])
+                    try:  # blocks on dim 0 as vLLM lays its views out, never guessed from sizes
+                        t = compat.block_major_view(kv_caches[name], num_blocks)
+                    except ValueError as e:
+                        raise ValueError(f"KVBMConnector: KV cache of {name}: {e}") from None
+                    layer = Layer(t, 0)
                     layer.offset, offset = offset, offset + layer.nbytes
                     layers.append(layer)
                     described.append((name, layer.block_shape, str(t.dtype), layer.dim))
@@ -134,8 +136,11 @@ class WorkerSide:
         if self.layout.root is not None:
             self.fingerprint = tensor_fingerprint(self.layout.root, described)
         pin = torch.cuda.is_available()
-        self.pool = torch.empty((self.layout.cpu_slots, self.slot_bytes), dtype=torch.uint8, pin_memory=pin)
+        # CUDA: pinned with exactly the bytes asked, plus staging rows past the CPU tier's slots
+        # for direct disk loads (load_direct_staged)
+        self.direct_rows = direct_staging_rows(self.slot_bytes) if pin else 0
         t0 = time.perf_counter()
+        self.pool = host_memory.allocate(self.layout.cpu_slots + self.direct_rows, self.slot_bytes, pin)
         resident = pin or _make_resident(self.pool)  # pinned memory is resident already
         self.scratch = torch.empty((1, self.slot_bytes), dtype=torch.uint8)  # direct loads: verify, odd layouts
         self.copies = TransferEngine(self.layers, self.pool)
@@ -300,11 +305,6 @@ class WorkerSide:
             fd = self.held.pop(key, None)
             if fd is not None:
                 os.close(fd)
-
-    def before_forward(self) -> None:
-        """The forward may write blocks a store in flight still reads (freed and reallocated)."""
-        if self.copies is not None and self.copies.cuda:
-            self.copies.fence()
 
     def wait_for_save(self, meta: KVBMMetadata) -> None:
         if self._loads_failed:
@@ -611,3 +611,32 @@ class RemoteIO:
         names = [self.prefix + diskfmt.key_hex(key) for _, key, _, _ in writes]
         values = [remotefmt.value_parts(key, fp, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
         remotefmt.store_values(self.direct or self.client, names, values)
+
+
+DIRECT_STAGING_BYTES = 64 << 20  # CUDA: pinned rows for direct disk loads, past the CPU tier's slots
+
+
+def direct_staging_rows(slot_bytes: int) -> int:
+    """Pool rows set aside on CUDA for direct disk loads: DIRECT_STAGING_BYTES' worth, 2 to 32."""
+    return max(2, min(32, DIRECT_STAGING_BYTES // slot_bytes))
+
+
+def load_direct_staged(side: WorkerSide, loads: list) -> None:
+    """Direct disk loads through pinned staging (CUDA; the CPU path reads straight into the KV
+    pages): each batch of held-open, verified files is read into the pool's staging rows and
+    moved into its blocks by one load job, which the forward's stream waits for, instead of a
+    pageable scratch slot copied layer by layer, block by block, each a synchronous copy. A batch
+    reuses the rows once the previous load job has read them. A file that no longer reads back
+    verified is a failed load (the step's stores are dropped), as on the CPU path."""
+    first = side.layout.cpu_slots
+    for at in range(0, len(loads), side.direct_rows):
+        side.copies.wait_loads()  # the previous batch (this step's or the last) has left the rows
+        ops = []
+        for row, d in enumerate(loads[at:at + side.direct_rows], first):
+            fd = side.held.get(d.key)
+            if fd is not None and diskfmt.read_payload(fd, [side.pool[row].numpy()]):
+                ops.append((d.kind, d.block_ids, row))
+            else:
+                side._direct_load_failed(d.key, d.block_ids)
+        if ops:
+            side.copies.submit(ops, to_pool=False)

@@ -7,17 +7,21 @@ A slot holds one entry: the block's bytes of every layer of its kind, one layer 
 
 - CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, torch index ops for any other;
   a job is done when `submit` returns.
-- CUDA: every job runs on one side stream with an end event (and a start event for its time);
-  `get_finished` polls them. Each block of a layer is a few equal contiguous pieces (one for
-  blocks on dim 0, K and V for blocks on dim 1, ...), and one Triton launch copies every piece
-  of a job, reaching pinned memory through its device address. Stores wait for the forward that wrote their blocks (the side
-  stream waits on the current one), gather them into device staging (a snapshot at HBM speed),
-  then move the rows to the pinned slots by the copy engine (long rows: leaves the SMs to the
-  forward) or a second launch (short rows); nothing makes the current stream wait for them, and
-  the fence before the next forward waits only for the gather. Loads go straight from the
-  slots into the blocks (short rows) or through staging by the copy engine, and make the
-  current stream, not the host, wait on their event. Layers whose pieces are tiny or
-  misaligned, or a machine without Triton, take the torch path (synchronous).
+- CUDA: a job runs on the side stream (`stream`) with an end event (and a start event for its
+  time); `get_finished` polls them. Each block of a layer is a few equal contiguous pieces (one
+  for blocks on dim 0, K and V for blocks on dim 1, ...), and one Triton launch copies every
+  piece of a job, reaching pinned memory through its device address. Stores wait for the
+  forward that wrote their blocks (the side stream waits on the current one) and gather them
+  into device staging (a snapshot at HBM speed); the current stream waits for that gather, and
+  only for it, before anything the model runner queues next (the next step's Mamba state
+  copies, block zeroing, forward: any of them may rewrite a block freed since). The rows then
+  cross to the pinned slots on a second stream (`d2h`), by the copy engine (long rows: leaves
+  the SMs to the forward) or a second launch (short rows), so neither the next forward nor the
+  next job's gathers and loads queue behind a long prefill's PCIe transfer. Staging is a few
+  buffers, each reused once the transfer that read it has passed (STAGE_LIMIT in all). Loads go
+  straight from the slots into the blocks (short rows) or through staging by the copy engine,
+  and make the current stream, not the host, wait on their event. Layers whose pieces are tiny
+  or misaligned, or a machine without Triton, take the torch path (synchronous).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 
 from vllm_kvbm_plugin.tiers.copy import copy_pages
+from vllm_kvbm_plugin.tiers.host_memory import cudart
 
 try:
     import triton
@@ -40,7 +45,8 @@ except ImportError:  # the CPU path needs neither
 
 MIN_PIECE_BYTES = 512  # smaller contiguous pieces (odd strides) take the torch path
 DMA_MIN_ROW_BYTES = 512 << 10  # rows at least this long go through staging + the copy engine
-STAGE_BYTES = 128 << 20  # device staging (stores' snapshots, DMA rows), allocated at first use
+STAGE_BYTES = 128 << 20  # one device staging buffer (stores' snapshots, DMA rows), made when needed
+STAGE_LIMIT = 1 << 30  # staging in all: stores beyond it in flight wait for earlier transfers
 KERNEL_WORDS = 1024  # 8-byte words one program copies per iteration
 
 
@@ -135,11 +141,9 @@ if triton is not None:
 def _cudart_memcpy():
     """cudaMemcpyAsync of the CUDA runtime torch loaded (one call per run of rows, no tensor
     views), or None where it is not a shared library of this process."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart.so" in line}
-        fn = ctypes.CDLL(sorted(paths)[0]).cudaMemcpyAsync
-    except (OSError, IndexError, AttributeError):
+    lib = cudart()
+    fn = getattr(lib, "cudaMemcpyAsync", None)
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
@@ -147,12 +151,13 @@ def _cudart_memcpy():
 
 
 class CudaOps:
-    """What the CUDA path asks of the device: its side stream, events, descriptor uploads, the
+    """What the CUDA path asks of the device: its two streams, events, descriptor uploads, the
     kernel and row copies (one object, so tests run the same path on host memory)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # gathers and loads: what the current stream waits for
+        self.d2h = torch.cuda.Stream(device)  # stores' rows to the pinned slots: only their reports wait
         self.programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         self.memcpy = _cudart_memcpy()
 
@@ -168,21 +173,32 @@ class CudaOps:
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def launch(self, desc: np.ndarray, n: int, keep: list) -> None:
-        """Run piece descriptors [src addresses, dst addresses, words] on the side stream."""
-        d = torch.from_numpy(desc).pin_memory().to(self.device, non_blocking=True)
-        keep.append(d)  # until the job's end event
-        _copy_pieces[(min(n, self.programs),)](d, n, BLOCK=KERNEL_WORDS)
+    def launch(self, stream, desc: np.ndarray, n: int, keep: list) -> None:
+        """Run piece descriptors [src addresses, dst addresses, words] on `stream`."""
+        with torch.cuda.stream(stream):
+            d = torch.from_numpy(desc).pin_memory().to(self.device, non_blocking=True)
+            keep.append(d)  # until the job's end event
+            _copy_pieces[(min(n, self.programs),)](d, n, BLOCK=KERNEL_WORDS)
 
-    def copy(self, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
-        """n bytes between device and pinned memory with the copy engine, on the side stream."""
+    def copy(self, stream, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
+        """n bytes between device and pinned memory with the copy engine, on `stream`."""
         if self.memcpy is not None:
             rc = self.memcpy(dst.data_ptr() + dst_at, src.data_ptr() + src_at, n, 4,  # cudaMemcpyDefault
-                             self.stream.cuda_stream)
+                             stream.cuda_stream)
             if rc:
                 raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {rc}")
             return
-        dst.view(-1)[dst_at:dst_at + n].copy_(src.view(-1)[src_at:src_at + n], non_blocking=True)
+        with torch.cuda.stream(stream):
+            dst.view(-1)[dst_at:dst_at + n].copy_(src.view(-1)[src_at:src_at + n], non_blocking=True)
+
+
+class _Stage:
+    """One device staging buffer and the event after its last reader (None: never used)."""
+
+    __slots__ = ("buf", "free", "used")
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.free, self.used = buf, None, 0
 
 
 class _Job(NamedTuple):
@@ -198,8 +214,9 @@ class TransferEngine:
 
     CUDA modes: `auto` picks by row length (an entry's bytes in its slot); `kernel` moves rows
     with the kernel (loads straight into the blocks); `dma` with the copy engine through device
-    staging. Stores always gather their blocks into device staging first (a snapshot at HBM
-    speed), so a forward that reuses their blocks waits only for that gather (`fence`)."""
+    staging. Stores gather their blocks into device staging first (a snapshot at HBM speed), and
+    `submit` returns with the current stream ordered after that gather, never after the
+    transfer to the host."""
 
     def __init__(self, layers: dict, pool: torch.Tensor, mode: str = "auto", ops=None):
         assert mode in ("auto", "kernel", "dma")
@@ -208,19 +225,22 @@ class TransferEngine:
         self._next = 0
         self._done: collections.deque = collections.deque()  # CPU: (job, seconds)
         self._inflight: collections.deque = collections.deque()  # CUDA: _Job
-        self._last_load = self._snapshot = None  # events: the last load's end, the last store's gathers
+        self._last_load = None  # event: the last load's end
         device = next((ly.tensor.device for gs in layers.values() for ls in gs for ly in ls
                        if ly.tensor.device.type == "cuda"), None)
         if ops is None and device is not None and triton is not None and pool.is_pinned() and self.slot_bytes % 8 == 0:
             ops = CudaOps(device)
         self.ops, self.cuda = ops, ops is not None
-        self._stage = None
+        self._stages: list[_Stage] = []
+        self._uses = 0
         self._pool_words = pool.numpy().reshape(-1).view(np.uint64) if not self.cuda else None
 
     # ---- the contract ----------------------------------------------------------------------
     def submit(self, ops, to_pool: bool) -> int:
         """Start copying `ops` [(kind, block ids, slot)] into the pool (store) or out of it (load);
-        the job id. Blocks and slots out of range raise IndexError before anything is copied."""
+        the job id. Blocks and slots out of range raise IndexError before anything is copied.
+        CUDA: the current stream then waits for a load to land, or for a store to have read its
+        blocks (whatever it queues next may rewrite them)."""
         job, self._next = self._next, self._next + 1
         by_kind: dict = {}
         for kind, ids, slot in ops:
@@ -235,15 +255,18 @@ class TransferEngine:
         dev.stream.wait_stream(current)  # stores read what the forward wrote; loads land after it
         start, end = dev.event(), dev.event()
         keep: list = []
-        snapshot = [] if to_pool else None  # events after each gather of a store; None: not staged
-        with dev.on_side():
-            start.record(dev.stream)
+        start.record(dev.stream)
+        with dev.on_side():  # the torch path's copies
             for kind, items in by_kind.items():
-                self._cuda_copy(kind, items, to_pool, keep, snapshot)
-            end.record(dev.stream)
+                self._cuda_copy(kind, items, to_pool, keep)
         if to_pool:
-            self._snapshot = snapshot[-1] if snapshot and None not in snapshot else end
+            read = dev.event()
+            read.record(dev.stream)  # the blocks are read: gathered into staging, or copied out
+            current.wait_event(read)
+            dev.d2h.wait_stream(dev.stream)
+            end.record(dev.d2h)
         else:
+            end.record(dev.stream)
             current.wait_event(end)  # the forward reads the blocks only once they landed
             self._last_load = end
         self._inflight.append(_Job(job, start, end, keep))
@@ -268,14 +291,6 @@ class TransferEngine:
         if self._last_load is not None:
             self._last_load.synchronize()
 
-    def fence(self) -> None:
-        """Before a forward: it may write blocks freed since a store read them, so the current
-        stream (never the host) waits until the last store has its blocks gathered, a no-op when
-        that is done (the rows then cross to the host from device staging)."""
-        ev = self._snapshot
-        if ev is not None and not ev.query():
-            self.ops.current().wait_event(ev)
-
     # ---- CPU -------------------------------------------------------------------------------
     def _cpu_copy(self, by_kind: dict, to_pool: bool) -> None:
         """Page copies (vLLM's CPU layout) are collected and run together, split over threads;
@@ -298,7 +313,7 @@ class TransferEngine:
         copy_pages(jobs, self._pool_words, self.slot_bytes // 8, to_pool)
 
     # ---- CUDA ------------------------------------------------------------------------------
-    def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list, snapshot: list | None) -> None:
+    def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list) -> None:
         ids = np.asarray([i for i, _ in items], np.int64).reshape(len(items), -1)
         slots = np.asarray([s for _, s in items], np.int64)
         fast, slow = [], []
@@ -314,6 +329,7 @@ class TransferEngine:
             (layer_to_slots if to_pool else slots_to_layer)(layer, ids[:, g].tolist(), slots.tolist(), self.pool)
         if not fast:
             return
+        dev = self.ops
         width = max(layer.offset + layer.nbytes for _, layer in fast)
         dma = self.mode == "dma" or (self.mode == "auto" and width >= DMA_MIN_ROW_BYTES)
         pool_rows = self.pool.data_ptr() + slots * self.slot_bytes
@@ -321,41 +337,60 @@ class TransferEngine:
         # slow layers' bytes); loads by kernel need no staging
         if slow or not (to_pool or dma):
             kv, row, words = piece_descriptors(fast, ids, pool_rows)
-            self._launch(*((kv, row) if to_pool else (row, kv)), words, keep)
-            if snapshot is not None:
-                snapshot.append(None)  # the blocks are read until the end
+            self._launch(dev.stream, *((kv, row) if to_pool else (row, kv)), words, keep)
             return
-        stage = self._staging(width)
-        rows_per = stage.numel() // width
         order = np.argsort(slots, kind="stable")  # consecutive slots -> consecutive staging rows
-        for c in range(0, len(order), rows_per):
-            part = order[c:c + rows_per]
-            rows = stage.data_ptr() + np.arange(len(part), dtype=np.int64) * width
+        c = 0
+        while c < len(order):
+            stage = self._stage(width, dev.stream)
+            part = order[c:c + stage.buf.numel() // width]
+            c += len(part)
+            rows = stage.buf.data_ptr() + np.arange(len(part), dtype=np.int64) * width
             kv, row, words = piece_descriptors(fast, ids[part], rows)
-            if to_pool:
-                self._launch(kv, row, words, keep)
-                snapshot.append(self.ops.event())
-                snapshot[-1].record(self.ops.stream)
-            if dma:
-                self._move_rows(slots[part], stage, width, to_pool)
-            else:  # to_pool: staging rows -> pool rows, one piece each
-                self._launch(rows, pool_rows[part], np.full(len(part), width // 8, np.int64), keep)
-            if not to_pool:
-                self._launch(row, kv, words, keep)
+            if to_pool:  # gather on the side stream (after any load there that reads these slots),
+                # cross to the host on d2h
+                self._launch(dev.stream, kv, row, words, keep)
+                gathered = dev.event()
+                gathered.record(dev.stream)
+                dev.d2h.wait_event(gathered)
+                if dma:
+                    self._move_rows(dev.d2h, slots[part], stage.buf, width, True)
+                else:  # staging rows -> pool rows, one piece each
+                    self._launch(dev.d2h, rows, pool_rows[part], np.full(len(part), width // 8, np.int64), keep)
+                moved = dev.d2h
+            else:  # pool rows -> staging by the copy engine, then the scatter
+                self._move_rows(dev.stream, slots[part], stage.buf, width, False)
+                self._launch(dev.stream, row, kv, words, keep)
+                moved = dev.stream
+            stage.free = dev.event()
+            stage.free.record(moved)
 
-    def _launch(self, src: np.ndarray, dst: np.ndarray, words: np.ndarray, keep: list) -> None:
+    def _launch(self, stream, src: np.ndarray, dst: np.ndarray, words: np.ndarray, keep: list) -> None:
         if len(src):
-            self.ops.launch(np.concatenate([src, dst, words]), len(src), keep)
+            self.ops.launch(stream, np.concatenate([src, dst, words]), len(src), keep)
 
-    def _staging(self, width: int) -> torch.Tensor:
+    def _stage(self, width: int, stream) -> _Stage:
+        """A staging buffer for rows of `width` bytes: a free one, else a new one while staging
+        stays within STAGE_LIMIT, else the least recently used, once `stream` has waited for
+        the transfer that last read it (the only way a gather waits for a PCIe transfer)."""
+        fits = [s for s in self._stages if s.buf.numel() >= width]
+        free = [s for s in fits if s.free is None or s.free.query()]
         size = max(STAGE_BYTES, width)
-        if self._stage is None or self._stage.numel() < size:
-            self._stage = self.ops.empty(size)
-        return self._stage
+        if free:
+            stage = free[0]
+        elif not fits or sum(s.buf.numel() for s in self._stages) + size <= STAGE_LIMIT:
+            stage = _Stage(self.ops.empty(size))
+            self._stages.append(stage)
+        else:
+            stage = min(fits, key=lambda s: s.used)
+            stream.wait_event(stage.free)
+        self._uses += 1
+        stage.used = self._uses
+        return stage
 
-    def _move_rows(self, slots: np.ndarray, stage: torch.Tensor, width: int, to_pool: bool) -> None:
-        """Staging rows 0.. <-> the pool rows of `slots` (sorted) with the copy engine: one copy
-        per run of consecutive slots when an entry fills its slot, else one per row."""
+    def _move_rows(self, stream, slots: np.ndarray, stage: torch.Tensor, width: int, to_pool: bool) -> None:
+        """Staging rows 0.. <-> the pool rows of `slots` (sorted) with the copy engine on `stream`:
+        one copy per run of consecutive slots when an entry fills its slot, else one per row."""
         if width == self.slot_bytes:
             cut = np.flatnonzero(np.diff(slots) != 1) + 1
             starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(slots)]])
@@ -364,9 +399,9 @@ class TransferEngine:
         for a, b in zip(starts.tolist(), ends.tolist()):
             pool_at, stage_at, n = int(slots[a]) * self.slot_bytes, a * width, (b - a) * width
             if to_pool:
-                self.ops.copy(self.pool, pool_at, stage, stage_at, n)
+                self.ops.copy(stream, self.pool, pool_at, stage, stage_at, n)
             else:
-                self.ops.copy(stage, stage_at, self.pool, pool_at, n)
+                self.ops.copy(stream, stage, stage_at, self.pool, pool_at, n)
 
 
 # ---- the torch path (odd layouts, CUDA without Triton, direct loads' scratch slot) ---------------
