@@ -285,10 +285,13 @@ class WorkerSide:
             self._poll()
         if meta.direct_loads:
             t0 = time.perf_counter()
-            for d in meta.direct_loads:
-                fd = self.held.get(d.key)
-                if fd is None or not self._load_direct(d.kind, d.block_ids, fd):
-                    self._direct_load_failed(d)
+            if self.copies.cuda:  # through pinned staging rows, a load job per batch
+                load_direct_staged(self, meta.direct_loads)
+            else:
+                for d in meta.direct_loads:
+                    fd = self.held.get(d.key)
+                    if fd is None or not self._load_direct(d.kind, d.block_ids, fd):
+                        self._direct_load_failed(d)
             self._record("disk", "load", len(meta.direct_loads), t0)
         self.recved.update(meta.recving)
         if meta.pic_queries:  # the scheduler side split a request's query (patches/pic_segments.py)
@@ -637,6 +640,6 @@ def load_direct_staged(side: WorkerSide, loads: list) -> None:
             if fd is not None and diskfmt.read_payload(fd, [side.pool[row].numpy()]):
                 ops.append((d.kind, d.block_ids, row))
             else:
-                side._direct_load_failed(d.key, d.block_ids)
+                side._direct_load_failed(d)
         if ops:
             side.copies.submit(ops, to_pool=False)
