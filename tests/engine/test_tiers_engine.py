@@ -8,7 +8,8 @@ import pytest
 
 import msgspec
 
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin import cli
+from vllm_kvbm_plugin.tiers import disk, inspector
 
 from .helpers import outputs, validate
 
@@ -91,9 +92,14 @@ def test_corrupt_truncated_or_missing_disk_blocks_are_misses(run_engine, baselin
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
     files = sorted(tmp_path.rglob("*.kvb"), key=block_index)
     assert [block_index(f) for f in files] == list(range(6))
+    # the operator's check of what the engine wrote: healthy, then one flipped payload byte
+    assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 0
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == {"checked": 6, "failed": 0, "other_fingerprint": 0}
     data = bytearray(files[3].read_bytes())
     data[disk.HEADER_SIZE + 100] ^= 0xFF  # block 3: one flipped payload byte
     files[3].write_bytes(bytes(data))
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == {"checked": 6, "failed": 1, "other_fingerprint": 0}
+    assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 1
     r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=cpu, disk_path=str(tmp_path)))
     (o,) = outputs(r)
     assert o["num_cached_tokens"] == 3 * 32 and o["tokens"] == outputs(baseline)[0]["tokens"]
