@@ -29,6 +29,14 @@ def write(root, fp, rank, i, meta=b""):
     return path, key
 
 
+def flip(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 4]))
+
+
 def tree(root):
     """Every entry below `root` (links not followed) with its type, size, mode and mtime."""
     out = {}
@@ -101,11 +109,7 @@ def test_files_whose_fingerprint_is_not_the_directory_name(tmp_path, capsys):
     assert cli.main(["tiers", "inspect", str(root), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "verified 5: 0 failed" in out and f"rank 0: fingerprint {tensors.hex()} (KVBMConnector's" in out
-    with open(paths[2], "r+b") as f:  # a flipped payload byte
-        f.seek(disk.HEADER_SIZE + 9)
-        b = f.read(1)
-        f.seek(disk.HEADER_SIZE + 9)
-        f.write(bytes([b[0] ^ 4]))
+    flip(paths[2], disk.HEADER_SIZE + 9)  # a flipped payload byte
     assert inspector.inspect(str(root), verify=True)["verify"] == {"checked": 5, "failed": 1, "other_fingerprint": 0}
     assert cli.main(["tiers", "inspect", str(root), "--verify"]) == 1
     capsys.readouterr()
@@ -115,6 +119,14 @@ def test_files_whose_fingerprint_is_not_the_directory_name(tmp_path, capsys):
     assert r["verify"] == {"checked": 6, "failed": 2, "other_fingerprint": 1}
     assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}  # most files carry it
     assert "(1 of another fingerprint than their rank's)" in inspector.summary(r)
+    # more damaged files of the rank's fingerprint than intact ones: damaged files still name it
+    for p in paths[3:]:
+        flip(p, disk.HEADER_SIZE + 9)
+    key = (10 << 8, 10)
+    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, payload(10), b"m")
+    r = inspector.inspect(str(root), verify=True)
+    assert r["verify"] == {"checked": 7, "failed": 5, "other_fingerprint": 2}
+    assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}
 
 
 def test_cli_json_and_summary(disk_tier, capsys):

@@ -47,7 +47,7 @@ class Report:
                             "oldest_s": None},
                     "skipped": 0, "verify": {"checked": 0, "failed": 0, "other_fingerprint": 0} if verify else None}
         self._progress, self._next = progress, time.monotonic() + 0.5  # short scans print nothing
-        self._fingerprints: dict = {}  # (layout, rank) -> {fingerprint: entries verified under it}
+        self._fingerprints: dict = {}  # (layout, rank) -> {fingerprint: [entries naming it, of them verified]}
 
     def add(self, fingerprint: str, rank: int, nbytes: int, age: float | None) -> None:
         o = self.out
@@ -68,25 +68,27 @@ class Report:
             self._next = time.monotonic() + 0.5
             self._progress(o["entries"])
 
-    def verified(self, layout: str, rank: int, fingerprint: bytes | None) -> None:
-        """One entry checked: the fingerprint it verified under, None when it failed."""
+    def verified(self, layout: str, rank: int, fingerprint: bytes | None, ok: bool) -> None:
+        """One entry checked: the fingerprint its header names (None: no header of ours) and
+        whether it verified under it."""
         v = self.out["verify"]
         v["checked"] += 1
-        if fingerprint is None:
-            v["failed"] += 1
-            return
-        counts = self._fingerprints.setdefault((layout, rank), {})
-        counts[fingerprint] = counts.get(fingerprint, 0) + 1
+        v["failed"] += not ok
+        if fingerprint is not None:
+            counts = self._fingerprints.setdefault((layout, rank), {}).setdefault(fingerprint, [0, 0])
+            counts[0] += 1
+            counts[1] += ok
 
     def finish(self) -> dict:
-        """The report, with each rank's fingerprint: the layout name when its entries carry it, else
-        the one most of them carry; its entries carrying another one fail."""
+        """The report, with each rank's fingerprint: the layout name when its entries name it, else
+        the one most of them name; its intact entries naming another one fail too."""
+        v = self.out["verify"]
         for (layout, rank), counts in sorted(self._fingerprints.items()):
             name = bytes.fromhex(layout)
-            fp = name if name in counts else max(sorted(counts), key=counts.__getitem__)
-            others = sum(counts.values()) - counts[fp]
-            self.out["verify"]["failed"] += others
-            self.out["verify"]["other_fingerprint"] += others
+            fp = name if name in counts else max(sorted(counts), key=lambda f: counts[f][0])
+            others = sum(ok for f, (_, ok) in counts.items() if f != fp)
+            v["failed"] += others
+            v["other_fingerprint"] += others
             self.out["layouts"][layout].setdefault("fingerprints", {})[str(rank)] = fp.hex()
         return self.out
 
@@ -124,28 +126,31 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
                 rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
             if verify:
                 for i in range(0, len(found), BATCH):
-                    for got in _verify_files(base, [k for k, _ in found[i:i + BATCH]]):
-                        rep.verified(fp, int(rank[1:]), got)
+                    for named, ok in _verify_files(base, [k for k, _ in found[i:i + BATCH]]):
+                        rep.verified(fp, int(rank[1:]), named, ok)
     return rep.finish()
 
 
-def _verify_files(base: str, keys: list) -> list[bytes | None]:
-    """For each block file, the fingerprint its header names if the file verifies under it (read
-    as a load reads it: open_verified), else None; each fd is closed at once."""
+def _verify_files(base: str, keys: list) -> list[tuple[bytes | None, bool]]:
+    """For each block file, the fingerprint its header names (None: no header of this format) and
+    whether the file verifies under it, read as a load reads it (open_verified); each fd is
+    closed at once."""
     paths = [diskfmt.block_path(base, k) for k in keys]
-    out: list[bytes | None] = [None] * len(keys)
+    named: list[bytes | None] = [None] * len(keys)
+    ok = [False] * len(keys)
     groups: dict[tuple[bytes, int], list[int]] = {}
     for i, p in enumerate(paths):
-        h = diskfmt.read_header(p)  # None: not a file of this format
+        h = diskfmt.read_header(p)
         if h is not None:
+            named[i] = h.fingerprint
             groups.setdefault((h.fingerprint, h.payload_bytes), []).append(i)
     for (fingerprint, plen), idx in groups.items():
         for i, got in zip(idx, diskfmt.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
                                                             fingerprint, plen)):
             if got is not None:
                 os.close(got[0])
-                out[i] = fingerprint
-    return out
+                ok[i] = True
+    return list(zip(named, ok))
 
 
 def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
@@ -185,19 +190,20 @@ def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
     if verify and kept:
         values = remotefmt.run(client, [("GET", n) for n, _, _, _ in kept])
         for v, (_, root, rank, key_hex) in zip(values, kept):
-            rep.verified(root.decode(), rank, _verify_value(v, key_hex))
+            rep.verified(root.decode(), rank, *_verify_value(v, key_hex))
 
 
-def _verify_value(value, key_hex: bytes) -> bytes | None:
-    """The fingerprint the value's header names if the value verifies under it, else None."""
+def _verify_value(value, key_hex: bytes) -> tuple[bytes | None, bool]:
+    """The fingerprint the value's header names (None: no header of this format) and whether the
+    value verifies under it."""
     if not isinstance(value, (bytes, bytearray)) or len(value) < diskfmt.HEADER_SIZE:
-        return None
+        return None, False
     h = diskfmt.parse_header(value)
     if h is None:
-        return None
+        return None, False
     key = diskfmt.parse_key_hex(key_hex.decode() + diskfmt.SUFFIX)
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
-    return h.fingerprint if remotefmt.read_value(value, key, h.fingerprint, out) else None
+    return h.fingerprint, remotefmt.read_value(value, key, h.fingerprint, out)
 
 
 def inspect(target: str, verify: bool = False, progress=None) -> dict:
