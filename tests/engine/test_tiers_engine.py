@@ -17,6 +17,8 @@ pytestmark = pytest.mark.engine
 rng = random.Random(11)
 PROMPT = [rng.randrange(10, 2000) for _ in range(200)]  # 6 full blocks of 32 can come from a tier
 HIT = 192
+HEALTHY = {"checked": 6, "failed": 0, "other_fingerprint": 0}  # `tiers inspect --verify` of the 6 block files
+ONE_BAD = {**HEALTHY, "failed": 1}
 
 
 def connector(**extra):
@@ -94,11 +96,11 @@ def test_corrupt_truncated_or_missing_disk_blocks_are_misses(run_engine, baselin
     assert [block_index(f) for f in files] == list(range(6))
     # the operator's check of what the engine wrote: healthy, then one flipped payload byte
     assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 0
-    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == {"checked": 6, "failed": 0, "other_fingerprint": 0}
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == HEALTHY
     data = bytearray(files[3].read_bytes())
     data[disk.HEADER_SIZE + 100] ^= 0xFF  # block 3: one flipped payload byte
     files[3].write_bytes(bytes(data))
-    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == {"checked": 6, "failed": 1, "other_fingerprint": 0}
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == ONE_BAD
     assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 1
     r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=cpu, disk_path=str(tmp_path)))
     (o,) = outputs(r)

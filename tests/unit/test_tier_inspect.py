@@ -80,7 +80,8 @@ def test_disk_report(disk_tier):
     assert r["kind"] == "disk" and r["entries"] == 10
     size = os.path.getsize(disk.block_path(disk.block_dir(str(disk_tier), FP_A, 0), (1 << 8, 1)))
     assert r["bytes"] == 10 * size
-    assert r["layouts"] == {FP_A.hex(): {"entries": 6, "bytes": 6 * size, "ranks": [0], "fingerprints": {"0": FP_A.hex()}},
+    assert r["layouts"] == {FP_A.hex(): {"entries": 6, "bytes": 6 * size, "ranks": [0],
+                                         "fingerprints": {"0": FP_A.hex()}},
                             FP_B.hex(): {"entries": 4, "bytes": 4 * size, "ranks": [0, 1],
                                          "fingerprints": {"0": FP_B.hex(), "1": FP_B.hex()}}}
     assert r["age"]["histogram"] == {"<1m": 8, "<1h": 0, "<1d": 0, "<7d": 1, ">=7d": 1}
@@ -165,8 +166,10 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
     assert {k: c.dump(k) for k in c.keys("*")} == snapshot, "the inspection changed the server"
     size = disk.HEADER_SIZE + SIZE + 1
     assert r["kind"] == "remote" and r["entries"] == 8 and r["bytes"] == 8 * size
-    assert r["layouts"] == {FP_A.hex(): {"entries": 5, "bytes": 5 * size, "ranks": [0], "fingerprints": {"0": FP_A.hex()}},
-                            FP_B.hex(): {"entries": 3, "bytes": 3 * size, "ranks": [1], "fingerprints": {"1": FP_B.hex()}}}
+    assert r["layouts"] == {FP_A.hex(): {"entries": 5, "bytes": 5 * size, "ranks": [0],
+                                         "fingerprints": {"0": FP_A.hex()}},
+                            FP_B.hex(): {"entries": 3, "bytes": 3 * size, "ranks": [1],
+                                         "fingerprints": {"1": FP_B.hex()}}}
     assert r["age"]["basis"] == "idle" and r["age"]["histogram"]["<1m"] == 8
     assert r["skipped"] == 2 and r["verify"] == {"checked": 8, "failed": 1, "other_fingerprint": 0}
     # KVBMConnector's values: named by the layout root, each header holding the tensor fingerprint

@@ -35,7 +35,8 @@ def test_the_disk_tiers_files(tiered, tmp_path):
         b = f.read(1)
         f.seek(diskfmt.HEADER_SIZE + 7)
         f.write(bytes([b[0] ^ 1]))
-    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == {"checked": 5, "failed": 1, "other_fingerprint": 0}
+    r = inspector.inspect(str(tmp_path), verify=True)
+    assert r["verify"] == {"checked": 5, "failed": 1, "other_fingerprint": 0}
     served = t.load(keys)
     assert sum(v is None for v in served.values()) >= 1  # the tier does not serve it either
     assert all(v is None or np.array_equal(v, payload(k)) for k, v in served.items())
