@@ -66,14 +66,12 @@ def replay(trace, capacity: int, policy: str) -> float:
             parent = keys[i - 1] if i else None
             if parent is not None and parent not in idx:
                 break  # tiers hold whole prefixes
-            if parent is not None:
-                idx.pin(parent)
+            held = idx.pin(parent) if parent is not None else None
             entry, _ = idx.reserve(keys[i], parent)
-            if parent is not None:
-                idx.unpin(parent)
+            idx.unpin(held)
             if entry is None:
                 break
-            idx.complete(keys[i])
+            idx.complete(entry)
     return hits / total
 
 

@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                       "directory or a remote tier's server, read-only (no link followed, no special file opened)")
     i.add_argument("target", metavar="DISK_PATH|REMOTE_URL", help="a disk_path, or a remote_url (redis://...)")
     i.add_argument("--verify", action="store_true",
-                   help="read every entry as a load does and count those failing verification (exit 1 if any)")
+                   help="read every entry as a load does, under the fingerprint its header names, and count "
+                        "those failing verification or of another fingerprint than their rank's others (exit 1 if any)")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_tiers_inspect)
 

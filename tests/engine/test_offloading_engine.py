@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin import cli
+from vllm_kvbm_plugin.tiers import disk, inspector
 
 from .helpers import outputs, validate
 
@@ -14,6 +15,8 @@ pytestmark = pytest.mark.engine
 rng = random.Random(23)
 PROMPT = [rng.randrange(10, 2000) for _ in range(200)]  # 6 full blocks of 32
 HIT = 192
+HEALTHY = {"checked": 6, "failed": 0, "other_fingerprint": 0}  # `tiers inspect --verify` of the 6 block files
+ONE_BAD = {**HEALTHY, "failed": 1}
 
 
 def offloading(**extra):
@@ -65,8 +68,14 @@ def test_cpu_hit_disk_hit_after_restart_and_corrupt_files_never_served(run_engin
     (o,) = outputs(r2)
     assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline
     assert validate(r2).errors == 0
+    # the operator's check of what the engine wrote: healthy, then with one file's payload flipped
+    assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 0
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == HEALTHY
+    flip_high_bytes(str(files[0]), disk.HEADER_SIZE)
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == ONE_BAD
+    assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 1
     # sign/exponent bytes flipped in every file: all misses, recomputed, identical tokens
-    for f in files:
+    for f in files[1:]:
         flip_high_bytes(str(f), disk.HEADER_SIZE)
     r3 = run_engine(spec(ONCE, disk_path=str(tmp_path)))
     (o,) = outputs(r3)

@@ -95,17 +95,22 @@ def test_damaged_and_foreign_values_are_misses_and_replaced(run_engine, baseline
     truncated, another layout's fingerprint): B computes the whole prompt with the tokens of a
     run without the connector, deletes each bad value and writes a good one in its place."""
     from vllm_kvbm_plugin.tiers import disk as diskfmt
+    from vllm_kvbm_plugin.tiers import inspector
 
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, remote_url=server.url))
     c = server.client()
     names = sorted(n for n in c.scan_iter(match="kvbm:*") if b"key-secret" not in n)
     assert len(names) == HIT // 32
+    # the operator's check (`tiers inspect --verify`) of what the engine wrote
+    assert inspector.inspect(server.url, verify=True)["verify"] == {"checked": 6, "failed": 0, "other_fingerprint": 0}
     good, damaged = {}, {}
     for i, name in enumerate(names):
         v = good[name] = c.get(name)
         at = diskfmt.HEADER_SIZE + 100
         damaged[name] = [v[:at] + bytes([v[at] ^ 0xFF]) + v[at + 1:], v[:-1], v[:24] + bytes(16) + v[40:]][i % 3]
         c.set(name, damaged[name])
+    # flipped and truncated values fail; those naming another fingerprint than the rank's others too
+    assert inspector.inspect(server.url, verify=True)["verify"] == {"checked": 6, "failed": 6, "other_fingerprint": 2}
     b = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, remote_url=server.url))
     (o,) = outputs(b)
     assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline["first"][0]["tokens"]

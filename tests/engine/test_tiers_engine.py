@@ -8,7 +8,8 @@ import pytest
 
 import msgspec
 
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin import cli
+from vllm_kvbm_plugin.tiers import disk, inspector
 
 from .helpers import outputs, validate
 
@@ -16,6 +17,8 @@ pytestmark = pytest.mark.engine
 rng = random.Random(11)
 PROMPT = [rng.randrange(10, 2000) for _ in range(200)]  # 6 full blocks of 32 can come from a tier
 HIT = 192
+HEALTHY = {"checked": 6, "failed": 0, "other_fingerprint": 0}  # `tiers inspect --verify` of the 6 block files
+ONE_BAD = {**HEALTHY, "failed": 1}
 
 
 def connector(**extra):
@@ -91,9 +94,14 @@ def test_corrupt_truncated_or_missing_disk_blocks_are_misses(run_engine, baselin
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path)))
     files = sorted(tmp_path.rglob("*.kvb"), key=block_index)
     assert [block_index(f) for f in files] == list(range(6))
+    # the operator's check of what the engine wrote: healthy, then one flipped payload byte
+    assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 0
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == HEALTHY
     data = bytearray(files[3].read_bytes())
     data[disk.HEADER_SIZE + 100] ^= 0xFF  # block 3: one flipped payload byte
     files[3].write_bytes(bytes(data))
+    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == ONE_BAD
+    assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 1
     r = run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=cpu, disk_path=str(tmp_path)))
     (o,) = outputs(r)
     assert o["num_cached_tokens"] == 3 * 32 and o["tokens"] == outputs(baseline)[0]["tokens"]

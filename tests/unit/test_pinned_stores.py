@@ -42,7 +42,8 @@ def _state(index: TierIndex, stores: PinnedStores):
         victims = index.policy.victims(n, index._pinned)
         if victims is not None:
             break
-    return entries, sorted(index._pinned), list(index._free), index._next, dict(stores.parents), victims
+    parents = {k: p.key if p else None for k, (_, p) in stores.stores.items()}
+    return entries, sorted(index._pinned), list(index._free), index._next, parents, victims
 
 
 @pytest.mark.parametrize("policy", POLICIES)

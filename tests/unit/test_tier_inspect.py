@@ -29,6 +29,14 @@ def write(root, fp, rank, i, meta=b""):
     return path, key
 
 
+def flip(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 4]))
+
+
 def tree(root):
     """Every entry below `root` (links not followed) with its type, size, mode and mtime."""
     out = {}
@@ -72,15 +80,54 @@ def test_disk_report(disk_tier):
     assert r["kind"] == "disk" and r["entries"] == 10
     size = os.path.getsize(disk.block_path(disk.block_dir(str(disk_tier), FP_A, 0), (1 << 8, 1)))
     assert r["bytes"] == 10 * size
-    assert r["layouts"] == {FP_A.hex(): {"entries": 6, "bytes": 6 * size, "ranks": [0]},
-                            FP_B.hex(): {"entries": 4, "bytes": 4 * size, "ranks": [0, 1]}}
+    assert r["layouts"] == {FP_A.hex(): {"entries": 6, "bytes": 6 * size, "ranks": [0],
+                                         "fingerprints": {"0": FP_A.hex()}},
+                            FP_B.hex(): {"entries": 4, "bytes": 4 * size, "ranks": [0, 1],
+                                         "fingerprints": {"0": FP_B.hex(), "1": FP_B.hex()}}}
     assert r["age"]["histogram"] == {"<1m": 8, "<1h": 0, "<1d": 0, "<7d": 1, ">=7d": 1}
     assert r["age"]["basis"] == "written" and 30 * DAY - 60 < r["age"]["oldest_s"] < 30 * DAY + 60
     # the symlink and the FIFO named like block files, the stale temporary file (listed, not
     # counted), the symlinked layout directory
     assert r["skipped"] == 3, r
-    assert r["verify"] == {"checked": 10, "failed": 1}
-    assert inspector.inspect(str(disk_tier))["verify"] is None
+    assert r["verify"] == {"checked": 10, "failed": 1, "other_fingerprint": 0}
+    plain = inspector.inspect(str(disk_tier))
+    assert plain["verify"] is None and "fingerprints" not in plain["layouts"][FP_A.hex()]
+
+
+def test_files_whose_fingerprint_is_not_the_directory_name(tmp_path, capsys):
+    """KVBMConnector's files: the directory is named by the layout root, each header holds the
+    tensor fingerprint (root and the KV cache tensors' shapes). Healthy: 0 failed; a flipped
+    payload byte or a file of another fingerprint among them: failed."""
+    root, tensors = tmp_path / "kv", bytes(range(100, 116))
+    paths = []
+    for i in range(5):
+        key = (i << 8, i)
+        paths.append(disk.block_path(disk.block_dir(str(root), FP_A, 0), key))
+        disk.write_block(paths[-1], key, tensors, payload(i), disk.encode_meta(32, [b"e"]))
+    r = inspector.inspect(str(root), verify=True)
+    assert r["verify"] == {"checked": 5, "failed": 0, "other_fingerprint": 0}
+    assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}
+    assert cli.main(["tiers", "inspect", str(root), "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "verified 5: 0 failed" in out and f"rank 0: fingerprint {tensors.hex()} (KVBMConnector's" in out
+    flip(paths[2], disk.HEADER_SIZE + 9)  # a flipped payload byte
+    assert inspector.inspect(str(root), verify=True)["verify"] == {"checked": 5, "failed": 1, "other_fingerprint": 0}
+    assert cli.main(["tiers", "inspect", str(root), "--verify"]) == 1
+    capsys.readouterr()
+    key = (9 << 8, 9)  # intact, but of another layout than its rank's other files: a load misses it
+    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, payload(9), b"m")
+    r = inspector.inspect(str(root), verify=True)
+    assert r["verify"] == {"checked": 6, "failed": 2, "other_fingerprint": 1}
+    assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}  # most files carry it
+    assert "(1 of another fingerprint than their rank's)" in inspector.summary(r)
+    # more damaged files of the rank's fingerprint than intact ones: damaged files still name it
+    for p in paths[3:]:
+        flip(p, disk.HEADER_SIZE + 9)
+    key = (10 << 8, 10)
+    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, payload(10), b"m")
+    r = inspector.inspect(str(root), verify=True)
+    assert r["verify"] == {"checked": 7, "failed": 5, "other_fingerprint": 2}
+    assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}
 
 
 def test_cli_json_and_summary(disk_tier, capsys):
@@ -119,7 +166,18 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
     assert {k: c.dump(k) for k in c.keys("*")} == snapshot, "the inspection changed the server"
     size = disk.HEADER_SIZE + SIZE + 1
     assert r["kind"] == "remote" and r["entries"] == 8 and r["bytes"] == 8 * size
-    assert r["layouts"] == {FP_A.hex(): {"entries": 5, "bytes": 5 * size, "ranks": [0]},
-                            FP_B.hex(): {"entries": 3, "bytes": 3 * size, "ranks": [1]}}
+    assert r["layouts"] == {FP_A.hex(): {"entries": 5, "bytes": 5 * size, "ranks": [0],
+                                         "fingerprints": {"0": FP_A.hex()}},
+                            FP_B.hex(): {"entries": 3, "bytes": 3 * size, "ranks": [1],
+                                         "fingerprints": {"1": FP_B.hex()}}}
     assert r["age"]["basis"] == "idle" and r["age"]["histogram"]["<1m"] == 8
-    assert r["skipped"] == 2 and r["verify"] == {"checked": 8, "failed": 1}
+    assert r["skipped"] == 2 and r["verify"] == {"checked": 8, "failed": 1, "other_fingerprint": 0}
+    # KVBMConnector's values: named by the layout root, each header holding the tensor fingerprint
+    tensors = bytes(range(100, 116))
+    for i in range(3):
+        key = (i << 8, i)
+        c.set(remotefmt.value_name(FP_B.hex().encode(), 2, disk.key_hex(key).encode()),
+              b"".join(bytes(p) for p in remotefmt.value_parts(key, tensors, payload(i), b"m")))
+    r = inspector.inspect(server.url, verify=True)
+    assert r["verify"] == {"checked": 11, "failed": 1, "other_fingerprint": 0}
+    assert r["layouts"][FP_B.hex()]["fingerprints"] == {"1": FP_B.hex(), "2": tensors.hex()}

@@ -11,6 +11,7 @@ from vllm_kvbm_plugin.tiers.checksum import checksum64
 from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers import disk
 from vllm_kvbm_plugin.tiers.index import TierIndex
+from vllm_kvbm_plugin.tiers.pinned import PinnedStores
 from vllm_kvbm_plugin.tiers.policies import LRU, Lineage, MultiLRU, make_policy
 
 
@@ -18,27 +19,60 @@ def fill(index, keys, parents=None):
     for i, k in enumerate(keys):
         e, evicted = index.reserve(k, (parents or {}).get(k))
         assert e is not None
-        index.complete(k)
+        index.complete(e)
     return index
 
 
 def test_lru_evicts_least_recently_used_and_skips_pinned():
     idx = fill(TierIndex(3, LRU()), ["a", "b", "c"])
     idx.touch("a")
-    idx.pin("b")
+    b = idx.pin("b")
     e, evicted = idx.reserve("d")
     assert [k for k, _ in evicted] == ["c"] and e.slot == evicted[0][1].slot
-    idx.unpin("b")
+    idx.unpin(b)
     _, evicted = idx.reserve("e")
     assert [k for k, _ in evicted] == ["b"]
 
 
 def test_nothing_evictable_means_no_slot():
     idx = TierIndex(1, LRU())
-    idx.reserve("a")  # reserved entries start pinned
+    a, _ = idx.reserve("a")  # reserved entries start pinned
     assert idx.reserve("b") == (None, [])
-    idx.complete("a")
+    idx.complete(a)
     assert idx.busy() == 0 and idx.reserve("b")[0] is not None
+
+
+def test_removing_a_pinned_entry_frees_its_slot_at_its_last_unpin():
+    idx = fill(TierIndex(1, LRU()), ["a"])
+    load = idx.pin("a")  # a load (or a write) reads the slot
+    assert idx.remove("a") is load and "a" not in idx
+    assert idx.reserve("b") == (None, []) and idx.busy() == 1  # the slot is still being read
+    idx.unpin(load)
+    b, _ = idx.reserve("b")
+    assert b.slot == load.slot and idx.busy() == 1
+    idx.unpin(load)  # a pin released twice: nothing more
+    assert idx.busy() == 1 and idx.reserve("c") == (None, [])
+
+
+def test_a_late_unpin_releases_the_old_entry_not_a_new_one_of_the_same_key():
+    """A store of `k` fails (dropped) while a write from its slot is in flight; `k` is stored anew;
+    then the write's late report unpins: the old entry's slot is freed, the new entry stays pinned
+    by its own store (never evicted meanwhile)."""
+    idx = TierIndex(2, LRU())
+    stores = PinnedStores(idx)
+    old, _ = stores.reserve("k")
+    write = idx.pin("k")
+    assert stores.settle("k", False) == (None, None) and "k" not in idx
+    new, _ = stores.reserve("k")
+    assert new is not old and new.slot != old.slot  # the old slot is still the write's source
+    idx.unpin(write)  # the late report
+    assert new.pins == 1 and idx.busy() == 1
+    x = fill(idx, ["x"]).entries["x"]
+    assert x.slot == old.slot  # the freed slot
+    y, evicted = idx.reserve("y")
+    assert [k for k, _ in evicted] == ["x"] and idx.entries["k"] is new  # the new entry is not evictable
+    entry, _ = stores.settle("k", True)
+    assert entry is new and new.ready and new.pins == 0
 
 
 def test_lineage_never_evicts_a_parent_whose_child_is_held():
@@ -47,8 +81,8 @@ def test_lineage_never_evicts_a_parent_whose_child_is_held():
     idx.touch("a")
     order = []
     for new in ["n1", "n2", "n3", "n4"]:
-        _, evicted = idx.reserve(new)
-        idx.complete(new)
+        e, evicted = idx.reserve(new)
+        idx.complete(e)
         order += [k for k, _ in evicted]
     assert order.index("c") < order.index("b") < order.index("a")  # leaves first
     for k in order:  # at each eviction the victim had no child left
@@ -64,7 +98,7 @@ def test_multi_lru_keeps_frequent_entries_and_refuses_cold_newcomers():
     pol.record_miss("new1")
     e, evicted = idx.reserve("new1")
     assert [k for k, _ in evicted] == ["warm"]
-    idx.complete("new1")
+    idx.complete(e)
     # a one-off key may not displace an entry accessed more often than it
     for _ in range(3):
         idx.touch("new1")

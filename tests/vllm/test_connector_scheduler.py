@@ -3,6 +3,7 @@ plans over CPU tensors, and a stand-in forward writes each token's id and positi
 slot, so every step checks that whatever a tier loaded is exactly what a recompute would have
 written, in the right blocks (testing.scheduler.SimulatedWorker). Runs on vLLM 0.32 and 0.33."""
 
+import dataclasses
 import os
 import random
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import Copies, Op, Report
+from vllm_kvbm_plugin.connector.metadata import Copies, KVBMWorkerMetadata, Op, Report
 from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.events.types import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from vllm_kvbm_plugin.events.validator import Validator
@@ -294,7 +295,7 @@ def test_a_failed_direct_load_stores_nothing_of_its_step(tmp_path):
     second.serve([t + 1 for t in PROMPT])  # another prompt fills the CPU tier...
     pinned = list(cpu.index.entries)
     assert len(pinned) == slots
-    cpu.prepare_loads(pinned)  # ...and its writes are in flight: no room for prefetches
+    pinned = cpu.prepare_loads(pinned)  # ...and its writes are in flight: no room for prefetches
     second.add(PROMPT, max_tokens=2)
     assert second.step() == 0 and second.connector.accounting()["direct"] == 6  # six files held open
     with open(files[128], "r+b") as f:  # block 3's first value, flipped in place after verification
@@ -346,3 +347,55 @@ def test_a_hybrid_hits_failed_direct_load_recomputes_the_request(tmp_path, worke
     assert second.workers[0].side.get_stats().data["disk_read_failures"] >= 1
     assert second.cached_tokens[rid] == 0  # started again: nothing left verifies
     assert idle(second) and validate(second).errors == 0
+
+
+def test_a_late_write_report_after_a_failed_store_batch_leaves_the_new_entries_alone(tmp_path):
+    """Pins belong to entries, not keys. A step's CPU stores fail as a batch while the disk writes
+    from their slots are still in flight; the next request stores the same keys anew. The old
+    slots stay taken until those writes are reported (nothing reuses a slot a write still reads),
+    and the late reports release the old entries only: the new entries keep their stores' pins."""
+    h = harness(False, disk_path=str(tmp_path))
+    side, cpu = h.connector, h.connector.tier("cpu")
+    update = h.scheduler.connector.update_connector_output
+    held, phase, seen = [], ["fail"], {}
+
+    def tamper(output):
+        wm = output.kv_connector_worker_meta
+        if wm is None:
+            return update(output)
+        if phase[0] == "fail":
+            reports = []
+            for r in wm.reports:
+                if r.op is Op.STORE:  # the step's stores fail as one...
+                    seen["old"] = {k: cpu.index.entries[k] for k in side.store_batches[r.key]}
+                    r = Report(Op.STORE, r.key, False)
+                    phase[0] = "hold"
+                reports.append(r)
+            wm.reports = reports
+        if phase[0] in ("fail", "hold"):  # ...and their disk writes are reported late
+            held.extend(r for r in wm.reports if r.op is Op.WRITE)
+            wm.reports = [r for r in wm.reports if r.op is not Op.WRITE]
+        elif phase[0] == "late" and any(r.op is Op.STORE for r in wm.reports):
+            new = {k: cpu.index.entries[k] for k in seen["old"]}
+            seen["new"] = {k: e.pins for k, e in new.items()}
+            update(dataclasses.replace(output, kv_connector_worker_meta=KVBMWorkerMetadata(held)))
+            seen["after"] = {k: e.pins for k, e in new.items()}
+            seen["slots"] = {e.slot for e in new.values()}
+            phase[0] = "done"
+        return update(output)
+
+    h.scheduler.connector.update_connector_output = tamper
+    assert h.serve(PROMPT) == 0
+    old = seen["old"]
+    assert len(old) == 6 and len(held) == 6 and not any(k in cpu for k in old)  # dropped, writes unreported
+    assert cpu.busy() == 6  # their slots: still the writes' sources
+    h.reset_prefix_cache()
+    phase[0] = "late"
+    assert h.serve(PROMPT) == 0  # stored anew (the disk entries are still being written: no hit)
+    assert phase[0] == "done"
+    assert seen["after"] == seen["new"] and all(p >= 1 for p in seen["new"].values()), seen
+    assert not seen["slots"] & {e.slot for e in old.values()}  # no slot a write still read was reused
+    assert idle(h) and len(side.tier("disk")) == 6
+    h.reset_prefix_cache()
+    assert h.serve(PROMPT) == 192  # every byte checked
+    assert idle(h)

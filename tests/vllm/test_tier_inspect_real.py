@@ -29,13 +29,14 @@ def test_the_disk_tiers_files(tiered, tmp_path):
     files = sorted(tmp_path.rglob("*.kvb"))
     assert r["entries"] == 5 == len(files) and r["bytes"] == sum(f.stat().st_size for f in files)
     assert list(r["layouts"]) == [t.tier.fingerprint.hex()] and r["layouts"][t.tier.fingerprint.hex()]["ranks"] == [0]
-    assert r["verify"] == {"checked": 5, "failed": 0} and r["skipped"] == 0
+    assert r["verify"] == {"checked": 5, "failed": 0, "other_fingerprint": 0} and r["skipped"] == 0
     with open(files[0], "r+b") as f:  # one payload byte flipped
         f.seek(diskfmt.HEADER_SIZE + 7)
         b = f.read(1)
         f.seek(diskfmt.HEADER_SIZE + 7)
         f.write(bytes([b[0] ^ 1]))
-    assert inspector.inspect(str(tmp_path), verify=True)["verify"] == {"checked": 5, "failed": 1}
+    r = inspector.inspect(str(tmp_path), verify=True)
+    assert r["verify"] == {"checked": 5, "failed": 1, "other_fingerprint": 0}
     served = t.load(keys)
     assert sum(v is None for v in served.values()) >= 1  # the tier does not serve it either
     assert all(v is None or np.array_equal(v, payload(k)) for k, v in served.items())
@@ -48,5 +49,5 @@ def test_the_remote_tiers_values(tiered, server):
     r = inspector.inspect(server.url, verify=True)
     assert r["kind"] == "remote" and r["entries"] == 4
     assert list(r["layouts"]) == [t.tier.fingerprint.hex()]
-    assert r["verify"] == {"checked": 4, "failed": 0}
+    assert r["verify"] == {"checked": 4, "failed": 0, "other_fingerprint": 0}
     assert r["bytes"] == sum(server.client().strlen(k) for k in server.client().keys("kvbm:*:r0:*"))

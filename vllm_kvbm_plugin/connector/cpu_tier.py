@@ -82,20 +82,20 @@ class TierManager:
         return announce
 
     def prepare_load(self, key) -> Entry:
-        """Protect a ready entry from eviction until complete_load."""
-        self.index.pin(key)
-        return self.index.entries[key]
+        """Protect the entry of `key` from eviction (and its slot from reuse) until complete_load
+        of the entry returned."""
+        return self.index.pin(key)
 
-    def complete_load(self, key) -> None:
-        self.index.unpin(key)
+    def complete_load(self, entry: Entry | None) -> None:
+        self.index.unpin(entry)
 
-    def prepare_loads(self, keys) -> None:
+    def prepare_loads(self, keys) -> list[Entry]:
         """prepare_load() of each of `keys` (ready entries): a hit's entries in one call."""
-        self.index.pin_all(keys)
+        return self.index.pin_all(keys)
 
-    def complete_loads(self, keys) -> None:
-        """complete_load() of each of `keys`."""
-        self.index.unpin_all(keys)
+    def complete_loads(self, entries) -> None:
+        """complete_load() of each of `entries`."""
+        self.index.unpin_all(entries)
 
     def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
         """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no

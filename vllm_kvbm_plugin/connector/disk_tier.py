@@ -23,6 +23,7 @@ from vllm_kvbm_plugin.connector.metadata import DiskWrite, Prefetch
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers.index import Entry
 from vllm_kvbm_plugin.tiers.pinned import restore
 
 logger = get_logger("connector")
@@ -43,6 +44,7 @@ MAX_DIRECT = _max_direct()
 @dataclasses.dataclass
 class _Held:
     """A disk entry the workers verify and keep open for a direct load."""
+    entry: Entry  # pinned while held
     ready: bool = False  # every worker verified it
     requests: set = dataclasses.field(default_factory=set)  # the requests waiting for it
 
@@ -71,7 +73,7 @@ class DiskTier(TierManager):
         self.meta_bytes = layout.disk_meta_bytes  # what a file's metadata may take (disk_slots counts it)
         self.oversized = 0  # entries not written: their metadata would take more
         self.writes_resume = 0.0  # monotonic time stores resume after a worker's disk failed
-        self.prefetching: set = set()
+        self.prefetching: dict[tuple, Entry] = {}  # key -> its entry, pinned while read into a CPU slot
         self.held: dict = {}  # key -> _Held
         self.opens: list = []  # to send with the next metadata
         self.closes: list = []
@@ -144,13 +146,12 @@ class DiskTier(TierManager):
 
     # ---- loads: prefetches into CPU slots, and direct loads from open files --------------
     def prefetch(self, key) -> None:
-        self.prepare_load(key)
-        self.prefetching.add(key)
+        self.prefetching[key] = self.prepare_load(key)
 
     def prefetched(self, key, ok: bool) -> None:
-        self.prefetching.discard(key)
-        self.complete_load(key)
-        if not ok:
+        entry = self.prefetching.pop(key, None)
+        self.complete_load(entry)
+        if not ok and entry is not None and self.index.entries.get(key) is entry:
             self.lost(key)
 
     def busy_loading(self, key) -> bool:
@@ -165,8 +166,7 @@ class DiskTier(TierManager):
         if h is None:
             if len(self.held) >= MAX_DIRECT:
                 return False
-            h = self.held[key] = _Held()
-            self.prepare_load(key)
+            h = self.held[key] = _Held(self.prepare_load(key))
             self.opens.append(key)
         h.requests.add(req_id)
         return True
@@ -197,8 +197,9 @@ class DiskTier(TierManager):
             self._close(k)
 
     def _close(self, key) -> None:
-        if self.held.pop(key, None) is not None:
-            self.complete_load(key)
+        h = self.held.pop(key, None)
+        if h is not None:
+            self.complete_load(h.entry)
             self.closes.append(key)
 
     def has_pending_work(self) -> bool:

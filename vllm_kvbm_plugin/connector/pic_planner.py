@@ -52,6 +52,7 @@ from vllm_kvbm_plugin.connector.pic_model import PicModel
 from vllm_kvbm_plugin.events.types import TIER_CPU
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.reuse.subseq import SubseqIndex
+from vllm_kvbm_plugin.tiers.index import Entry
 
 logger = get_logger("connector.pic")
 
@@ -129,7 +130,7 @@ class PicCpuTier(TierManager):
 class _Segment:
     """Tokens [new_position, new_position + count) of a request from a tier entry's tokens
     [src_offset, src_offset + count), computed at old_position onwards."""
-    key: tuple
+    entry: Entry  # the CPU tier's entry, pinned for this segment (the planner unpins it)
     src_offset: int
     count: int
     old_position: int
@@ -137,7 +138,7 @@ class _Segment:
 
     def after(self, n: int) -> "_Segment":
         """The segment without its first n tokens."""
-        return _Segment(self.key, self.src_offset + n, self.count - n, self.old_position + n, self.new_position + n)
+        return _Segment(self.entry, self.src_offset + n, self.count - n, self.old_position + n, self.new_position + n)
 
 
 @dataclasses.dataclass
@@ -288,8 +289,8 @@ class PicPlanner:
                 stop = min(first + B, limit)
                 while end < stop:  # one segment per destination block
                     n = min(stop, (end // B + 1) * B) - end
-                    segments.append(_Segment(key, end - first, n, best.old_start + j * B + end - first, end))
-                    self.cpu.prepare_load(key)
+                    segments.append(_Segment(self.cpu.prepare_load(key), end - first, n,
+                                             best.old_start + j * B + end - first, end))
                     end += n
             if end == before:
                 contiguous = end if contiguous is None else contiguous
@@ -338,7 +339,7 @@ class PicPlanner:
                 if s.new_position >= end:
                     taken.append(s)
                 else:
-                    self.cpu.complete_load(s.key)
+                    self.cpu.complete_load(s.entry)
             if taken:
                 self.blending[request.request_id] = taken
                 self.stats["served"] += 1
@@ -353,8 +354,8 @@ class PicPlanner:
             n = min(s.count, end - s.new_position)
             if n <= 0:  # in `later`, still pinned
                 continue
-            self.cpu.touch(s.key)
-            loads_pinned.append(s.key)  # unpinned once the metadata is built
+            self.cpu.touch(s.entry.key)
+            loads_pinned.append(s.entry)  # unpinned once the metadata is built
             self._load(meta, block_ids, s, n)
             served += n
         if served or later:
@@ -378,7 +379,7 @@ class PicPlanner:
             return n
         request, segments = entry
         while segments and segments[0].new_position < computed:  # computed by vLLM meanwhile
-            self.cpu.complete_load(segments[0].key)
+            self.cpu.complete_load(segments[0].entry)
             self._count("pic_computed_tokens", segments.pop(0).count)
         B = self.block_size
         room = len(block_ids[self.kv_groups[0]]) * B  # tokens the request has blocks for
@@ -391,12 +392,12 @@ class PicPlanner:
                 b += run[-1].count
             if (b - a) < self.MIN_SKIP * B:  # not worth a step (or a segment): computed
                 for s in run:
-                    self.cpu.complete_load(s.key)
+                    self.cpu.complete_load(s.entry)
                 self._count("pic_computed_tokens", b - a)
                 break
             for s in run:
-                self.cpu.touch(s.key)
-                loads_pinned.append(s.key)  # unpinned once the metadata is built
+                self.cpu.touch(s.entry.key)
+                loads_pinned.append(s.entry)  # unpinned once the metadata is built
                 self._load(meta, block_ids, s, s.count)
             queries.append((pos, a - pos))
             budget -= a - pos
@@ -443,13 +444,13 @@ class PicPlanner:
                 s = s.after(start - s.new_position)
             n = min(s.count, end - s.new_position)
             if n > 0:
-                self.cpu.touch(s.key)
+                self.cpu.touch(s.entry.key)
                 self._load(meta, block_ids, s, n)
                 served += n
                 if n < s.count:  # the rest is computed next step
                     rest.append(s.after(n))
                     continue
-            loads_pinned.append(s.key)  # unpinned once the metadata is built
+            loads_pinned.append(s.entry)  # unpinned once the metadata is built
         if rest:
             self.blending[req_id] = rest
         self.stats["tokens"] += served
@@ -457,7 +458,7 @@ class PicPlanner:
 
     def _load(self, meta, block_ids, s: _Segment, n: int) -> None:
         ids = tuple(block_ids[g][s.new_position // self.block_size] for g in self.kv_groups)
-        meta.pic_loads.append(PicLoad(ids, s.new_position % self.block_size, self.cpu.slot(s.key),
+        meta.pic_loads.append(PicLoad(ids, s.new_position % self.block_size, s.entry.slot,
                                       s.src_offset, n, s.old_position, s.new_position))
         self.stats["segments"] += 1
 
@@ -465,7 +466,7 @@ class PicPlanner:
         claim = self.claims.pop(req_id, None)
         skipping = self.skipping.pop(req_id, (None, []))[1]
         for s in (claim.segments if claim else []) + self.blending.pop(req_id, []) + skipping:
-            self.cpu.complete_load(s.key)
+            self.cpu.complete_load(s.entry)
         if finished:
             self.approximate_from.pop(req_id, None)
 

@@ -46,6 +46,7 @@ from vllm_kvbm_plugin.connector.pic_planner import PicPlanner
 from vllm_kvbm_plugin.connector.remote_tier import RemoteTier
 from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.tiers.index import Entry
 
 logger = get_logger("connector")
 
@@ -94,6 +95,7 @@ class _Need:
     kind: EntryKind
     index: int  # KV: block index; STATE: the hit's token count
     direct: bool = False  # loaded from an entry the workers hold open (a disk file), not from a CPU slot
+    entry: Entry | None = None  # else the CPU tier's entry, pinned for this load
 
 
 @dataclasses.dataclass
@@ -133,7 +135,8 @@ class SchedulerSide:
         self.store_keys: list = []  # the keys of this step's stores (meta.stores), in order
         self.store_batches: dict[int, list] = {}  # store_batch -> its keys, until the workers report it
         self.batch_numbers = itertools.count(1)
-        self.loads_pinned: list = []
+        self.loads_pinned: list[Entry] = []  # the CPU entries this step loads from
+        self.write_sources: dict[tuple[str, tuple], Entry] = {}  # (tier label, key) -> the CPU entry it is written from
         self.kv_cache_manager = None  # bound later (block ids of the requests)
         self.decision = layout.decision()  # sent to the workers with the first step, then None
         self.several_groups = len(layout.layer_names) > 1
@@ -235,9 +238,8 @@ class SchedulerSide:
             return None, False  # their verification is still running
         elsewhere = [n for n in plan[1] if not self._loadable(n.key)]  # in a lower tier only
         if elsewhere:
-            in_cpu = [n.key for n in plan[1] if cpu.lookup(n.key)]
-            for k in in_cpu:  # a prefetch may evict CPU entries, but none this hit needs
-                cpu.prepare_load(k)
+            # a prefetch may evict CPU entries, but none this hit needs
+            in_cpu = cpu.prepare_loads([n.key for n in plan[1] if cpu.lookup(n.key)])
             rest = self._prefetch(st, elsewhere)
             issued = len(elsewhere) - len(rest)
             for n in rest:  # direct loads: from tiers whose workers hold entries open (disk)
@@ -245,8 +247,7 @@ class SchedulerSide:
                 if tier is None or not tier.hold(n.key, request.request_id):
                     break
                 issued += 1
-            for k in in_cpu:
-                cpu.complete_load(k)
+            cpu.complete_loads(in_cpu)
             if issued:
                 return None, False  # come back once the entries are verified
             plan = self._plan(st, start, limit, self._loadable)  # what can be loaded now
@@ -259,7 +260,9 @@ class SchedulerSide:
             if not cpu.lookup(n.key):
                 n.direct = True
                 next(t for t in self._direct if t.ready_direct(n.key)).hold(n.key, request.request_id)
-        cpu.prepare_loads([n.key for n in needs if not n.direct])
+        from_cpu = [n for n in needs if not n.direct]
+        for n, entry in zip(from_cpu, cpu.prepare_loads([n.key for n in from_cpu])):
+            n.entry = entry
         # A direct load can fail (a file changed in place after its verification). vLLM takes
         # block-level load errors for one KV cache group only; with several, only a request's
         # asynchronous load can fail as a whole (failed_recving): such a hit waits a step for it.
@@ -339,8 +342,7 @@ class SchedulerSide:
     def _release_claim(self, req_id: str) -> None:
         claim = self.claims.pop(req_id, None)
         for n in claim.needs if claim else ():
-            if not n.direct:
-                self.primary.complete_load(n.key)
+            self.primary.complete_load(n.entry)  # None: a direct load's
 
     def _prefetch(self, st: RequestKeys, needs: list[_Need]) -> list[_Need]:
         """Read entries of the lower tiers into CPU slots, in order, while the CPU tier has room and
@@ -387,8 +389,8 @@ class SchedulerSide:
         end = claim.computed + max(num_external_tokens, 0)
         block_ids = blocks.get_block_ids()
         kv_ids = [block_ids[g] for g in self.layout.groups[KV]]
-        B, entries = self.block_size, self.primary.index.entries
-        unwanted, kv_loads, state = [], [], []  # from CPU slots: keys not loaded, KV needs loaded, the state's key
+        B = self.block_size
+        unwanted, kv_loads, state = [], [], []  # from CPU slots: entries not loaded, KV needs loaded, the state's need
         for n in claim.needs:
             if n.kind is STATE:
                 wanted = num_external_tokens > 0
@@ -396,15 +398,15 @@ class SchedulerSide:
                 wanted = n.index * B < end or (hybrid and num_external_tokens > 0)
             if not wanted:
                 if not n.direct:
-                    unwanted.append(n.key)
+                    unwanted.append(n.entry)
             elif n.kind is STATE:  # from a held file (open until the metadata is built) or a slot
-                source = (n.direct, n.key if n.direct else entries[n.key].slot)
+                source = (n.direct, n.key if n.direct else n.entry.slot)
                 if claim.load_async:  # where the request's first step finds it (vLLM copies it on)
                     self._load_state_at(request.request_id, source, [(n.index - 1) // B], block_ids, True)
                 else:
                     self.state_loads[request.request_id] = (n.index, source)
                 if not n.direct:
-                    state.append(n.key)
+                    state.append(n)
             elif n.direct:
                 self._add_load(KV, tuple(ids[n.index] for ids in kv_ids), True, n.key,
                                request.request_id if claim.load_async else None)
@@ -414,11 +416,11 @@ class SchedulerSide:
             loads = copies(self.meta.loads, KV, len(kv_ids))
             for column, ids in zip(loads.block_ids, kv_ids):
                 column += [ids[n.index] for n in kv_loads]
-            loads.slots.extend([entries[n.key].slot for n in kv_loads])
-        loaded = [n.key for n in kv_loads] + state  # the needs' order: the state comes last
+            loads.slots.extend([n.entry.slot for n in kv_loads])
+        loaded = kv_loads + state  # the needs' order: the state comes last
         self.primary.complete_loads(unwanted)
-        self.primary.touch_all(loaded)
-        self.loads_pinned += loaded  # unpinned once the metadata is built
+        self.primary.touch_all([n.key for n in loaded])
+        self.loads_pinned += [n.entry for n in loaded]  # unpinned once the metadata is built
         if claim.load_async and num_external_tokens > 0:
             self.meta.recving.append(request.request_id)
         for t in self.lower:  # the files this request held open stay open only for the loads just planned
@@ -643,7 +645,8 @@ class SchedulerSide:
         slot = cpu.slot(key)
         for t in self.lower:
             if t.submit_store(key, parent, end, announce, slot, self.meta):
-                cpu.prepare_load(key)  # the slot is the source of the write, pinned until reported
+                # the slot is the source of the write: its entry is pinned until the write is reported
+                self.write_sources[t.label, key] = cpu.prepare_load(key)
 
     # ---- worker reports ----------------------------------------------------------------------
     def update_connector_output(self, output) -> None:
@@ -668,7 +671,7 @@ class SchedulerSide:
                 continue
             verb = op.verb
             if verb is Verb.WRITE:
-                cpu.complete_load(key)  # the write's source slot
+                cpu.complete_load(self.write_sources.pop((op.tier, key), None))  # the write's source slot
             by_label[op.tier].settle(op, key, ok)
             if verb is Verb.FETCH:
                 cpu.settle(op, key, ok)  # the slot it was read into

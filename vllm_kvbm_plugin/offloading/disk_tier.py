@@ -110,12 +110,12 @@ class KVBMDiskTier(ChunkTier):
         self._jobs[job.job_id] = (self._spread(self._write, work), False, work)
 
     def submit_load(self, job: TransferJob) -> None:
-        work = []
+        work, pinned = [], []
         for key, chunk in zip(job.keys, job.chunk_ids):
             if self.index.ready(key) is not None:
-                self.index.pin(key)
+                pinned.append(self.index.pin(key))
                 work.append((key, int(chunk)))
-        self._jobs[job.job_id] = (self._spread(self._read, work), True, (list(job.keys), [k for k, _ in work]))
+        self._jobs[job.job_id] = (self._spread(self._read, work), True, (list(job.keys), pinned))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
@@ -149,9 +149,8 @@ class KVBMDiskTier(ChunkTier):
 
     def _finish_load(self, job_id: int, keys: tuple, ok_keys: set, seconds) -> JobResult:
         job_keys, pinned = keys
-        for key in pinned:
-            self.index.unpin(key)
-        bad = [k for k in pinned if k not in ok_keys and k in self.index]
+        self.index.unpin_all(pinned)
+        bad = [e.key for e in pinned if e.key not in ok_keys and self.index.entries.get(e.key) is e]
         if bad:
             self.failed_loads += len(bad)
             logger.warning("KVBMDiskTier: %d chunk file(s) corrupt, truncated or missing: dropped (misses)",

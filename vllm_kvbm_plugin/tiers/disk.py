@@ -289,6 +289,22 @@ def read_meta(path: str) -> bytes | None:
         os.close(fd)
 
 
+def read_header(path: str) -> Header | None:
+    """The header of a block file (nothing verified: for inspection), or None unless `path` is a
+    regular file starting with a header of this format version."""
+    opened = _open_regular(path)
+    if opened is None:
+        return None
+    fd, size = opened
+    try:
+        head = bytearray(HEADER_SIZE)
+        return parse_header(head) if size >= HEADER_SIZE and _io_exact(os.preadv, fd, [head], 0) else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _is_real_dir(path: str) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)

@@ -1,7 +1,9 @@
 """The index of one tier: which block keys it holds, in which slot, and which are busy.
 
 Invariants: a key is `ready` only after its bytes are complete where the slot says; a pinned entry
-(being loaded or stored) is never evicted; slots are reused only after eviction.
+(being loaded or stored) is never evicted; a slot is reused only once its entry is removed and
+unpinned. Pins belong to an entry, not to its key: whoever pins holds the Entry and unpins that
+entry, so a late unpin after the key was removed and stored anew never touches the new entry.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class Entry(msgspec.Struct, gc=False):
     process that grows with the tier), so an entry and its `meta` must never be part of a
     reference cycle."""
 
+    key: Any
     slot: int
     ready: bool = False
     pins: int = 0
@@ -39,7 +42,8 @@ class TierIndex:
         self.entries: dict[Hashable, Entry] = {}
         self._free: list[int] = []  # recycled slots; fresh ones come from _next
         self._next = 0
-        self._pinned: set = set()
+        self._pinned: set = set()  # keys whose entry is pinned
+        self._removed_pinned = 0  # entries removed while pinned: their slots are freed by their last unpin
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -61,7 +65,7 @@ class TierIndex:
         """A slot for `key` (not ready until `complete`), evicting as needed.
 
         Returns (entry or None when nothing can be evicted or admission refuses, evicted entries).
-        Reserved entries start pinned: the caller unpins after the copy in.
+        Reserved entries start pinned: the caller completes (or unpins) the entry after the copy in.
         """
         if key in self.entries:
             return None, []
@@ -75,7 +79,7 @@ class TierIndex:
             slot = self._free.pop()
         else:
             slot, self._next = self._next, self._next + 1
-        entry = Entry(slot=slot, pins=1, meta=meta)
+        entry = Entry(key, slot, pins=1, meta=meta)
         self.entries[key] = entry
         self._pinned.add(key)
         self.policy.add(key, parent)
@@ -96,7 +100,7 @@ class TierIndex:
                 slot = free.pop()
             else:
                 slot, self._next = self._next, self._next + 1
-            entry = entries[key] = Entry(slot=slot, pins=1)
+            entry = entries[key] = Entry(key, slot, pins=1)
             made.append(entry)
         if not made:
             return made
@@ -105,67 +109,78 @@ class TierIndex:
         self.policy.add_chain(chain, parent)
         return made
 
-    def complete(self, key) -> Entry | None:
-        e = self.entries.get(key)
-        if e is not None:
-            e.ready = True
-            self.unpin(key)
-        return e
+    def complete(self, entry: Entry) -> Entry | None:
+        """The copy into a reserved `entry` ended well: it is ready (unless it was removed
+        meanwhile: then None) and its reservation's pin is released."""
+        return self.complete_all((entry,))[0]
 
-    def pin(self, key) -> None:
+    def complete_all(self, entries) -> list:
+        """complete() of each of `entries` in order (None: skipped, None out)."""
+        get, out = self.entries.get, []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            live = get(e.key) is e
+            if live:
+                e.ready = True
+            if e.pins:
+                e.pins -= 1
+                if not e.pins:
+                    self._unpinned(e, live)
+            out.append(e if live else None)
+        return out
+
+    def pin(self, key) -> Entry:
+        """Pin the entry of `key` (held: KeyError otherwise); unpin() that entry to release it."""
         e = self.entries[key]
         e.pins += 1
         self._pinned.add(key)
+        return e
 
-    def complete_all(self, keys) -> list:
-        """complete() of each of `keys` in order; their entries (None where gone)."""
-        get, pinned = self.entries.get, self._pinned
-        out = []
-        for key in keys:
-            e = get(key)
-            if e is not None:
-                e.ready = True
-                if e.pins:
-                    e.pins -= 1
-                    if not e.pins:
-                        pinned.discard(key)
-            out.append(e)
+    def pin_all(self, keys) -> list[Entry]:
+        """pin() of each of `keys`: their entries."""
+        entries = self.entries
+        out = [entries[key] for key in keys]
+        for e in out:
+            e.pins += 1
+        self._pinned.update(keys)
         return out
 
-    def pin_all(self, keys) -> None:
-        """pin() of each of `keys`."""
-        entries, pinned = self.entries, self._pinned
-        for key in keys:
-            entries[key].pins += 1
-        pinned.update(keys)
+    def unpin(self, entry: Entry | None) -> None:
+        """Release one pin of `entry` (None: nothing). The last pin of an entry removed meanwhile
+        frees its slot."""
+        self.unpin_all((entry,))
 
-    def unpin_all(self, keys) -> None:
-        """unpin() of each of `keys` (None: skipped)."""
-        get, pinned = self.entries.get, self._pinned
-        for key in keys:
-            e = get(key)
-            if e is None or e.pins == 0:
-                continue
-            e.pins -= 1
-            if e.pins == 0:
-                pinned.discard(key)
+    def unpin_all(self, entries) -> None:
+        """unpin() of each of `entries`."""
+        get = self.entries.get
+        for e in entries:
+            if e is not None and e.pins:
+                e.pins -= 1
+                if not e.pins:
+                    self._unpinned(e, get(e.key) is e)
 
-    def unpin(self, key) -> None:
-        e = self.entries.get(key)
-        if e is None or e.pins == 0:
-            return
-        e.pins -= 1
-        if e.pins == 0:
-            self._pinned.discard(key)
+    def _unpinned(self, entry: Entry, live: bool) -> None:
+        """`entry`'s last pin is gone: evictable if it is still held, else its slot is free."""
+        if live:
+            self._pinned.discard(entry.key)
+        else:
+            self._free.append(entry.slot)
+            self._removed_pinned -= 1
 
     def remove(self, key) -> Entry | None:
+        """Forget `key`'s entry; its slot is free now, or once its last pin is released."""
         e = self.entries.pop(key, None)
         if e is not None:
             self._pinned.discard(key)
             self.policy.remove(key)
-            self._free.append(e.slot)
+            if e.pins:
+                self._removed_pinned += 1
+            else:
+                self._free.append(e.slot)
         return e
 
     def busy(self) -> int:
-        """Entries currently pinned (0 when idle: the accounting check)."""
-        return len(self._pinned)
+        """Entries currently pinned, removed ones included (0 when idle: the accounting check)."""
+        return len(self._pinned) + self._removed_pinned

@@ -1,6 +1,6 @@
 """What a disk or remote tier holds (`vllm-kvbm tiers inspect`): entries, bytes, layouts, an age
 histogram and, on request, how many entries fail verification. Read-only: the disk tier's own
-readers (disk.scan without tidying, read_meta, open_verified: lstat first, no link followed, only
+readers (disk.scan without tidying, read_header, open_verified: lstat first, no link followed, only
 regular files opened) and, for a server, SCAN / STRLEN / OBJECT IDLETIME and GET.
 
 A layout is a directory `<disk_path>/<fingerprint>/r<rank>/` or a key prefix
@@ -8,6 +8,13 @@ A layout is a directory `<disk_path>/<fingerprint>/r<rank>/` or a key prefix
 hash unit, so one layout is one model configuration. Disk ages are since a file was written (block
 files are never changed in place); a server does not keep that, so remote ages are idle times (since
 the last read or write; OBJECT IDLETIME, unknown under an LFU eviction policy).
+
+What --verify can tell without the engine: each entry is read as a load reads it (key = its name,
+lengths = its size, checksum of payload and metadata) under the fingerprint its own header names,
+and the entries of one rank must all name one fingerprint (a load under that rank's layout misses
+the others). That fingerprint is the layout name itself in the OffloadingConnector's tiers; in
+KVBMConnector's it also hashes the KV cache tensors' names and shapes (connector/layout.py
+tensor_fingerprint), which only the engine knows: whether it is this model's is not checked here.
 """
 
 from __future__ import annotations
@@ -38,8 +45,9 @@ class Report:
         self.out = {"target": target, "kind": kind, "entries": 0, "bytes": 0, "layouts": {},
                     "age": {"basis": age_basis, "histogram": {name: 0 for _, name in AGES}, "unknown": 0,
                             "oldest_s": None},
-                    "skipped": 0, "verify": {"checked": 0, "failed": 0} if verify else None}
+                    "skipped": 0, "verify": {"checked": 0, "failed": 0, "other_fingerprint": 0} if verify else None}
         self._progress, self._next = progress, time.monotonic() + 0.5  # short scans print nothing
+        self._fingerprints: dict = {}  # (layout, rank) -> {fingerprint: [entries naming it, of them verified]}
 
     def add(self, fingerprint: str, rank: int, nbytes: int, age: float | None) -> None:
         o = self.out
@@ -60,9 +68,29 @@ class Report:
             self._next = time.monotonic() + 0.5
             self._progress(o["entries"])
 
-    def verified(self, ok: list[bool]) -> None:
-        self.out["verify"]["checked"] += len(ok)
-        self.out["verify"]["failed"] += ok.count(False)
+    def verified(self, layout: str, rank: int, fingerprint: bytes | None, ok: bool) -> None:
+        """One entry checked: the fingerprint its header names (None: no header of ours) and
+        whether it verified under it."""
+        v = self.out["verify"]
+        v["checked"] += 1
+        v["failed"] += not ok
+        if fingerprint is not None:
+            counts = self._fingerprints.setdefault((layout, rank), {}).setdefault(fingerprint, [0, 0])
+            counts[0] += 1
+            counts[1] += ok
+
+    def finish(self) -> dict:
+        """The report, with each rank's fingerprint: the layout name when its entries name it, else
+        the one most of them name; its intact entries naming another one fail too."""
+        v = self.out["verify"]
+        for (layout, rank), counts in sorted(self._fingerprints.items()):
+            name = bytes.fromhex(layout)
+            fp = name if name in counts else max(sorted(counts), key=lambda f: counts[f][0])
+            others = sum(ok for f, (_, ok) in counts.items() if f != fp)
+            v["failed"] += others
+            v["other_fingerprint"] += others
+            self.out["layouts"][layout].setdefault("fingerprints", {})[str(rank)] = fp.hex()
+        return self.out
 
 
 def _real_dirs(path: str, pattern) -> tuple[list[str], int]:
@@ -98,31 +126,31 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
                 rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
             if verify:
                 for i in range(0, len(found), BATCH):
-                    rep.verified(_verify_files(base, bytes.fromhex(fp), [k for k, _ in found[i:i + BATCH]]))
-    return rep.out
+                    for named, ok in _verify_files(base, [k for k, _ in found[i:i + BATCH]]):
+                        rep.verified(fp, int(rank[1:]), named, ok)
+    return rep.finish()
 
 
-def _verify_files(base: str, fingerprint: bytes, keys: list) -> list[bool]:
-    """Whether each block file verifies (header, lengths, key, fingerprint, checksum), read as a
-    load reads it (open_verified); each fd is closed at once."""
+def _verify_files(base: str, keys: list) -> list[tuple[bytes | None, bool]]:
+    """For each block file, the fingerprint its header names (None: no header of this format) and
+    whether the file verifies under it, read as a load reads it (open_verified); each fd is
+    closed at once."""
     paths = [diskfmt.block_path(base, k) for k in keys]
+    named: list[bytes | None] = [None] * len(keys)
     ok = [False] * len(keys)
-    by_size: dict[int, list[int]] = {}
+    groups: dict[tuple[bytes, int], list[int]] = {}
     for i, p in enumerate(paths):
-        meta = diskfmt.read_meta(p)  # None: not a complete file of this format
-        if meta is not None:
-            try:
-                size = os.lstat(p).st_size
-            except OSError:
-                continue
-            by_size.setdefault(size - diskfmt.HEADER_SIZE - len(meta), []).append(i)
-    for plen, idx in by_size.items():
+        h = diskfmt.read_header(p)
+        if h is not None:
+            named[i] = h.fingerprint
+            groups.setdefault((h.fingerprint, h.payload_bytes), []).append(i)
+    for (fingerprint, plen), idx in groups.items():
         for i, got in zip(idx, diskfmt.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
                                                             fingerprint, plen)):
             if got is not None:
                 os.close(got[0])
                 ok[i] = True
-    return ok
+    return list(zip(named, ok))
 
 
 def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
@@ -141,7 +169,7 @@ def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
             _remote_batch(client, names, rep, verify)
     finally:
         client.close()
-    return rep.out
+    return rep.finish()
 
 
 def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
@@ -158,21 +186,24 @@ def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
         if size == 0:  # evicted or expired meanwhile
             continue
         rep.add(root.decode(), rank, int(size), None if isinstance(idle, Exception) or idle is None else float(idle))
-        kept.append((name, root, key_hex))
+        kept.append((name, root, rank, key_hex))
     if verify and kept:
-        values = remotefmt.run(client, [("GET", n) for n, _, _ in kept])
-        rep.verified([_verify_value(v, root, key_hex) for v, (_, root, key_hex) in zip(values, kept)])
+        values = remotefmt.run(client, [("GET", n) for n, _, _, _ in kept])
+        for v, (_, root, rank, key_hex) in zip(values, kept):
+            rep.verified(root.decode(), rank, *_verify_value(v, key_hex))
 
 
-def _verify_value(value, root: bytes, key_hex: bytes) -> bool:
+def _verify_value(value, key_hex: bytes) -> tuple[bytes | None, bool]:
+    """The fingerprint the value's header names (None: no header of this format) and whether the
+    value verifies under it."""
     if not isinstance(value, (bytes, bytearray)) or len(value) < diskfmt.HEADER_SIZE:
-        return False
+        return None, False
     h = diskfmt.parse_header(value)
     if h is None:
-        return False
+        return None, False
     key = diskfmt.parse_key_hex(key_hex.decode() + diskfmt.SUFFIX)
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
-    return remotefmt.read_value(value, key, bytes.fromhex(root.decode()), out)
+    return h.fingerprint, remotefmt.read_value(value, key, h.fingerprint, out)
 
 
 def inspect(target: str, verify: bool = False, progress=None) -> dict:
@@ -190,10 +221,18 @@ def summary(report: dict) -> str:
     for fp, lay in sorted(r["layouts"].items()):
         ranks = ",".join(str(k) for k in sorted(lay["ranks"]))
         lines.append(f"  layout {fp} (ranks {ranks}): {lay['entries']} entries, {lay['bytes']:,} bytes")
+        for rank, got in sorted(lay.get("fingerprints", {}).items(), key=lambda x: int(x[0])):
+            lines.append(f"    rank {rank}: fingerprint {got}" + (" (the layout name)" if got == fp else
+                         " (KVBMConnector's: with the KV cache tensors' shapes, not checked against a model here)"))
     age = r["age"]
     hist = "  ".join(f"{k} {v}" for k, v in age["histogram"].items())
     lines.append(f"  age ({'since written' if age['basis'] == 'written' else 'idle'}): {hist}"
                  + (f"  unknown {age['unknown']}" if age["unknown"] else ""))
-    if r["verify"] is not None:
-        lines.append(f"  verified {r['verify']['checked']}: {r['verify']['failed']} failed")
+    v = r["verify"]
+    if v is not None:
+        lines.append(f"  verified {v['checked']}: {v['failed']} failed"
+                     + (f" ({v['other_fingerprint']} of another fingerprint than their rank's)"
+                        if v["other_fingerprint"] else ""))
+        lines.append("  (checked: each entry read as a load reads it, under the fingerprint its header names: key, "
+                     "lengths, checksum of payload and metadata; one fingerprint per rank)")
     return "\n".join(lines)

@@ -15,26 +15,25 @@ from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 
 
 class PinnedStores:
-    """The stores in flight of one TierIndex, each with the parent it pins. Owned by a tier's
-    scheduler side (connector/cpu_tier.py TierManager, offloading/disk_tier.py KVBMDiskTier), on
-    the scheduler thread. Holds no reference back to its owner: no cycle keeps a tier alive."""
+    """The stores in flight of one TierIndex, each with its entry and the parent's entry it pins.
+    Owned by a tier's scheduler side (connector/cpu_tier.py TierManager, offloading/disk_tier.py
+    KVBMDiskTier), on the scheduler thread. Holds no reference back to its owner: no cycle keeps a
+    tier alive."""
 
     def __init__(self, index: TierIndex):
         self.index = index
-        self.parents: dict = {}  # key -> its parent, pinned until the key is settled
+        self.stores: dict = {}  # key -> (its entry, its parent's entry pinned until settled, or None)
 
     def reserve(self, key, parent=None, meta=None) -> tuple[Entry | None, list]:
         """(an entry for `key`, pinned, not ready, under `parent`, pinned until `settle`; or None
         when the tier has no room, and the (key, Entry) pairs evicted by the policy meanwhile)."""
         index = self.index
-        if parent is not None:
-            index.pin(parent)
+        held = index.pin(parent) if parent is not None else None
         entry, evicted = index.reserve(key, parent, meta)
         if entry is None:
-            if parent is not None:
-                index.unpin(parent)
-        elif parent is not None:
-            self.parents[key] = parent
+            index.unpin(held)
+        else:
+            self.stores[key] = (entry, held)
         return entry, evicted
 
     def reserve_chain(self, keys, parent=None) -> list[Entry]:
@@ -43,33 +42,35 @@ class PinnedStores:
         new blocks in one call. Returns the entries made; the caller reserves the rest one by one."""
         index = self.index
         made = index.reserve_chain(keys, parent)
-        n = len(made)
-        if n:
-            chain = keys[:n] if len(keys) != n else keys
-            parents = [parent, *chain[:-1]]
-            if parent is None:
-                index.pin_all(parents[1:])
-            else:
-                index.pin_all(parents)
-            self.parents.update(zip(chain, parents) if parent is not None else zip(chain[1:], chain))
+        if made:
+            first = index.pin(parent) if parent is not None else None
+            parents = [first, *index.pin_all(keys[:len(made) - 1])]
+            self.stores.update(zip(keys, zip(made, parents)))
         return made
 
     def settle_landed(self, keys) -> list:
         """settle(key, True) of each of `keys` in order: [(the ready entry or None, its parent)]."""
-        pop = self.parents.pop
-        parents = [pop(key, None) for key in keys]
-        self.index.unpin_all(parents)
-        return list(zip(self.index.complete_all(keys), parents))
+        pop = self.stores.pop
+        settled = [pop(key, (None, None)) for key in keys]
+        index = self.index
+        index.unpin_all([held for _, held in settled])
+        done = index.complete_all([entry for entry, _ in settled])
+        return [(e, held.key if held is not None else None) for e, (_, held) in zip(done, settled)]
 
     def settle(self, key, ok: bool):
         """The store of `key` ended: ready (ok) or dropped; its parent is released. Returns (the
         ready entry or None, the parent it was stored under)."""
-        parent = self.parents.pop(key, None)
-        if parent is not None:
-            self.index.unpin(parent)
+        entry, held = self.stores.pop(key, (None, None))
+        index = self.index
+        index.unpin(held)
+        parent = held.key if held is not None else None
+        if entry is None:
+            return None, parent
         if ok:
-            return self.index.complete(key), parent
-        self.index.remove(key)
+            return index.complete(entry), parent
+        if index.entries.get(key) is entry:
+            index.remove(key)
+        index.unpin(entry)  # the reservation's pin: the slot is free once no load pins it either
         return None, parent
 
 
@@ -83,6 +84,6 @@ def restore(index: TierIndex, found: Iterable, evicted: Callable[[list], None]) 
         entry, gone = index.reserve(key, parent if parent in index else None, meta)
         evicted(gone)
         if entry is not None:
-            index.complete(key)
+            index.complete(entry)
             out.append(key)
     return [k for k in out if k in index]
