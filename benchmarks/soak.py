@@ -17,7 +17,8 @@ fresh prompt is sent, its disk block files are forged while the engine is down (
 a header that verifies: testing/soak_checks.py forge_block, with the tier secret the soak gave the
 server as KVBM_KEY_SECRET), and the same prompt sent first after the restart must come back as a
 mismatch (it is not counted among the soak's mismatches). `--no-negative-control` fails the run
-unless `--allow-no-control` (local experiments). Prints the acceptance checks of issues 31 and 42
+unless `--allow-no-control` (local experiments); `--server kvbm-cpu` (tiers that serve no disk or
+remote hits) fails too. Prints the acceptance checks of issues 31 and 42
 and exits 1 if one fails.
 
     .venv/bin/python benchmarks/soak.py --minutes 20            # the acceptance run
@@ -122,7 +123,7 @@ class Soak:
         self.mount()
         self.redis = RedisServer(maxmemory=f"{max(64, 4 * a.disk_bytes >> 20)}mb").start()
         self.events = f"ipc://{self.work}/kv-events"
-        ktc = kv_transfer_config("kvbm-cpu-disk-remote", a.cpu_bytes, str(self.disk_root / "kv"), a.disk_bytes,
+        ktc = kv_transfer_config(a.server, a.cpu_bytes, str(self.disk_root / "kv"), a.disk_bytes,
                                  self.redis.url)
         common = dict(dtype=a.dtype, block_size=a.block_size, num_gpu_blocks=a.gpu_blocks,
                       max_model_len=(self.prompt_blocks + 2) * a.block_size + a.output_len)
@@ -575,11 +576,14 @@ class Soak:
               f"{len(self.faults)} faults; redis used_memory max {max(redis_mem, default=0) >> 20} MiB; "
               f"RSS max {max((s['rss'] for s in self.samples), default=0) >> 20} MiB, "
               f"{self.lifetime} engine lifetimes", flush=True)
+        print("[soak] vllm:kvbm_blocks_total, all lifetimes: "
+              + ", ".join(f"{t}/{d} {v:.0f}" for (t, d), v in sorted(tier_blocks.items())), flush=True)
         for name, passed, detail in checks:
             print(f"  [{'PASS' if passed else 'FAIL'}] {name}: {detail}")
         if a.json:
             pathlib.Path(a.json).write_text(json.dumps({
                 "faults": self.faults, "samples": self.samples, "requests": len(self.records), "answered": len(ok),
+                "kvbm_blocks": {f"{t}/{d}": v for (t, d), v in sorted(tier_blocks.items())},
                 "checks": [{"name": n, "passed": p, "detail": str(d)} for n, p, d in checks]}, indent=1))
         return all(p for _, p, _ in checks)
 
@@ -633,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="load kept up at least this long after the engine's restart")
     p.add_argument("--disk-slack", type=float, default=0.0,
                    help="disk bytes allowed above disk_bytes_to_use, as a fraction (default 0: the bound is strict)")
+    p.add_argument("--server", default="kvbm-cpu-disk-remote", choices=("kvbm-cpu", "kvbm-cpu-disk",
+                                                                          "kvbm-cpu-disk-remote"),
+                   help="the tiers under test (with fewer than all three, the missing tiers' checks fail)")
     p.add_argument("--no-negative-control", dest="negative_control", action="store_false",
                    help="no forged block (the run then fails unless --allow-no-control)")
     p.add_argument("--allow-no-control", action="store_true", help="let a run without its negative control pass")
