@@ -2,14 +2,24 @@
 while a seeded injector strikes: redis-server SIGKILLed and restarted empty, `CLIENT PAUSE`, disk
 block files truncated or flipped (one the engine holds open for a direct load when one shows up
 within 10 s, racing that load), deleted, replaced by a FIFO or a symlink, the disk tier's filesystem
-(a size-limited tmpfs mounted here; needs root, else that fault is skipped) filled then freed, and
-the engine SIGKILLed and restarted on the same disk path and Redis. Every completion's greedy tokens
-are compared with a reference `vllm serve` without connector (started beside it, prompts replayed at
-the end); one that first differs where the reference's two best tokens are within NEAR_TIE is
-reported as a near tie, not a mismatch (vLLM's own paths differ by float noise there). Sampled:
-RSS, open fds, disk bytes vs disk_bytes_to_use, redis memory. KV events of each engine lifetime
-are recorded by `vllm-kvbm subscribe` and validated. Prints the acceptance checks
-of issue 31 and exits 1 if one fails.
+(a size-limited tmpfs mounted here: as root, else inside a user namespace of our own, `unshare
+--user --map-root-user --mount`; a run that can do neither fails unless `--no-disk-full`) filled
+then freed, and the engine SIGKILLed and restarted on the same disk path and Redis. Every
+completion's greedy tokens are compared with a reference `vllm serve` without connector (started
+beside it, prompts replayed at the end); one that first differs where the reference's two best
+tokens are within NEAR_TIE is reported as a near tie, not a mismatch (vLLM's own paths differ by
+float noise there). Sampled: RSS, open fds, disk bytes vs disk_bytes_to_use, redis memory. KV
+events of each engine lifetime are recorded by `vllm-kvbm subscribe` and validated.
+A soak must prove itself (issue 42): the CPU, disk and remote tiers must each have served hits
+(vllm:kvbm_blocks_total on the server's /metrics, sampled before each engine kill: counters restart
+with the engine), and a negative control runs at the first engine kill: with the load paused, a
+fresh prompt is sent, its disk block files are forged while the engine is down (KV signs flipped,
+a header that verifies: testing/soak_checks.py forge_block, with the tier secret the soak gave the
+server as KVBM_KEY_SECRET), and the same prompt sent first after the restart must come back as a
+mismatch (it is not counted among the soak's mismatches). `--no-negative-control` fails the run
+unless `--allow-no-control` (local experiments); `--server kvbm-cpu` (tiers that serve no disk or
+remote hits) fails too. Prints the acceptance checks of issues 31 and 42
+and exits 1 if one fails.
 
     .venv/bin/python benchmarks/soak.py --minutes 20            # the acceptance run
     .venv/bin/python benchmarks/soak.py --minutes 2 --repeat 1  # what tests/serve/test_soak.py runs
@@ -25,6 +35,7 @@ import math
 import os
 import pathlib
 import random
+import secrets
 import shutil
 import signal
 import subprocess
@@ -37,12 +48,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vllm_kvbm_plugin.testing.redis_server import RedisServer  # noqa: E402
-from vllm_kvbm_plugin.testing.serving import Serve, kv_transfer_config  # noqa: E402
+from vllm_kvbm_plugin.testing.serving import Serve, kv_transfer_config, scrape  # noqa: E402
+from vllm_kvbm_plugin.testing.soak_checks import (  # noqa: E402
+    Control,
+    control_check,
+    forge_block,
+    served_blocks,
+    tier_checks,
+)
 from vllm_kvbm_plugin.testing.tiny_models import build  # noqa: E402
 
 FAULTS = ("redis_kill", "redis_pause", "disk_truncate", "disk_flip", "disk_delete", "disk_fifo", "disk_symlink",
           "disk_full", "engine_kill")
 HANG_S = 60
+USERNS = "KVBM_SOAK_USERNS"  # set in the user namespace the soak re-runs itself in when not root
 NEAR_TIE = 1e-5  # a reference top-2 logprob gap this small may flip on float noise alone (~20x the noise)
 
 
@@ -65,6 +84,7 @@ class Soak:
         self.disk_root = self.work / "disk"
         self.disk_root.mkdir(mode=0o700)
         self.mounted = False
+        self.kinds = tuple(k for k in FAULTS if k != "disk_full" or not args.no_disk_full)
         self.model = args.model or str(build(args.model_kind))
         block = args.block_size
         self.prompt_blocks = args.prefix_blocks + 1
@@ -77,27 +97,38 @@ class Soak:
         self.stop_at = 0.0
         self.restarting = threading.Event()  # set from an engine kill until the new server answers
         self.lifetime = 0
+        self.secret = secrets.token_hex(16)  # the server's KVBM_KEY_SECRET: forge_block may need it
+        self.quiet = threading.Event()  # clients send nothing new while set (the control's preparation)
+        self.in_flight = 0
+        self.blocks: dict[int, dict] = {}  # engine lifetime -> its last vllm:kvbm_blocks_total by (tier, direction)
+        self.control_prompt: list[int] | None = None  # set once the control's blocks are forged
+        self.forged = 0
+        self.control_rec: dict | None = None
 
     # --- setup -------------------------------------------------------------------------------
     def mount(self) -> None:
         """A tmpfs of disk_bytes + 25 % as the disk tier's filesystem, so it can be filled."""
         size = self.args.disk_bytes + self.args.disk_bytes // 4 + (4 << 20)
+        if self.args.no_disk_full:
+            return
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(self.disk_root)],
                            capture_output=True, text=True)
         self.mounted = r.returncode == 0
         if not self.mounted:
-            print(f"[soak] no tmpfs ({r.stderr.strip()}): disk_full is skipped", flush=True)
+            raise SystemExit(f"[soak] FAIL: no tmpfs for the full-disk fault ({r.stderr.strip()}): run as root or "
+                             "where `unshare --user --map-root-user --mount true` works, or pass --no-disk-full")
 
     def start(self) -> None:
         a = self.args
         self.mount()
         self.redis = RedisServer(maxmemory=f"{max(64, 4 * a.disk_bytes >> 20)}mb").start()
         self.events = f"ipc://{self.work}/kv-events"
-        ktc = kv_transfer_config("kvbm-cpu-disk-remote", a.cpu_bytes, str(self.disk_root / "kv"), a.disk_bytes,
+        ktc = kv_transfer_config(a.server, a.cpu_bytes, str(self.disk_root / "kv"), a.disk_bytes,
                                  self.redis.url)
         common = dict(dtype=a.dtype, block_size=a.block_size, num_gpu_blocks=a.gpu_blocks,
                       max_model_len=(self.prompt_blocks + 2) * a.block_size + a.output_len)
-        self.server = Serve(self.model, self.work / "server.log", ktc=ktc, events_endpoint=self.events, **common)
+        self.server = Serve(self.model, self.work / "server.log", ktc=ktc, events_endpoint=self.events,
+                            env={"KVBM_KEY_SECRET": self.secret}, **common)
         self.reference = Serve(self.model, self.work / "reference.log", extra=("--no-enable-prefix-caching",),
                                **common)
         self.start_subscriber()
@@ -157,30 +188,40 @@ class Soak:
     def client(self, n: int) -> None:
         rng = random.Random(self.args.seed * 1000 + n)
         while self.running():
-            prompt = self.prompt(rng)
-            body = {"model": "model", "prompt": prompt, "max_tokens": self.args.output_len, "temperature": 0,
-                    "ignore_eos": True, "return_token_ids": True}
-            restarting = self.restarting.is_set()
-            t0 = time.monotonic()
-            rec = {"t": t0, "prompt": prompt, "restart_window": restarting, "lifetime": self.lifetime}
-            try:
-                status, out = post(self.server.port, body)
-                rec["status"] = status
-                if status == 200:
-                    rec["tokens"] = out["choices"][0]["token_ids"]
-                    rec["cached"] = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                else:
-                    rec["error"] = out
-            except TimeoutError:
-                rec["status"], rec["error"] = "hang", f"no answer in {HANG_S} s"
-            except (OSError, http.client.HTTPException) as e:  # refused, reset or cut short: the server is down
-                rec["status"], rec["error"] = "conn", repr(e)
-            rec["latency"] = time.monotonic() - t0
-            rec["restart_window"] = rec["restart_window"] or self.restarting.is_set()
+            with self.lock:  # the control's preparation waits for in_flight to drop to 0
+                paused = self.quiet.is_set()
+                self.in_flight += not paused
+            if paused:
+                time.sleep(0.05)
+                continue
+            rec = self.send(self.prompt(rng))
             with self.lock:
                 self.records.append(rec)
+                self.in_flight -= 1
             if rec["status"] != 200:
                 time.sleep(0.5)
+
+    def send(self, prompt: list[int]) -> dict:
+        """One completion from the server under test, as a record (status, tokens or error, timing)."""
+        body = {"model": "model", "prompt": prompt, "max_tokens": self.args.output_len, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        t0 = time.monotonic()
+        rec = {"t": t0, "prompt": prompt, "restart_window": self.restarting.is_set(), "lifetime": self.lifetime}
+        try:
+            status, out = post(self.server.port, body)
+            rec["status"] = status
+            if status == 200:
+                rec["tokens"] = out["choices"][0]["token_ids"]
+                rec["cached"] = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            else:
+                rec["error"] = out
+        except TimeoutError:
+            rec["status"], rec["error"] = "hang", f"no answer in {HANG_S} s"
+        except (OSError, http.client.HTTPException) as e:  # refused, reset or cut short: the server is down
+            rec["status"], rec["error"] = "conn", repr(e)
+        rec["latency"] = time.monotonic() - t0
+        rec["restart_window"] = rec["restart_window"] or self.restarting.is_set()
+        return rec
 
     # --- faults ------------------------------------------------------------------------------
     def disk_write_failures(self) -> int:
@@ -202,8 +243,6 @@ class Soak:
             self.redis.client().execute_command("CLIENT", "PAUSE", ms, "ALL")
             return f"paused {ms} ms"
         if kind == "disk_full":
-            if not self.mounted:
-                return "skipped (no tmpfs)"
             filler = self.disk_root / "filler"
             st = os.statvfs(self.disk_root)
             free = st.f_bavail * st.f_frsize
@@ -223,23 +262,66 @@ class Soak:
             failed = self.disk_write_failures() - failed_before
             return f"filled {free >> 20} MiB for a while, freed; {failed} write failures logged"
         if kind == "engine_kill":
+            control = a.negative_control and self.control_prompt is None
+            files = self.prepare_control() if control else []  # pauses the load until the kill
+            self.scrape_blocks()
             self.restarting.set()
             t0 = time.monotonic()
             try:
                 self.server.kill()
+                self.quiet.clear()
+                for f in files:  # no engine runs: nothing reads or replaces them meanwhile
+                    forge_block(str(f), bytes.fromhex(self.secret), 4 if a.dtype in ("float32", "float") else 2)
+                    self.forged += 1
                 self.stop_subscriber()
                 self.start_subscriber()
                 self.server.start()
             finally:
+                self.quiet.clear()
                 self.restarting.clear()
+            back = time.monotonic() - t0
+            if control:  # first after the restart: the CPU tier is empty, its blocks come from disk
+                self.control_rec = self.send(self.control_prompt)
             self.stop_at = max(self.stop_at, time.monotonic() + self.args.after_restart_s)
-            return f"SIGKILLed, back after {time.monotonic() - t0:.0f} s"
+            return f"SIGKILLed, back after {back:.0f} s" + (f"; negative control: {len(files)} block files forged"
+                                                           if control else "")
         for _ in range(10):  # the tier may evict the chosen file meanwhile: choose again
             try:
                 return self.damage_file(kind, rng)
             except FileNotFoundError:
                 time.sleep(0.05)
         return "skipped (every chosen block file was evicted first)"
+
+    def prepare_control(self) -> list[pathlib.Path]:
+        """Pause the load (until the engine kill), send a fresh prompt and return its block files:
+        the disk files that appear meanwhile, nothing else writing."""
+        with self.lock:
+            self.quiet.set()
+        deadline = time.monotonic() + HANG_S
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = self.settled_files()
+        rng = random.Random(self.args.seed + 2)
+        self.control_prompt = [rng.randrange(10, 2000) for _ in range(self.prompt_blocks * self.args.block_size + 5)]
+        rec = self.send(self.control_prompt)
+        with self.lock:
+            self.records.append(rec)  # not forged yet: it must match like any other
+        deadline = time.monotonic() + 20
+        new = set()
+        while not new and time.monotonic() < deadline:
+            new = self.settled_files() - before
+        return sorted(new)
+
+    def settled_files(self, still_s: float = 1.0, wait_s: float = 20.0) -> set[pathlib.Path]:
+        """The block files once nothing changed under the disk tier for still_s (writes done)."""
+        last, since, deadline = None, time.monotonic(), time.monotonic() + wait_s
+        while True:
+            now = set(self.block_files()) | set((self.disk_root / "kv").rglob("*.kvb.tmp*"))
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= still_s or time.monotonic() > deadline:
+                return {f for f in now if f.name.endswith(".kvb")}
+            time.sleep(0.1)
 
     def held_file(self, wait_s: float = 10.0) -> pathlib.Path | None:
         """A block file the engine holds open right now (verified, to be read straight into the KV
@@ -295,8 +377,10 @@ class Soak:
         rng = random.Random(a.seed + 1)
         kinds = []
         for _ in range(a.repeat):  # rounds of every kind, the engine kill last (its restart is long)
-            round_ = [k for k in FAULTS if k != "engine_kill"]
+            round_ = [k for k in self.kinds if k != "engine_kill"]
             rng.shuffle(round_)
+            if round_[-1] == "disk_full":  # its paused disk writes would keep the control's blocks off disk
+                round_[0], round_[-1] = round_[-1], round_[0]
             kinds += round_ + ["engine_kill"]
         span = a.minutes * 60 - a.warmup_s - 10
         slots = [a.warmup_s + span * (i + rng.uniform(0.1, 0.6)) / len(kinds) for i in range(len(kinds))]
@@ -339,8 +423,23 @@ class Soak:
             filler = 0
         return (st.f_blocks - st.f_bfree) * st.f_frsize - filler, files, temps
 
+    def scrape_blocks(self) -> None:
+        """Keep this engine lifetime's vllm:kvbm_blocks_total by (tier, direction): the counters
+        restart with the engine, so each lifetime's last scrape counts."""
+        life = self.lifetime
+        if self.restarting.is_set():
+            return
+        try:
+            metrics = scrape(self.server.url)
+        except (OSError, http.client.HTTPException):  # down or being killed: its last scrape stays
+            return
+        if life == self.lifetime and not self.restarting.is_set():
+            self.blocks[life] = {(dict(ls)["tier"], dict(ls)["direction"]): v
+                                 for (name, ls), v in metrics.items() if name == "vllm:kvbm_blocks_total"}
+
     def sampler(self, start: float) -> None:
         while self.running():
+            self.scrape_blocks()
             disk, files, temps = self.disk_usage()
             try:
                 redis_mem = int(self.redis.client().info("memory")["used_memory"])
@@ -365,6 +464,7 @@ class Soak:
             t.start()
         for t in threads:
             t.join(a.minutes * 60 + 2 * HANG_S + 600)
+        self.scrape_blocks()
         self.stop_subscriber()
         return self.judge()
 
@@ -387,6 +487,24 @@ class Soak:
                 mismatched += not tie
                 ties += tie
         return mismatched, ties
+
+    def control(self) -> Control | None:
+        """The negative control's outcome (None: off), printed."""
+        if not self.args.negative_control:
+            return None
+        rec = self.control_rec
+        if rec is None or "tokens" not in rec:
+            print(f"[soak] negative control: no answer after the restart ({rec and rec.get('error')})", flush=True)
+            return Control(self.forged, 0, False)
+        status, out = post(self.reference.port, {"model": "model", "prompt": rec["prompt"],
+                                                 "max_tokens": self.args.output_len, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True}, 300)
+        expected = out["choices"][0]["token_ids"] if status == 200 else None
+        mismatched = expected is not None and expected != rec["tokens"]
+        print(f"[soak] negative control: {'mismatch (expected)' if mismatched else 'NO MISMATCH'}: "
+              f"{rec['cached']} of {len(rec['prompt'])} prompt tokens loaded, {rec['tokens']} vs {expected}",
+              flush=True)
+        return Control(self.forged, rec["cached"], mismatched)
 
     def explain_mismatch(self, rec: dict, expected: list | None) -> bool:
         """Print a differing completion: when it was sent, the faults before its answer, what was
@@ -430,9 +548,12 @@ class Soak:
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         events = sum(len(f.read_text().splitlines()) for f in streams)
         cached = sum(r.get("cached", 0) for r in ok)
+        tier_blocks = collections.Counter()
+        for blocks in self.blocks.values():
+            tier_blocks.update(blocks)
         checks = [
             ("every fault kind at least %d x" % a.repeat,
-             all(counts[k] >= a.repeat for k in FAULTS if k != "disk_full" or self.mounted), dict(counts)),
+             all(counts[k] >= a.repeat for k in self.kinds), dict(counts)),
             ("0 mismatched tokens", mismatched == 0, f"{mismatched} of {len(ok)} completions"
              f"{f' ({ties} more differ first at a near tie, gap < {NEAR_TIE:g}: float noise)' if ties else ''}"),
             ("0 HTTP errors outside the engine's restart window", not errors,
@@ -447,17 +568,22 @@ class Soak:
             ("event streams validate with 0 errors", v.returncode == 0 and events > 0,
              f"{len(streams)} streams, {events} batches; validator exit {v.returncode}"
              f"{'' if v.returncode == 0 else ': ' + (v.stdout + v.stderr).strip()[-600:]}"),
+            *tier_checks(served_blocks(tier_blocks)),
+            control_check(self.control(), a.allow_no_control),
         ]
         redis_mem = [s["redis"] for s in self.samples if s["redis"] is not None]
         print(f"\n[soak] {a.minutes} min, {len(self.records)} requests ({len(ok)} answered, {cached} tokens cached), "
               f"{len(self.faults)} faults; redis used_memory max {max(redis_mem, default=0) >> 20} MiB; "
               f"RSS max {max((s['rss'] for s in self.samples), default=0) >> 20} MiB, "
               f"{self.lifetime} engine lifetimes", flush=True)
+        print("[soak] vllm:kvbm_blocks_total, all lifetimes: "
+              + ", ".join(f"{t}/{d} {v:.0f}" for (t, d), v in sorted(tier_blocks.items())), flush=True)
         for name, passed, detail in checks:
             print(f"  [{'PASS' if passed else 'FAIL'}] {name}: {detail}")
         if a.json:
             pathlib.Path(a.json).write_text(json.dumps({
                 "faults": self.faults, "samples": self.samples, "requests": len(self.records), "answered": len(ok),
+                "kvbm_blocks": {f"{t}/{d}": v for (t, d), v in sorted(tier_blocks.items())},
                 "checks": [{"name": n, "passed": p, "detail": str(d)} for n, p, d in checks]}, indent=1))
         return all(p for _, p, _ in checks)
 
@@ -475,6 +601,17 @@ class Soak:
             if len(warm) >= 2:
                 worst = max(worst, warm[-1][key] / warm[0][key] - 1)
         return worst
+
+
+def user_namespace(argv: list[str]) -> None:
+    """Not root: run again as root of a user and mount namespace of our own, where mounting the
+    full-disk fault's tmpfs needs no privilege (servers and Redis run in it too; loopback is the
+    host's). Where no such namespace can be made this returns, and mount() fails loudly."""
+    cmd = ["unshare", "--user", "--map-root-user", "--mount"]
+    if shutil.which("unshare") and subprocess.run([*cmd, "true"], capture_output=True).returncode == 0:
+        print("[soak] not root: running again in a user namespace of its own (for the tmpfs)", flush=True)
+        os.environ[USERNS] = "1"
+        os.execvp(cmd[0], [*cmd, sys.executable, str(pathlib.Path(__file__).resolve()), *argv])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -500,9 +637,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="load kept up at least this long after the engine's restart")
     p.add_argument("--disk-slack", type=float, default=0.0,
                    help="disk bytes allowed above disk_bytes_to_use, as a fraction (default 0: the bound is strict)")
+    p.add_argument("--server", default="kvbm-cpu-disk-remote", choices=("kvbm-cpu", "kvbm-cpu-disk",
+                                                                          "kvbm-cpu-disk-remote"),
+                   help="the tiers under test (with fewer than all three, the missing tiers' checks fail)")
+    p.add_argument("--no-negative-control", dest="negative_control", action="store_false",
+                   help="no forged block (the run then fails unless --allow-no-control)")
+    p.add_argument("--allow-no-control", action="store_true", help="let a run without its negative control pass")
+    p.add_argument("--no-disk-full", action="store_true", help="no full-disk fault (no tmpfs to fill)")
     p.add_argument("--json", default=None, help="write faults, samples and checks here")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, event streams)")
     args = p.parse_args(argv)
+    if not args.no_disk_full and os.geteuid() != 0 and USERNS not in os.environ:
+        user_namespace(sys.argv[1:] if argv is None else argv)
     working = args.prefixes * args.prefix_blocks
     running = args.concurrency * (args.prefix_blocks + 3) + 8  # what the requests in flight need
     args.gpu_blocks = args.gpu_blocks or max(math.ceil(working * 2 / 3), running)

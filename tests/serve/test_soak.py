@@ -3,7 +3,9 @@
 (Redis killed and paused, disk files truncated, flipped, deleted, replaced by a FIFO or a symlink,
 the disk full, the engine SIGKILLed and restarted). Every completion must equal a reference server's
 greedy tokens; no HTTP error outside the engine's restart window, no hang, disk within its bound,
-RSS and fds flat, event streams valid. ~3.5 min wall here (two servers start in parallel)."""
+RSS and fds flat, event streams valid; the CPU, disk and remote tiers each served hits, and the
+negative control (forged disk blocks served on purpose after the restart) was caught as a mismatch.
+~3.5 min wall here (two servers start in parallel)."""
 
 import pathlib
 import subprocess
@@ -27,5 +29,8 @@ def test_two_minute_soak_with_every_fault(tmp_path):
     assert "[soak]" in proc.stdout and "FAIL" not in proc.stdout, report
     assert proc.returncode == 0, report
     for kind in ("redis_kill", "redis_pause", "disk_truncate", "disk_flip", "disk_delete", "disk_fifo",
-                 "disk_symlink", "engine_kill"):
+                 "disk_symlink", "disk_full", "engine_kill"):
         assert f" {kind}: " in proc.stdout, f"{kind} never struck:\n{report}"
+    for tier in ("cpu", "disk", "remote"):
+        assert f"[PASS] the {tier} tier served hits" in proc.stdout, report
+    assert "[PASS] negative control" in proc.stdout and "negative control: mismatch (expected)" in proc.stdout, report
