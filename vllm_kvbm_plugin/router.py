@@ -105,7 +105,7 @@ class Router:
             self.index.add_instance(w.url, config, ranks=(0,))
         self.lock = threading.Lock()
         self._caught_up = threading.Condition(self.lock)  # notified whenever a stream delivered batches
-        self.settle_s = settle_s
+        self.settle_s = settle_s  # how long after its answer an idle worker's events may still be in transit
         self.records: collections.deque[dict] = collections.deque(maxlen=history)  # the latest requests
         self.totals: dict[str, dict] = {}  # policy -> sums over every request routed
         self.late = 0  # decisions that gave up waiting for a stream (CATCH_UP_S)
@@ -132,9 +132,9 @@ class Router:
         """Apply one stream to the index, from seq 0 (replay fills what came before)."""
         with Subscriber(w.events, w.replay, self.topic, start_seq=0) as sub:
             while not self._stop.is_set():
-                self.applied(i, w, watch, sub.poll(200))
+                self._applied(i, w, watch, sub.poll(200))
 
-    def applied(self, i: int | None, w: Worker, watch: SilenceWatch, got: list) -> None:
+    def _applied(self, i: int | None, w: Worker, watch: SilenceWatch, got: list) -> None:
         """Apply `(seq, batch)`s of the stream of worker `i` (None: an announcer's) and wake the
         decisions waiting for it. A batch stamped at or after the worker's answer catches it up:
         the stream is in order, so every batch of the answered request came before it."""
@@ -154,7 +154,7 @@ class Router:
     def _catch_up(self) -> float:
         """Read your writes: a response can overtake its KV events, so wait until the stream of
         every worker that answered a request which stored blocks has caught up with that answer
-        (`applied`; or, for a worker gone idle, a batch since the request was sent and nothing for
+        (`_applied`; or, for a worker gone idle, a batch since the request was sent and nothing for
         `settle_s` after the answer: its events are no longer in transit). Never for other
         streams, busy or not, nor for events newer than the answer; at most `CATCH_UP_S`.
         Returns how long the streams took to catch up (the workers' own wait)."""
