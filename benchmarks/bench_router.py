@@ -17,6 +17,8 @@ in one pass, Python's traced memory (tracemalloc) in another. Target: flat from 
 """
 
 import argparse
+import ctypes
+import gc
 import json
 import multiprocessing
 import os
@@ -184,7 +186,14 @@ class Fleet:
         self.router.stop()
 
 
-def rss_bytes() -> int:
+def rss_bytes(trim: bool = False) -> int | None:
+    """The process's resident memory; with `trim`, after glibc gave its free heap back (None
+    without glibc): what is left is held, not kept for reuse by the allocator."""
+    if trim:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            return None
     with open("/proc/self/statm") as fp:
         return int(fp.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -235,8 +244,8 @@ def run(fleet: Fleet, args) -> None:
           f"p99 {pct(load[:, 0], 99) / pct(base[:, 0], 99):.2f}x; beyond the wait p99 "
           f"{pct(beyond, 99) / pct(base[:, 0], 99):.2f}x; late decisions {fleet.router.late}")
     stats = fleet.router.stats()
-    print(f"streams: {[s['batches'] for s in stats['streams']]} batches; index holds {len(fleet.router.index.held_by):,} "
-          f"hashes")
+    print(f"streams: {[s['batches'] for s in stats['streams']]} batches; "
+          f"index holds {len(fleet.router.index.held_by):,} hashes")
 
     for traced in (False, True):  # RSS without tracemalloc (its own tables grow RSS), then traced Python memory
         memory(fleet, args.requests, traced)
@@ -253,19 +262,23 @@ def memory(fleet: Fleet, requests: int, traced: bool) -> None:
         if n in at:
             fleet.send(["steady", False])
             fleet.drain()
+            gc.collect()  # live memory, not garbage awaiting the cycle collector
             marks[n] = (tracemalloc.get_traced_memory()[0] if traced else rss_bytes(),
-                        len(json.dumps(fleet.router.stats())), len(fleet.router.index.held_by))
+                        len(json.dumps(fleet.router.stats())), len(fleet.router.index.held_by),
+                        None if traced else rss_bytes(trim=True))
             fleet.send(["steady", True])
     took = time.perf_counter() - t0
     tracemalloc.stop()
     what = "traced (tracemalloc)" if traced else "RSS"
     print(f"memory, {what}, over {requests:,} routed requests ({requests / took:.0f}/s back to back; measured with "
-          f"every answer in and the streams drained):")
-    for n, (size, stats_len, held) in marks.items():
-        print(f"  at {n:>7,}: {what} {size / 2 ** 20:7.2f} MiB, /router/stats {stats_len / 1024:6.1f} KiB, "
-              f"index {held:,} hashes")
-    (n1, (m1, *_)), _, (n2, (m2, *_)) = marks.items()
-    print(f"  growth {n1:,} -> {n2:,}: {(m2 - m1) / 2 ** 20:+.2f} MiB ({m2 / m1:.3f}x)")
+          f"every answer in, the streams drained, after gc.collect()):")
+    for n, (size, stats_len, held, trimmed) in marks.items():
+        print(f"  at {n:>7,}: {what} {size / 2 ** 20:7.2f} MiB" + (
+              f" ({trimmed / 2 ** 20:.2f} MiB once malloc_trim returned free heap)" if trimmed else "")
+              + f", /router/stats {stats_len / 1024:6.1f} KiB, index {held:,} hashes")
+    (n1, m1), _, (n2, m2) = marks.items()
+    print(f"  growth {n1:,} -> {n2:,}: {(m2[0] - m1[0]) / 2 ** 20:+.2f} MiB ({m2[0] / m1[0]:.3f}x)" + (
+          f"; after malloc_trim {(m2[3] - m1[3]) / 2 ** 20:+.2f} MiB ({m2[3] / m1[3]:.3f}x)" if m1[3] else ""))
 
 if __name__ == "__main__":
     main()

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="request records /router/stats keeps, the latest (its sums cover every request; "
                         "default %(default)s)")
     r.add_argument("--max-body-bytes", type=_positive, default=16 << 20, metavar="BYTES",
-                   help="largest request body accepted; a larger one is answered 413 unread (default %(default)s: 16 MiB)")
+                   help="largest request body accepted; a larger one is answered 413 unread "
+                        "(default %(default)s: 16 MiB)")
     r.set_defaults(func=_route)
 
     ti = sub.add_parser("tiers", help="look into a tier").add_subparsers(dest="tiers_cmd", required=True)

@@ -3,16 +3,17 @@ prompt from cache (`vllm-kvbm route`).
 
 Every worker's KV event stream (with replay) feeds one `events.index.KVIndex`; a request's prompt
 (token ids, or text tokenized by a worker's `/tokenize`) is matched against it and forwarded, as
-token ids, to the worker with the most servable tokens (ties: fewest requests in flight, then
-fewest routed). Blocks in a shared remote tier (Redis) count for every worker that reads it
+token ids, to the worker with the most servable tokens (ties: fewest requests in flight, then fewest
+routed). Blocks in a shared remote tier (Redis) count for every worker that reads it
 (`WorkerConfig.remote`), also for a worker that has published nothing yet; the remote tier's
-announcer streams (`vllm-kvbm announce`), if given, feed the index too. Each request is logged
-with what the index predicted and what the worker reports as served
+announcer streams (`vllm-kvbm announce`), if given, feed the index too. Each request is logged with
+what the index predicted and what the worker reports as served
 (`usage.prompt_tokens_details.cached_tokens`, needs `--enable-prompt-tokens-details`);
 `GET /router/stats` returns the latest records and sums over all. A decision waits only for the
-streams of workers whose answers it has not seen the events of (`Router._catch_up`). The header `X-KVBM-Policy: round-robin` routes a request
-round-robin instead (for comparisons in the same run). A worker whose stream stays silent after it
-served a request is warned about (log and stats): its publisher is likely connecting, not binding.
+streams of workers whose answers it has not seen the events of (`Router._catch_up`). The header
+`X-KVBM-Policy: round-robin` routes a request round-robin instead (for comparisons in the same run).
+A worker whose stream stays silent after it served a request is warned about (log and stats): its
+publisher is likely connecting, not binding.
 """
 
 from __future__ import annotations

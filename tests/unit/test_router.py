@@ -170,7 +170,8 @@ def test_an_oversize_body_is_refused_unread(tmp_path):
         msg = json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]["message"]
         assert "1000000000 bytes" in msg and "limit of 1000 bytes" in msg and "--max-body-bytes" in msg
         assert exchange(port, post_head("12x")).startswith(b"HTTP/1.0 400 ")
-        chunked = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"5\r\nhello\r\n0\r\n\r\n")
         assert exchange(port, chunked).startswith(b"HTTP/1.0 411 ")
         # at the limit: read, parsed and routed (to a worker that is not there)
         body = json.dumps({"prompt": toks(100)}).encode()

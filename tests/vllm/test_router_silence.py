@@ -1,6 +1,7 @@
 """A worker given the wrong endpoint form (`tcp://127.0.0.1:PORT`: vLLM's real ZmqEventPublisher then
 connects instead of binding, as the router does) is warned about by `vllm-kvbm route` and
-`vllm-kvbm subscribe`; a worker given `tcp://*:PORT` is not."""
+`vllm-kvbm subscribe`; a worker given `tcp://*:PORT` is not. And, on the same real publishers,
+what a routing decision waits for: the answering workers' streams, never a busy one's traffic."""
 
 import contextlib
 import logging
