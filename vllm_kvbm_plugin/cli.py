@@ -13,6 +13,13 @@ REUSE_REPORTS_HELP = ('requests use kv_cache_report_mode "full": hashes announce
 SILENCE_HELP = "warn when the stream has delivered nothing for this many seconds {} (default %(default)s; 0: never)"
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return n
+
+
 def _subscribe(args) -> int:
     import logging
 
@@ -170,9 +177,9 @@ def _route(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router = Router(workers, args.topic, WorkerConfig(args.hash_algo, args.hash_seed, connector=args.connector,
                                                          remote=args.remote), policy=args.policy,
-                    silence_s=args.silence_warning, announcers=announcers)
+                    silence_s=args.silence_warning, announcers=announcers, history=args.history)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    serve(router, args.host, args.port)
+    serve(router, args.host, args.port, args.max_body_bytes)
     return 0
 
 
@@ -272,6 +279,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(default), every one any stream announced (a fleet on one Redis), or none")
     r.add_argument("--silence-warning", type=float, default=30.0, metavar="SECONDS",
                    help=SILENCE_HELP.format("after its worker served a request"))
+    r.add_argument("--history", type=_positive, default=1000, metavar="N",
+                   help="request records /router/stats keeps, the latest (its sums cover every request; "
+                        "default %(default)s)")
+    r.add_argument("--max-body-bytes", type=_positive, default=16 << 20, metavar="BYTES",
+                   help="largest request body accepted; a larger one is answered 413 unread "
+                        "(default %(default)s: 16 MiB)")
     r.set_defaults(func=_route)
 
     ti = sub.add_parser("tiers", help="look into a tier").add_subparsers(dest="tiers_cmd", required=True)

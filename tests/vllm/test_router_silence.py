@@ -1,6 +1,7 @@
 """A worker given the wrong endpoint form (`tcp://127.0.0.1:PORT`: vLLM's real ZmqEventPublisher then
 connects instead of binding, as the router does) is warned about by `vllm-kvbm route` and
-`vllm-kvbm subscribe`; a worker given `tcp://*:PORT` is not."""
+`vllm-kvbm subscribe`; a worker given `tcp://*:PORT` is not. And, on the same real publishers,
+what a routing decision waits for: the answering workers' streams, never a busy one's traffic."""
 
 import contextlib
 import logging
@@ -157,7 +158,7 @@ def test_routing_after_an_answer_waits_for_its_events(publishers, tmp_path):
             block_hashes=hs, parent_block_hash=None, token_ids=prompt[:96], block_size=16, lora_id=None,
             medium="GPU", lora_name=None)]))).start()
         t0 = time.monotonic()
-        chosen = router.choose(prompt)
+        chosen = router.choose(prompt)[:2]
         waited = time.monotonic() - t0
         # a full hit: stores nothing new, so the next decision does not wait
         router.done(0, {"policy": "kv", "prompt_tokens": 100, "predicted": 96, "served": 96, "scores": [96, 0]},
@@ -169,3 +170,52 @@ def test_routing_after_an_answer_waits_for_its_events(publishers, tmp_path):
         router.stop()
     assert chosen == (0, [96, 0]) and 0.2 < waited < 1.0, (chosen, waited)
     assert again < 0.1, again
+
+
+def test_a_busy_stream_does_not_hold_up_a_decision(publishers, tmp_path):
+    """Worker B publishes a batch every 5 ms (a busy fleet never falls quiet) and worker A answered
+    a request whose events come late. A decision waits for A's stream to catch up with A's answer
+    and no longer: not for a lull of every stream (which never came: each decision waited the full
+    second), nor for B's traffic; an answer of B's is caught up by B's next batch."""
+    from vllm_kvbm_plugin.events.index import WorkerConfig
+    from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher
+
+    a, b = publishers(f"ipc://{tmp_path}/w0", 0), publishers(f"ipc://{tmp_path}/w1", 1)
+    router = Router([Worker.parse(f"http://127.0.0.1:8001,ipc://{tmp_path}/w0,ipc://{tmp_path}/replay0"),
+                     Worker.parse(f"http://127.0.0.1:8002,ipc://{tmp_path}/w1,ipc://{tmp_path}/replay1")],
+                    topic="kv", settle_s=0.8, config=WorkerConfig(hash_block_size=16))
+    prompt = list(range(100, 200))
+    hs = PromptHasher().event_hashes(prompt, 16)
+    record = {"policy": "kv", "prompt_tokens": 100, "predicted": 0, "served": 0, "scores": [0, 0]}
+    stop = threading.Event()
+
+    def busy():  # stamped as vLLM stamps a step's batch: time.time() when published
+        n = 0
+        while not stop.wait(0.005):
+            b.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+                block_hashes=[10 ** 6 + n], parent_block_hash=None, token_ids=[n % 50] * 16, block_size=16,
+                lora_id=None, medium="GPU", lora_name=None)]))
+            n += 1
+
+    router.start()
+    threading.Thread(target=busy, daemon=True).start()
+    try:
+        time.sleep(0.3)
+        router.done(1, record, sent=router.sent(1))
+        t0 = time.monotonic()
+        router.choose(prompt)
+        b_took = time.monotonic() - t0
+        router.done(0, record, sent=router.sent(0))
+        threading.Timer(0.2, lambda: a.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+            block_hashes=hs, parent_block_hash=None, token_ids=prompt[:96], block_size=16, lora_id=None,
+            medium="GPU", lora_name=None)]))).start()
+        t0 = time.monotonic()
+        chosen = router.choose(prompt)
+        a_took = time.monotonic() - t0
+        batches = router.stats()["streams"][1]["batches"]
+    finally:
+        stop.set()
+        router.stop()
+    # caught up by the batches themselves: before settle_s (0.8 s) or the deadline (1 s) could end the wait
+    assert chosen[:2] == (0, [96, 0]) and 0.2 <= chosen.waited_s <= a_took < 0.6, (chosen, a_took)
+    assert b_took < 0.5 and batches > 20, (b_took, batches)
