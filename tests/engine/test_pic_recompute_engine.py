@@ -175,6 +175,7 @@ TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",  # one NUMA node here: vLLM can
 CLEAR = 0.1  # a top-2 margin the two engines' float noise cannot flip (their logprobs differ by ~0.03)
 
 
+@pytest.mark.slow  # workers in their own processes: ~1 min to start here under load
 def test_tensor_parallel_ranks_select_the_same_rows(tmp, blended):
     """Issue 42: two tensor-parallel workers, each holding half the KV heads, at ratio 0.15 with
     the compute saving. The selection sums both ranks' deviations, so both run the same rows after
