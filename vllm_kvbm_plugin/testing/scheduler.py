@@ -55,11 +55,11 @@ class HarnessConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
     events: bool = True
+    pipeline: int = 1  # vLLM's pipeline_parallel_size (the harness simulates one stage's workers)
     # KVBMConnector's kv_connector_extra_config: the connector's scheduler side runs inside vLLM's
     # Scheduler and `workers` real WorkerSides (tensor-parallel ranks) run its plans over CPU tensors
     connector: dict | None = None
     workers: int = 1
-    pipeline: int = 1  # vLLM's pipeline_parallel_size (the harness simulates one stage's workers)
 
 
 def _config_only_model(max_len: int) -> str:
