@@ -10,6 +10,7 @@ a preamble, four documents and a question; then the documents reordered.
 """
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -42,9 +43,10 @@ DOC_TOKENS = 4 * len(DOCS[0])
 BATCH_RAG = [rng.randrange(10, 2000) for _ in range(23)] + RAG[23:]
 
 
-def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_bytes=8 << 20,
+def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_bytes=8 << 20, env=None,
         **llm) -> tuple[dict, str]:
-    """The steps on one engine (pic_run); ratio: pic_recompute_ratio (0: loads only, layer 2)."""
+    """The steps on one engine (pic_run); ratio: pic_recompute_ratio (0: loads only, layer 2); env:
+    added to the engine process's environment."""
     llm = {"max_model_len": 1024, **llm}
     if connector:
         llm["kv_transfer_config"] = {"kv_connector": "KVBMConnector", "kv_connector_module_path":
@@ -57,7 +59,8 @@ def run(tmp_path, steps, connector=True, ratio=0, name=None, model="llama", cpu_
     (out / "spec.json").write_text(json.dumps({"model": model, "llm": llm, "steps": steps}))
     with open(out / "log.txt", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "vllm_kvbm_plugin.testing.pic_run", out / "spec.json", out],
-                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
         try:
             rc = proc.wait(timeout=600)
         finally:

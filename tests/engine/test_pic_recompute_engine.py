@@ -45,10 +45,10 @@ STEPS = [{"prompt": FIRST, "max_tokens": 1}, {"reset": True},
          {"prompt": REORDERED, "salt": "full", "logprobs": True, "max_tokens": 4}]
 
 
-def engine(tmp_path, ratio, model="llama-big", **llm):
+def engine(tmp_path, ratio, model="llama-big", env=None, **llm):
     name = f"{model}-ratio-{ratio}" + "".join(f"-{k}-{v}" for k, v in llm.items())
     result, _ = run(tmp_path, STEPS, ratio=ratio, name=name, max_model_len=2048, max_logprobs=-1,
-                    model=model, cpu_bytes=64 << 20, disable_log_stats=False, **llm)
+                    model=model, cpu_bytes=64 << 20, disable_log_stats=False, env=env, **llm)
     _, _, loaded, _, full = result["steps"]
     return result, loaded, full
 
@@ -66,6 +66,11 @@ def tmp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def loads_only(tmp):
     return engine(tmp, 0)
+
+
+@pytest.fixture(scope="module")
+def blended(tmp):
+    return engine(tmp, 0.15)
 
 
 def test_ratio_1_reproduces_a_full_prefill(tmp):
@@ -108,8 +113,8 @@ def test_ratio_0_is_loads_alone(loads_only):
     assert kl(full, loaded) > 0
 
 
-def test_ratio_015_loads_every_document_and_recomputes_a_few(tmp, loads_only):
-    result, loaded, full = engine(tmp, 0.15)
+def test_ratio_015_loads_every_document_and_recomputes_a_few(blended, loads_only):
+    result, loaded, full = blended
     assert loaded["num_cached_tokens"] == 0
     assert result["pic"]["blended"] == REUSABLE  # all four documents, past the gaps
     runs = 1 + 4  # the preamble and each document: RUN_HEAD first tokens of each are recomputed too
@@ -163,3 +168,45 @@ def test_recompute_removes_most_of_the_kl_where_deviation_is_local(tmp):
     # ... and recomputing the most deviating 15% undid most of it (measured 0.12x; the issue asks
     # for 0.5x, but a random 15% already gives 0.52x here, so a quarter tells the selection apart)
     assert after <= 0.25 * before
+
+
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",  # one NUMA node here: vLLM cannot bind 2 workers
+          "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # test-only: each worker's counts by RPC
+CLEAR = 0.1  # a top-2 margin the two engines' float noise cannot flip (their logprobs differ by ~0.03)
+
+
+@pytest.mark.slow  # workers in their own processes: ~1 min to start here under load
+def test_tensor_parallel_ranks_select_the_same_rows(tmp, blended):
+    """Issue 42: two tensor-parallel workers, each holding half the KV heads, at ratio 0.15 with
+    the compute saving. The selection sums both ranks' deviations, so both run the same rows after
+    it (selecting by its own heads, each rank kept other rows, 92 of 326 here: other KV per head,
+    and the MLP's all-reduce over unequal row counts hangs or crashes) and the request gets the
+    tokens of one worker holding every head (`blended`: the same request on a TP=1 engine)."""
+    result, loaded, full = engine(tmp, 0.15, env=TP_ENV, tensor_parallel_size=2)
+    one, loaded1, full1 = blended
+    ranks = result["blend_ranks"]
+    assert len(ranks) == 2 and ranks[0] == ranks[1]  # the same rows on both ranks, counted alike
+    rank = ranks[0]
+    assert rank["steps"] == 1 and rank["tokens"] == REUSABLE and rank["rows"] == len(REORDERED)
+    assert rank["gathered"] == len(rank["kept"][0]) == len(REORDERED) - REUSABLE + rank["recomputed"]  # rows dropped
+    assert math.ceil(0.15 * REUSABLE) <= rank["recomputed"] <= math.ceil(0.15 * REUSABLE) + RUN_HEAD * 5
+    # one selection, as one worker holding every head makes it (float noise may move a near tie)
+    assert len(set(rank["kept"][0]) ^ set(one["blend_ranks"][0]["kept"][0])) <= 0.05 * rank["gathered"]
+    m = result["metrics"]  # tokens counted once, not once per rank
+    assert m["vllm:kvbm_pic_tokens_total{operation=loaded}"] == REUSABLE
+    assert m["vllm:kvbm_pic_tokens_total{operation=blended}"] == REUSABLE
+    assert m["vllm:kvbm_pic_tokens_total{operation=recomputed}"] == rank["recomputed"]
+    # the tokens of one worker: equal while the contexts are, wherever the top-2 margin is clear
+    for got, want, margin in zip(loaded["tokens"], loaded1["tokens"], loaded1["margins"]):
+        assert got == want or margin < CLEAR, (loaded["tokens"], loaded1["tokens"], loaded1["margins"])
+        if got != want:
+            break
+    assert loaded1["margins"][0] >= CLEAR  # the first token, at least, is judged
+    # the blended request moves no more between TP=1 and TP=2 than a full prefill does (float noise)
+    gap = max(abs(a - b) for a, b in zip(loaded["logprobs"], loaded1["logprobs"]))
+    noise = max(abs(a - b) for a, b in zip(full["logprobs"], full1["logprobs"]))
+    print(f"\nTP=2 vs TP=1, ratio 0.15: {rank['gathered']} of {rank['rows']} rows after the selection on both "
+          f"ranks ({len(set(rank['kept'][0]) ^ set(one['blend_ranks'][0]['kept'][0]))} differ from TP=1's); "
+          f"tokens {loaded['tokens']} / {loaded1['tokens']} (margins {loaded1['margins']}); first-token logprob "
+          f"gap {gap:.4f}, full prefills' {noise:.4f}")
+    assert gap <= 2 * noise

@@ -390,3 +390,16 @@ def test_recompute_without_the_attention_patch_falls_back_to_plain_loads(tmp_pat
     h.serve(prompt([0, 1, 2, 3]))
     h.reset_prefix_cache()
     assert h.serve(prompt([2, 0, 3, 1]), cache_salt=SALT) == 18 * B
+
+
+def test_recompute_under_pipeline_parallelism_fails_at_startup(blend):
+    """Issue 42: tensor parallelism is served (the ranks select together); under pipeline
+    parallelism the selection and the layers that run only the kept rows live in different
+    processes: the engine does not start, and says why (rather than hanging in a forward)."""
+    def start(ratio):
+        return SchedulerHarness(HarnessConfig(hybrid=False, block_size=B, hash_block_size=None, pipeline=2,
+                                              connector={"cpu_bytes_to_use": 1 << 22, "pic_recompute_ratio": ratio}))
+
+    with pytest.raises(ValueError, match="pic_recompute_ratio > 0 .* not pipeline_parallel_size=2"):
+        start(0.15)
+    assert start(0).connector.pic is not None  # loads alone do not depend on the layers' processes

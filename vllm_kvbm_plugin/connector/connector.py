@@ -27,10 +27,14 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         from vllm_kvbm_plugin.connector.layout import Layout
-        from vllm_kvbm_plugin.connector.pic_model import with_model_support
+        from vllm_kvbm_plugin.connector.pic_model import PicModel, with_model_support
 
         cfg = with_model_support(config.connector_config(vllm_config), vllm_config)
         self._sched = self._worker = self._remote_counters = None
+        if getattr(cfg, "pic_recompute_ratio", 0) and isinstance(cfg.pic_model, PicModel):
+            from vllm_kvbm_plugin.patches import pic_blend
+
+            pic_blend.check_parallel(vllm_config.parallel_config)  # in every process, before anything runs
 
         # raises for groups we cannot hold; only the scheduler side decides the tier secret (TierDecision)
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg, decide=role == KVConnectorRole.SCHEDULER)

@@ -23,7 +23,7 @@ import torch
 from vllm_kvbm_plugin.connector.metadata import PicLoad
 from vllm_kvbm_plugin.connector.pic_model import PicModel
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, BlendPlan, set_plan
+from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, BlendPlan, set_plan, tp_group
 from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 from vllm_kvbm_plugin.reuse.rope import RopeSpec, rerotate
 
@@ -92,14 +92,19 @@ def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, 
             dst_k[dst_block, :, :, dst_at] = k  # [tokens, heads, head] into [block, heads, head, offset]
             dst_v[dst_block, :, dst_at] = src_v[op, :, src_at]
             t.index_copy_(0, blocks, dst)
+    # vLLM sums the workers' stats, and every tensor-parallel rank loads the same tokens (its own
+    # heads of them): the first rank counts them
+    tp = tp_group()
+    tokens = tp is None or tp.rank_in_group == 0
     if recompute_ratio and len(kv_layers) == 1:
         block_ids = torch.tensor([o.block_ids[0] for o in ops])[op]
 
         def report(blended: int, recomputed: int) -> None:
-            count({"pic_blended_tokens": blended, "pic_recomputed_tokens": recomputed})
+            if tokens:
+                count({"pic_blended_tokens": blended, "pic_recomputed_tokens": recomputed})
 
         set_plan(BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), recompute_ratio, B, report))
-    count({"pic_loads": len(ops), "pic_tokens": len(new), "pic_seconds": time.perf_counter() - t0})
+    count({"pic_loads": len(ops), "pic_seconds": time.perf_counter() - t0, "pic_tokens": len(new) if tokens else 0})
 
 
 _RAW = {torch.float32: torch.int32, torch.bfloat16: torch.int16}  # dtypes the kernel reads as bits

@@ -144,7 +144,7 @@ class BlendPlan:
         k = key.view(key.shape[0], heads, -1)
         v = value.view(value.shape[0], heads, -1)
         if self.keep is None:  # the selection layer
-            deviation = _deviation(k[self.rows], loaded_k, v[self.rows], loaded_v)
+            deviation = _over_all_ranks(_deviation(k[self.rows], loaded_k, v[self.rows], loaded_v))
             self.keep = self.head.clone()
             for r in torch.unique(self.request):
                 mine = (self.request == r).nonzero().squeeze(1)
@@ -169,6 +169,41 @@ def _deviation(fresh_k, loaded_k, fresh_v, loaded_v) -> torch.Tensor:
     """Per reused token [n, heads, head], how far its loaded KV is from the fresh one. K only: V's
     deviation or both (each relative) selected no better on llama-big (a random choice: worse)."""
     return (fresh_k.float() - loaded_k.float()).square().sum(dim=(1, 2))
+
+
+def _over_all_ranks(deviation: torch.Tensor) -> torch.Tensor:
+    """The per-row deviation over every tensor-parallel rank's KV heads (each rank holds its own):
+    all ranks then select the same rows, as one rank holding every head would. They must: the
+    layers after the selection run only the kept rows, and an all-reduce over different row counts
+    hangs or crashes. Gathered and summed here in rank order, so every rank gets the same bits
+    (an all-reduce need not promise that)."""
+    tp = tp_group()
+    return deviation if tp is None else tp.all_gather(deviation.unsqueeze(0), dim=0).sum(0)
+
+
+def tp_group():
+    """vLLM's tensor-parallel group of this worker, or None with one rank (or none set up)."""
+    from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
+
+    if not model_parallel_is_initialized() or get_tp_group().world_size == 1:
+        return None
+    return get_tp_group()
+
+
+def check_parallel(parallel_config) -> None:
+    """Raise at startup for a parallel layout the selection cannot serve: tensor parallelism is
+    handled (`_over_all_ranks`), but under pipeline parallelism the selection layer and the
+    layers that run only the kept rows live in different processes, and under context
+    parallelism a rank holds only some of a request's tokens."""
+    pc = parallel_config
+    sizes = {"pipeline_parallel_size": pc.pipeline_parallel_size,
+             "decode_context_parallel_size": pc.decode_context_parallel_size,
+             "prefill_context_parallel_size": pc.prefill_context_parallel_size}
+    bad = {name: size for name, size in sizes.items() if size > 1}
+    if bad:
+        raise ValueError(f"KVBMConnector: pic_recompute_ratio > 0 (selective recompute) supports tensor "
+                         f"parallelism only, not {', '.join(f'{k}={v}' for k, v in bad.items())}: set "
+                         f"pic_recompute_ratio to 0 (position-independent loads alone) or those sizes to 1")
 
 
 def _request_of(rows: torch.Tensor, layer_name: str) -> torch.Tensor:

@@ -7,8 +7,11 @@ SPEC: {"model": "llama", "llm": {LLM kwargs}, "steps": [{"prompt": [ids], "salt"
 {"batch": [{"prompt", "salt"}, ...]}, ...]}. One request per step.
 OUT_DIR gets result.json ({"steps": [{"tokens", "num_cached_tokens", "pic": the planner's stats after the
 step, "logprobs": the first token's
-log-probabilities over the whole vocabulary (needs llm max_logprobs -1)}], "pic": the planner's
-stats or null, "blend": patches.pic_blend.STATS (the worker runs in this process)}) and,
+log-probabilities over the whole vocabulary (needs llm max_logprobs -1), "margins": each generated
+token's top-2 margin (with "logprobs")}], "pic": the planner's stats or null, "blend":
+patches.pic_blend.STATS of this process (the worker's, without tensor parallelism), "blend_ranks":
+each worker's, with "kept": per blended step, the rows the layers after the selection ran (one per
+tensor-parallel rank; workers in their own processes need VLLM_ALLOW_INSECURE_SERIALIZATION=1)}) and,
 per captured step, <name>.pt: the request's layer-0 KV cache blocks [blocks, heads, block, 2*head],
 read right after it finished (the worker's own tensor, before any other request runs).
 """
@@ -36,6 +39,35 @@ def _layer0_blocks(worker, block_ids):
     return side.layers[KV][0][i].tensor[list(block_ids)].clone()
 
 
+def _record_kept(worker) -> None:
+    """Record each blended step's kept rows (after the compute saving's gather) on this worker
+    (`worker.kvbm_kept`: RPC'd functions of a `python -m` module travel by value, their globals too)."""
+    from vllm_kvbm_plugin.patches.pic_blend import BlendPlan
+
+    kept = worker.kvbm_kept = []
+    gather = BlendPlan.gather
+
+    def recording(self, *args, **kwargs):
+        gather(self, *args, **kwargs)
+        kept.append(self.kept.tolist())
+
+    BlendPlan.gather = recording
+
+
+def _blend_stats(worker) -> dict:
+    """patches.pic_blend.STATS of a worker process (each tensor-parallel rank has its own) and the
+    rows `_record_kept` recorded."""
+    from vllm_kvbm_plugin.patches import pic_blend
+
+    return {**pic_blend.STATS, "kept": worker.kvbm_kept}
+
+
+def _margin(logprobs: dict) -> float:
+    """A generated token's top-2 margin (log-probability of the best minus the second best)."""
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1]
+
+
 def run(spec: dict, out_dir: str) -> dict:
     import torch
     from vllm import SamplingParams
@@ -59,6 +91,7 @@ def run(spec: dict, out_dir: str) -> dict:
     one_forward = pic is not None and pic.one_forward
     from vllm_kvbm_plugin.patches import pic_blend, pic_segments
 
+    llm.collective_rpc(_record_kept)
     steps = []
     for step in spec["steps"]:
         if step.get("reset"):
@@ -85,12 +118,14 @@ def run(spec: dict, out_dir: str) -> dict:
         if step.get("logprobs"):
             first = o.outputs[0].logprobs[0]
             steps[-1]["logprobs"] = [first[t].logprob for t in range(len(first))]
+            steps[-1]["margins"] = [_margin(lps) for lps in o.outputs[0].logprobs]
         if step.get("capture"):
             (kv,) = llm.collective_rpc(_layer0_blocks, args=(finished[-1][0],))
             torch.save(kv, os.path.join(out_dir, f"{step['capture']}.pt"))
     side = getattr(connector, "_sched", None)
 
     result = {"steps": steps, "pic": dict(pic.stats) if pic is not None else None, "blend": dict(pic_blend.STATS),
+              "blend_ranks": llm.collective_rpc(_blend_stats),
               "accounting": side.accounting() if side is not None else None,
               "metrics": metric_totals()}  # vLLM's Prometheus stat logger (when log stats are on)
     llm.llm_engine.engine_core.shutdown()

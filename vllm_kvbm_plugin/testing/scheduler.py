@@ -55,6 +55,7 @@ class HarnessConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 16
     events: bool = True
+    pipeline: int = 1  # vLLM's pipeline_parallel_size (the harness simulates one stage's workers)
     # KVBMConnector's kv_connector_extra_config: the connector's scheduler side runs inside vLLM's
     # Scheduler and `workers` real WorkerSides (tensor-parallel ranks) run its plans over CPU tensors
     connector: dict | None = None
@@ -104,7 +105,7 @@ def vllm_config_of(cfg: HarnessConfig, kv_transfer_config) -> VllmConfig:
             prefix_match_unit=cfg.hash_block_size if cfg.hybrid else None,
         ),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=cfg.events, publisher="null"),
-        parallel_config=ParallelConfig(tensor_parallel_size=cfg.workers),
+        parallel_config=ParallelConfig(tensor_parallel_size=cfg.workers, pipeline_parallel_size=cfg.pipeline),
         kv_transfer_config=kv_transfer_config,
     )
 
