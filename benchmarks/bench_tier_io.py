@@ -84,22 +84,22 @@ def main() -> None:
             gen["ours"] += 1
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
             for i, k in enumerate(keys):
-                disk.write_block(disk.block_path(base, k), k, fp, pool[i % n], fsync=args.fsync)
+                disk.write_block(disk.block_path(base, k), k, fp, MK, pool[i % n], fsync=args.fsync)
 
         def read_ours():
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
             for i, k in enumerate(keys):
-                assert disk.read_into(disk.block_path(base, k), k, fp, pool[i % n]) is not None
+                assert disk.read_into(disk.block_path(base, k), k, fp, MK, pool[i % n]) is not None
 
         def write_batch():  # the same files in one write_blocks call (KVBMDiskTier's way)
             gen["ours"] += 1
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
-            assert not any(disk.write_blocks([disk.block_path(base, k) for k in keys], keys, fp,
+            assert not any(disk.write_blocks([disk.block_path(base, k) for k in keys], keys, fp, MK,
                                              [pool[i % n] for i in range(m)], [b""] * m, fsync=args.fsync))
 
         def read_batch():
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
-            metas = disk.read_blocks([disk.block_path(base, k) for k in keys], keys, fp, [pool[i % n] for i in range(m)])
+            metas = disk.read_blocks([disk.block_path(base, k) for k in keys], keys, fp, MK, [pool[i % n] for i in range(m)])
             assert None not in metas
 
         def write_raw():

@@ -12,8 +12,12 @@ import pytest
 from vllm_kvbm_plugin import cli
 from vllm_kvbm_plugin.tiers import disk, inspector
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.mac import mac_key
+from vllm_kvbm_plugin.tiers.secret import ENV as SECRET_ENV
 
 FP_A, FP_B = bytes(range(16)), bytes(range(16, 32))
+SECRET = bytes(range(32, 48))
+MK = mac_key(SECRET)
 SIZE = 4096
 DAY = 86400
 
@@ -25,8 +29,14 @@ def payload(i):
 def write(root, fp, rank, i, meta=b""):
     key = (i << 8, i)
     path = disk.block_path(disk.block_dir(str(root), fp, rank), key)
-    disk.write_block(path, key, fp, payload(i), meta or disk.encode_meta(32, [b"event %d" % (i % 10)]))
+    disk.write_block(path, key, fp, MK, payload(i), meta or disk.encode_meta(32, [b"event %d" % (i % 10)]))
     return path, key
+
+
+@pytest.fixture(autouse=True)
+def tier_secret(monkeypatch):
+    """Verifying checks MACs: the tier secret, as an operator gives it."""
+    monkeypatch.setenv(SECRET_ENV, SECRET.hex())
 
 
 def tree(root):
@@ -47,7 +57,7 @@ def disk_tier(tmp_path):
     now = time.time()
     os.utime(a[0][0], (now - 2 * DAY, now - 2 * DAY))  # <7d
     os.utime(a[1][0], (now - 30 * DAY, now - 30 * DAY))  # >=7d
-    with open(a[2][0], "r+b") as f:  # a flipped payload byte: the checksum fails
+    with open(a[2][0], "r+b") as f:  # a flipped payload byte: the MAC fails
         f.seek(disk.HEADER_SIZE + 100)
         byte = f.read(1)
         f.seek(disk.HEADER_SIZE + 100)
@@ -107,7 +117,7 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
         for i in range(n):
             key = (i << 8, i)
             name = remotefmt.value_name(fp.hex().encode(), rank, disk.key_hex(key).encode())
-            value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, payload(i), b"m")))
+            value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, MK, payload(i), b"m")))
             if fp == FP_A and i == 0:
                 value[disk.HEADER_SIZE + 5] ^= 0xFF  # damaged
             c.set(name, bytes(value))

@@ -25,6 +25,7 @@ from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
 
 logger = get_logger("connector.worker")
@@ -51,6 +52,11 @@ class WorkerSide:
                 self._disk_broken = True
                 logger.warning("KVBMConnector: disk tier directory %s unusable (%s); no more disk writes",
                                self.disk_base, e)
+
+    @property
+    def mac_key(self):
+        """The MAC key of block files and remote values, from the tier secret (tiers/mac.py)."""
+        return mac_key(self.layout.secret)
 
     def _init_state(self) -> None:
         # kind -> per group of that kind, its layers (each with its offset inside a slot)
@@ -173,7 +179,7 @@ class WorkerSide:
                     via_scratch.append((layer, ids[gi]))
                 end = layer.offset + layer.nbytes
         parts.append(scratch[end:])  # the slot's unused tail (slots fit the larger entry kind)
-        if not diskfmt.read_payload(fd, parts):
+        if not diskfmt.read_payload(fd, parts, self.mac_key):
             return False
         for layer, block_id in via_scratch:
             slots_to_layer(layer, [block_id], [0], self.scratch)
@@ -211,7 +217,8 @@ class WorkerSide:
         if meta.opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
             keys = list(meta.opens)
-            opened = diskfmt.open_verified_blocks(self._paths(keys), keys, self.fingerprint, self.slot_bytes)
+            opened = diskfmt.open_verified_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
+                                                  self.slot_bytes)
             for key, o in zip(keys, opened):
                 if o is not None:
                     old = self.held.pop(key, None)
@@ -225,7 +232,7 @@ class WorkerSide:
         if meta.prefetches:  # read and verified straight into their (not yet ready) slots
             t0 = time.perf_counter()
             keys = [p.key for p in meta.prefetches]
-            metas = diskfmt.read_blocks(self._paths(keys), keys, self.fingerprint,
+            metas = diskfmt.read_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
                                         [self.pool[p.slot].numpy() for p in meta.prefetches])
             for key, m in zip(keys, metas):
                 self._report(Op.PREFETCH, key, m is not None)
@@ -375,7 +382,7 @@ class WorkerSide:
         if self._disk_writes_on():
             keys = [key for key, _, _ in jobs]
             try:
-                errors = diskfmt.write_blocks(self._paths(keys), keys, self.fingerprint,
+                errors = diskfmt.write_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
                                               [self.pool[slot].numpy() for _, slot, _ in jobs],
                                               [blob for _, _, blob in jobs], fsync=self.cfg.disk_fsync)
             except OSError as e:
@@ -540,7 +547,8 @@ class RemoteIO:
         outs = [self.side.pool[slot].numpy() for _, _, slot in fetches]
         keys = [key for _, key, _ in fetches]
         # a DirectClient reads straight into the slots, verified as the bytes land
-        results = remotefmt.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint, outs)
+        results = remotefmt.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint,
+                                         self.side.mac_key, outs)
         done, bad = {}, []
         for key, name, r in zip(keys, names, results):
             if r == remotefmt.BAD:
@@ -556,7 +564,7 @@ class RemoteIO:
         return done
 
     def _write(self, writes: list) -> None:
-        pool, fp = self.side.pool, self.side.fingerprint
+        pool, fp, mk = self.side.pool, self.side.fingerprint, self.side.mac_key
         names = [self.prefix + diskfmt.key_hex(key) for _, key, _, _ in writes]
-        values = [remotefmt.value_parts(key, fp, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
+        values = [remotefmt.value_parts(key, fp, mk, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
         remotefmt.store_values(self.direct or self.client, names, values)

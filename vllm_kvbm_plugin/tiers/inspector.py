@@ -7,7 +7,9 @@ A layout is a directory `<disk_path>/<fingerprint>/r<rank>/` or a key prefix
 `kvbm:<version>:<fingerprint>:r<rank>:`; the fingerprint hashes the model, dtype, KV cache spec and
 hash unit, so one layout is one model configuration. Disk ages are since a file was written (block
 files are never changed in place); a server does not keep that, so remote ages are idle times (since
-the last read or write; OBJECT IDLETIME, unknown under an LFU eviction policy).
+the last read or write; OBJECT IDLETIME, unknown under an LFU eviction policy). Verifying checks
+each entry's MAC, so it needs the tier secret: KVBM_KEY_SECRET, else the one the tier keeps (the
+disk tier's secret file, the store's entry).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import numpy as np
 
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.log import redact_url
+from vllm_kvbm_plugin.tiers import secret as tiersecret
+from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.secret import FILE_NAME as SECRET_FILE
 
 AGES = ((60, "<1m"), (3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (float("inf"), ">=7d"))
@@ -39,6 +44,7 @@ class Report:
                     "age": {"basis": age_basis, "histogram": {name: 0 for _, name in AGES}, "unknown": 0,
                             "oldest_s": None},
                     "skipped": 0, "verify": {"checked": 0, "failed": 0} if verify else None}
+        self.mac_key = None  # the tier's MAC key, to verify with
         self._progress, self._next = progress, time.monotonic() + 0.5  # short scans print nothing
 
     def add(self, fingerprint: str, rank: int, nbytes: int, age: float | None) -> None:
@@ -83,6 +89,7 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
     if not stat.S_ISDIR(os.lstat(disk_path).st_mode):
         raise NotADirectoryError(f"{disk_path} is not a directory (a symlink is not followed)")
     rep = Report(disk_path, "disk", "written", verify, progress)
+    mk = _mac_key(lambda: tiersecret.on_disk(disk_path)) if verify else None
     layouts, other = _real_dirs(disk_path, _LAYOUT_NAME)
     rep.out["skipped"] += other
     now = time.time()
@@ -98,12 +105,23 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
                 rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
             if verify:
                 for i in range(0, len(found), BATCH):
-                    rep.verified(_verify_files(base, bytes.fromhex(fp), [k for k, _ in found[i:i + BATCH]]))
+                    rep.verified(_verify_files(base, bytes.fromhex(fp), mk, [k for k, _ in found[i:i + BATCH]]))
     return rep.out
 
 
-def _verify_files(base: str, fingerprint: bytes, keys: list) -> list[bool]:
-    """Whether each block file verifies (header, lengths, key, fingerprint, checksum), read as a
+def _mac_key(kept: Callable[[], bytes | None]) -> np.ndarray:
+    """The MAC key to verify with: KVBM_KEY_SECRET's, else the secret the tier keeps (`kept()`)."""
+    raw = os.environ.get(tiersecret.ENV)
+    if raw:
+        return mac_key(tiersecret.parse(raw, tiersecret.ENV))
+    kept = kept()
+    if kept is None:
+        raise ValueError(f"verifying needs the tier secret: set {tiersecret.ENV} (the tier keeps none)")
+    return mac_key(kept)
+
+
+def _verify_files(base: str, fingerprint: bytes, mk: np.ndarray, keys: list) -> list[bool]:
+    """Whether each block file verifies (header, lengths, key, fingerprint, MAC), read as a
     load reads it (open_verified); each fd is closed at once."""
     paths = [diskfmt.block_path(base, k) for k in keys]
     ok = [False] * len(keys)
@@ -118,7 +136,7 @@ def _verify_files(base: str, fingerprint: bytes, keys: list) -> list[bool]:
             by_size.setdefault(size - diskfmt.HEADER_SIZE - len(meta), []).append(i)
     for plen, idx in by_size.items():
         for i, got in zip(idx, diskfmt.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
-                                                            fingerprint, plen)):
+                                                            fingerprint, mk, plen)):
             if got is not None:
                 os.close(got[0])
                 ok[i] = True
@@ -129,9 +147,11 @@ def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
     """The report of the values under `kvbm:` on a Redis / Valkey server (or cluster)."""
     remotefmt.check_url(url)
     client = remotefmt.connect(url)
-    rep = Report(url, "remote", "idle", verify, progress)
+    rep = Report(redact_url(url), "remote", "idle", verify, progress)
     names = []
     try:
+        if verify:
+            rep.mac_key = _mac_key(lambda: _remote_secret(client))
         for name in client.scan_iter(match=b"kvbm:*", count=1000):
             names.append(name)
             if len(names) == BATCH:
@@ -142,6 +162,11 @@ def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
     finally:
         client.close()
     return rep.out
+
+
+def _remote_secret(client) -> bytes | None:
+    kept = client.get(tiersecret.REMOTE_NAME)
+    return tiersecret.parse(kept.decode("ascii", "replace"), tiersecret.REMOTE_NAME) if kept else None
 
 
 def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
@@ -161,10 +186,10 @@ def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
         kept.append((name, root, key_hex))
     if verify and kept:
         values = remotefmt.run(client, [("GET", n) for n, _, _ in kept])
-        rep.verified([_verify_value(v, root, key_hex) for v, (_, root, key_hex) in zip(values, kept)])
+        rep.verified([_verify_value(v, root, key_hex, rep.mac_key) for v, (_, root, key_hex) in zip(values, kept)])
 
 
-def _verify_value(value, root: bytes, key_hex: bytes) -> bool:
+def _verify_value(value, root: bytes, key_hex: bytes, mk: np.ndarray) -> bool:
     if not isinstance(value, (bytes, bytearray)) or len(value) < diskfmt.HEADER_SIZE:
         return False
     h = diskfmt.parse_header(value)
@@ -172,7 +197,7 @@ def _verify_value(value, root: bytes, key_hex: bytes) -> bool:
         return False
     key = diskfmt.parse_key_hex(key_hex.decode() + diskfmt.SUFFIX)
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
-    return remotefmt.read_value(value, key, bytes.fromhex(root.decode()), out)
+    return remotefmt.read_value(value, key, bytes.fromhex(root.decode()), mk, out)
 
 
 def inspect(target: str, verify: bool = False, progress=None) -> dict:
