@@ -191,3 +191,27 @@ def test_stores_go_from_their_parts_and_a_refused_set_raises(server):
         assert d.call([[b"EXISTS", names[0]]]) == [1]  # the same connection, in step
     finally:
         d.close()
+
+
+def test_write_access_to_the_server_without_the_secret_cannot_plant_a_value(server):
+    """Values a writer without the tier secret can make: the payload replaced by one that keeps
+    the old checksum (the header and its MAC kept), a complete value whose MAC is made under
+    another secret, a valid value of format 2 (checksum, no MAC). Each is BAD on both read paths."""
+    from tests.unit.test_block_mac import ATTACKER, KEY, forged, old_header
+
+    payload = os.urandom(4096)
+    genuine = b"".join(bytes(p) for p in remotefmt.value_parts(KEY, FP, MK, np.frombuffer(payload, np.uint8), b"m"))
+    fake = forged(payload)
+    values = [genuine,
+              genuine[:diskfmt.HEADER_SIZE] + fake + b"m",
+              b"".join(bytes(p) for p in remotefmt.value_parts(KEY, FP, ATTACKER, np.frombuffer(fake, np.uint8), b"m")),
+              old_header(payload, b"m") + payload + b"m"]
+    c = server.client()
+    names = [f"kvbm:test:r0:forged{i}" for i in range(len(values))]
+    for name, v in zip(names, values):
+        c.set(name, v)
+    outs = [np.zeros(4096, dtype=np.uint8) for _ in names]
+    want = [remotefmt.OK] + [remotefmt.BAD] * 3
+    assert remotefmt.DirectClient(server.url).fetch(names, [KEY] * 4, FP, MK, outs) == want
+    assert outs[0].tobytes() == payload
+    assert [remotefmt.classify(c.get(n), KEY, FP, MK, o) for n, o in zip(names, outs)] == want
