@@ -1,21 +1,18 @@
 """The MAC of a block file or remote value, keyed by the tier secret (tiers/secret.py).
 
-Construction (UMAC's shape, carried out in our own loop): the payload is cut into 8 KiB chunks;
-each chunk is compressed by two NH passes (the products of the 32-bit halves of each 64-bit word,
-each half added to a key word mod 2^32, summed mod 2^64; the second pass uses the key shifted by
-one word, Toeplitz style), and the chunks' outputs (four 32-bit coefficients each) are evaluated as
-a polynomial at a secret point mod 2^61-1. The 64-bit tag is SipHash-2-4, under a key of its own,
-of the header (magic to lengths), that polynomial and the metadata. For two different payloads of
-n chunks the hash collides with probability at most 2^-64 + 4n/(2^61-1) over the key, so a forgery
-without the secret succeeds with probability about 2^-64 + n * 2^-59 per value tried (2^-52 for a
-1 MiB block), plus what SipHash concedes as a PRF. The same bound covers accidental corruption:
-this replaces a checksum. Every key word comes from the 16-byte secret (keyed BLAKE2b in counter
-mode), so whoever holds the secret can write blocks the tier will serve: keep it outside the store
-(docs/block-keys.md).
+UMAC's shape in our own loop: each 8 KiB chunk of the payload is compressed by two NH passes (the
+32-bit halves of each word, each plus a key half mod 2^32, multiplied and summed mod 2^64; the
+second pass's key shifted by one word), the chunks' outputs (four 32-bit coefficients each) are
+evaluated as a polynomial at a secret point mod 2^61-1, and the 64-bit tag is SipHash-2-4 (a key
+of its own) of the header's fields, that value and the metadata. Two payloads of n chunks collide
+with probability at most 2^-64 + 4n/(2^61-1) over the key, so without the secret a forged value
+passes with probability about 2^-64 + n * 2^-59 (2^-52 for 1 MiB) plus SipHash's PRF advantage;
+random corruption is caught as well, so this replaces the checksum of format 2.
 
-Speed: the NH loop carries only the two sums, has no dependency between words but the adds, and
-LLVM vectorizes it like a checksum; it runs while the chunk is in cache (read loop of
-tiers/fileio.py, the remote reader), fused with the copy out (streaming stores).
+All key words come from the secret (keyed BLAKE2b in counter mode): whoever holds it can write
+blocks the tiers serve (docs/block-keys.md says what to protect). The NH loop carries two sums and
+vectorizes like a checksum; the readers run it on each chunk while it is in cache, fused with the
+copy out (tiers/fileio.py, the remote reader).
 """
 
 from __future__ import annotations

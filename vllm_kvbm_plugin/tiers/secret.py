@@ -1,4 +1,5 @@
-"""The tier secret: the 128-bit key of the block keys (hashing/spec.py, docs/block-keys.md).
+"""The tier secret: the 128-bit key of the block keys (hashing/spec.py, docs/block-keys.md) and of
+the MAC every stored block carries (tiers/mac.py): whoever holds it can plant KV the tiers serve.
 
 Everyone who shares a tier must hash with the same secret, and nobody else may know it: then an
 outsider choosing token ids can neither compute a key nor make two prompts collide. Where it
