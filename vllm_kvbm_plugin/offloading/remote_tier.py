@@ -217,7 +217,8 @@ class KVBMRemoteTier(ChunkTier):
         fkeys = [file_key(key) for key, _ in work]
         outs = [self._rows[chunk] for _, chunk in work]
 
-        outcomes = self._call("load", lambda c: remotefmt.fetch_values(c, names, fkeys, self.fingerprint, self.mac_key, outs))
+        outcomes = self._call("load", lambda c: remotefmt.fetch_values(c, names, fkeys, self.fingerprint,
+                                                                        self.mac_key, outs))
         if outcomes is None:
             return set(), {}, time.perf_counter() - t0
         bad = [n for n, o in zip(names, outcomes) if o == remotefmt.BAD]

@@ -302,9 +302,9 @@ def write_files(dirs, dir_at, tmps, tmp_at, finals, final_at, heads, srcs, plens
     """Write block files, each to a new temporary file tmps[i] (0600, flock'ed until renamed) in the
     directory dirs[i] (opened without following a symlink), renamed to finals[i]. heads[i] is the
     header with a zero MAC, filled in here (under mac_key) from the header, the payload (plens[i]
-    bytes at address srcs[i]) and metas[meta_at[i]:meta_at[i+1]]. direct[i]: with O_DIRECT through an aligned buffer, padded
-    to `align`; a refusal (EINVAL) writes that file and the rest of the batch through the page
-    cache. Returns (status, errno of each file, whether O_DIRECT was refused)."""
+    bytes at address srcs[i]) and metas[meta_at[i]:meta_at[i+1]]. direct[i]: with O_DIRECT through
+    an aligned buffer, padded to `align`; a refusal (EINVAL) writes that file and the rest of the
+    batch through the page cache. Returns (status, errno of each file, whether O_DIRECT was refused)."""
     n = plens.shape[0]
     status = np.zeros(n, dtype=np.int32)
     errs = np.zeros(n, dtype=np.int32)
