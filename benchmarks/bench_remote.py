@@ -9,6 +9,8 @@ configured (every lookup a miss) and with the server down, against no connector.
 Starts its own redis-server (loopback port, no persistence). Every configuration runs in its own
 engine processes, --rounds times, taking turns (a noisy minute of the shared machine hits all
 of them); medians and best of all measured prompts; the issue's targets are printed with them.
+The block MAC's share of a remote hit's TTFT: the MAC of the hit's values, timed in this run,
+against the remote hit's median TTFT, with format 2's checksum it replaced on the same bytes.
 
     python benchmarks/bench_remote.py [--model llama-big] [--tokens 1856] [--reps 5] [--rounds 2]
 """
@@ -137,15 +139,18 @@ def phase(args) -> dict:
     return res
 
 
-def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int]:
-    """(our GiB/s per rep, raw GiB/s per rep, values): every value on the server in pipelined
-    batches of 64, ours (the workers' DirectClient: GETs read and verified straight into slot
-    buffers) and raw redis-py GETs taking turns."""
+def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int, float, float]:
+    """(our GiB/s per rep, raw GiB/s per rep, values, MAC and checksum seconds per payload byte):
+    every value on the server in pipelined batches of 64, ours (the workers' DirectClient: GETs
+    read and verified straight into slot buffers) and raw redis-py GETs taking turns."""
     import numpy as np
     import redis
 
+    from mac_cost import mac_and_checksum_seconds
     from vllm_kvbm_plugin.tiers import disk as diskfmt
     from vllm_kvbm_plugin.tiers import remote as remotefmt
+    from vllm_kvbm_plugin.tiers import secret as tiersecret
+    from vllm_kvbm_plugin.tiers.mac import mac_key
 
     c = redis.Redis.from_url(url)
     names = sorted(c.keys("kvbm:*"))
@@ -153,6 +158,7 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int]:
     plen = int.from_bytes(first[40:48], "little")
     fp = first[24:40]
     keys = [diskfmt.parse_key_hex(n.decode().rsplit(":", 1)[1] + ".kvb") for n in names]
+    mk = mac_key(tiersecret.parse(c.get(tiersecret.REMOTE_NAME).decode(), tiersecret.REMOTE_NAME))
     total = sum(len(v) for v in c.mget(names))
 
     def raw():
@@ -167,7 +173,7 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int]:
 
     def ours():
         for a in range(0, len(names), 64):
-            got = reader.fetch(names[a:a + 64], keys[a:a + 64], fp, outs)
+            got = reader.fetch(names[a:a + 64], keys[a:a + 64], fp, mk, outs)
             assert got == [remotefmt.OK] * len(got)
 
     ours()  # numba compiles
@@ -177,7 +183,9 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int]:
             t0 = time.perf_counter()
             fn()
             rates[name].append(total / (time.perf_counter() - t0) / 2**30)
-    return rates["ours"], rates["raw"], len(names)
+    t_mac, t_sum = mac_and_checksum_seconds(outs, mk)
+    per = 1 / (len(outs) * plen)
+    return rates["ours"], rates["raw"], len(names), t_mac * per, t_sum * per, plen
 
 
 def run_phase(name: str, args, d: str, r: int) -> dict:
@@ -237,7 +245,7 @@ def main() -> None:
                     res[name] += out[name]
                     if name != "off":
                         res[name + "_inside"] += out["inside"]
-        ours, raw, n = read_throughput(server.url)
+        ours, raw, n, mac_s, sum_s, plen = read_throughput(server.url)
     finally:
         server.stop()
     med = {k: statistics.median(v) for k, v in res.items() if v}
@@ -270,6 +278,11 @@ def main() -> None:
     print(f"  remote reads of {n} values, {len(ours)} turns each: ours (GETs read and verified into slot buffers) {o:.2f} GiB/s "
           f"(best {max(ours):.2f}), raw pipelined GETs {w:.2f} GiB/s (best {max(raw):.2f}) -> {o / w:.2f} median, "
           f"{max(ours) / max(raw):.2f} best (target >= 0.8: {target(o / w >= 0.8)})")
+    hit = max(cached) // 32 * plen  # the payload bytes of a remote hit (one rank)
+    mac, was = hit * mac_s, hit * sum_s
+    print(f"  block MAC of a remote hit ({hit / 2**20:.1f} MiB): {mac * 1e3:.2f} ms = {mac / med['remote']:.2%} of its "
+          f"median TTFT (target <= 5%: {target(mac / med['remote'] <= 0.05)}); format 2's checksum of the same bytes "
+          f"{was * 1e3:.2f} ms, so the MAC adds {(mac - was) / med['remote']:.2%}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 - copies: the connector's save (KV blocks -> pool slots) and load (slots -> KV blocks) of N blocks
   against one plain torch copy of the same number of bytes. Target >= 0.9 of it.
-- disk: block files written (header, checksum, temp file + rename) and read back verified, against
+- disk: block files written (header, MAC, temp file + rename) and read back verified, against
   raw per-block file writes and reads of the same bytes with the same durability (no fsync by
   default, --fsync for both). Target >= 0.8 of it. Also the same files in one batch call
-  (write_blocks / read_blocks, as KVBMDiskTier does them).
+  (write_blocks / read_blocks, as KVBMDiskTier does them). And the block MAC alone on the same
+  blocks, against format 2's checksum it replaced, as a share of a verified read.
 
     python benchmarks/bench_tier_io.py [--layers 8] [--blocks 256] [--disk-blocks 64] [--fsync] [--rewrite] [--rounds 7]
 """
@@ -20,8 +21,12 @@ import torch
 from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers.mac import mac_key
 
+from mac_cost import mac_and_checksum_seconds
 from timing import best
+
+MK = mac_key(bytes(range(16)))
 
 
 def interleaved(rounds: int, *fns, settle=None) -> list[float]:
@@ -84,22 +89,22 @@ def main() -> None:
             gen["ours"] += 1
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
             for i, k in enumerate(keys):
-                disk.write_block(disk.block_path(base, k), k, fp, pool[i % n], fsync=args.fsync)
+                disk.write_block(disk.block_path(base, k), k, fp, MK, pool[i % n], fsync=args.fsync)
 
         def read_ours():
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
             for i, k in enumerate(keys):
-                assert disk.read_into(disk.block_path(base, k), k, fp, pool[i % n]) is not None
+                assert disk.read_into(disk.block_path(base, k), k, fp, MK, pool[i % n]) is not None
 
         def write_batch():  # the same files in one write_blocks call (KVBMDiskTier's way)
             gen["ours"] += 1
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
-            assert not any(disk.write_blocks([disk.block_path(base, k) for k in keys], keys, fp,
+            assert not any(disk.write_blocks([disk.block_path(base, k) for k in keys], keys, fp, MK,
                                              [pool[i % n] for i in range(m)], [b""] * m, fsync=args.fsync))
 
         def read_batch():
             base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
-            metas = disk.read_blocks([disk.block_path(base, k) for k in keys], keys, fp, [pool[i % n] for i in range(m)])
+            metas = disk.read_blocks([disk.block_path(base, k) for k in keys], keys, fp, MK, [pool[i % n] for i in range(m)])
             assert None not in metas
 
         def write_raw():
@@ -136,9 +141,12 @@ def main() -> None:
     print(f"disk tier, {m} blocks (fsync={args.fsync}, {'rewriting' if args.rewrite else 'new'} files):")
     print(f"  write: raw {gb / t_wr_raw:6.2f} GiB/s, ours {gb / t_wr:6.2f} GiB/s -> {t_wr_raw / t_wr:.2f}x of raw")
     print(f"  read:  raw {gb / t_rd_raw:6.2f} GiB/s, ours {gb / t_rd:6.2f} GiB/s -> {t_rd_raw / t_rd:.2f}x of raw "
-          f"(ours verifies key, layout and checksum)")
+          f"(ours verifies key, layout and MAC)")
     print(f"  one batch of {m} files (write_blocks / read_blocks, no GIL): write {gb / t_wrb:6.2f} GiB/s -> "
           f"{t_wr_raw / t_wrb:.2f}x of raw, read {gb / t_rdb:6.2f} GiB/s -> {t_rd_raw / t_rdb:.2f}x of raw")
+    t_mac, t_sum = mac_and_checksum_seconds([pool[i % n] for i in range(m)], MK, args.rounds)
+    print(f"  block MAC of the {m} blocks {gb / t_mac:6.2f} GiB/s: {t_mac / t_rdb:.1%} of a batched verified read "
+          f"(format 2's checksum {gb / t_sum:6.2f} GiB/s: the MAC adds {(t_mac - t_sum) / t_rdb:.1%})")
 
 
 if __name__ == "__main__":

@@ -97,7 +97,7 @@ class Soak:
         self.stop_at = 0.0
         self.restarting = threading.Event()  # set from an engine kill until the new server answers
         self.lifetime = 0
-        self.secret = secrets.token_hex(16)  # the server's KVBM_KEY_SECRET: forge_block may need it
+        self.secret = secrets.token_hex(16)  # the server's KVBM_KEY_SECRET: forge_block MACs with it
         self.quiet = threading.Event()  # clients send nothing new while set (the control's preparation)
         self.in_flight = 0
         self.blocks: dict[int, dict] = {}  # engine lifetime -> its last vllm:kvbm_blocks_total by (tier, direction)

@@ -184,6 +184,7 @@ def _route(args) -> int:
 
 
 def _tiers_inspect(args) -> int:
+    from vllm_kvbm_plugin.log import redact_url
     from vllm_kvbm_plugin.tiers import inspector
 
     def progress(n: int) -> None:
@@ -193,7 +194,7 @@ def _tiers_inspect(args) -> int:
     try:
         report = inspector.inspect(args.target, args.verify, progress if tty else None)
     except (OSError, ValueError, ImportError) as e:
-        print(f"vllm-kvbm tiers inspect: {args.target}: {e}", file=sys.stderr)
+        print(f"vllm-kvbm tiers inspect: {redact_url(args.target)}: {e}", file=sys.stderr)
         return 2
     finally:
         if tty:

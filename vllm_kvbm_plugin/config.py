@@ -6,6 +6,8 @@ Environment (read when used, so tests and subprocesses can set them late):
                         and keep only the per-hash-unit ones (default 1: keep both)
   KVBM_KEY_SECRET=<32 hex> the block-key secret every instance sharing a tier uses (else one kept
                         in the remote store or disk_path: tiers/secret.py)
+  KVBM_REMOTE_PASSWORD  the remote tier's password when remote_url carries none (kept out of
+                        kv_transfer_config, which vLLM logs: tiers/remote.py)
 """
 
 from __future__ import annotations

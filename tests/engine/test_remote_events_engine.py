@@ -10,10 +10,12 @@ import pytest
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_GPU, BlockRemoved, BlockStored
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
+from vllm_kvbm_plugin.tiers.disk import VERSION
 
 from .helpers import batches, outputs
 from .test_tiers_engine import HIT, PROMPT, spec
 
+VALUES = f"kvbm:{VERSION}:*"  # the names of our values in this format
 pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(
     server_binary() is None, reason="no redis-server on PATH: scripts/setup.sh installs Debian's as root")]
@@ -30,7 +32,7 @@ def test_two_engines_the_announcer_and_server_evictions(run_engine):
         b = run_engine(spec([{"prompts": [PROMPT]}, {"prompts": [other]}], events=True,
                             cpu_bytes_to_use=4 << 20, remote_url=server.url))
         assert outputs(b)[0]["num_cached_tokens"] in (0, HIT)  # a hit, or (late lookup) the same keys again
-        names = sorted(server.client().scan_iter(match="kvbm:2:*"))
+        names = sorted(server.client().scan_iter(match=VALUES))
         assert len(names) == 10  # PROMPT's 6 blocks, and the 4 of `other` past the shared 2
         ann.wait(lambda evs: len(stored(evs)) == 10, timeout=60)
         streams = lambda: ([bt for _, bt in batches(a)], [bt for _, bt in batches(b)],  # noqa: E731
@@ -54,7 +56,7 @@ def test_two_engines_the_announcer_and_server_evictions(run_engine):
         c.config_set("maxmemory", int(c.info("memory")["used_memory"]) - 3 * len(c.get(names[1])))
         c.set("kvbm-test-write", b"x")  # any write makes the server evict down to maxmemory
         assert int(c.info("stats")["evicted_keys"]) > 0
-        left = {k.split(b":")[-1] for k in c.scan_iter(match="kvbm:2:*")}
+        left = {k.split(b":")[-1] for k in c.scan_iter(match=VALUES)}
         ann.wait(lambda evs: held_in(evs) == len(left), timeout=30)
         assert sum(isinstance(ev, BlockRemoved) for ev in ann.events()) == 10 - len(left)
         v = validate(*streams())

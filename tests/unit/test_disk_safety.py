@@ -13,10 +13,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.testing.files import locked_writer, write_reference
+from vllm_kvbm_plugin.testing.files import locked_writer, reference_mac, write_reference
 from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers.mac import mac_key
 
 FP = bytes(range(16))
+MK = mac_key(bytes(range(16, 32)))
 SIZE = 4096
 GOOD, OTHER = (0x1111111111111111, 0x2222222222222222), (0x3333333333333333, 0x4444444444444444)
 
@@ -50,7 +52,7 @@ def payload(seed: int) -> np.ndarray:
 
 def store(base, key, seed=0, meta=b"meta"):
     path = disk.block_path(str(base), key)
-    disk.write_block(path, key, FP, payload(seed), meta)
+    disk.write_block(path, key, FP, MK, payload(seed), meta)
     return path
 
 
@@ -58,8 +60,8 @@ def is_miss(path, key):
     """Every read of `path` as the block `key` is a miss, and none of them hangs."""
     out = np.zeros(SIZE, dtype=np.uint8)
     assert finishes(disk.read_meta, path) is None
-    assert finishes(disk.open_verified, path, key, FP, SIZE) is None
-    assert finishes(disk.read_into, path, key, FP, out) is None
+    assert finishes(disk.open_verified, path, key, FP, MK, SIZE) is None
+    assert finishes(disk.read_into, path, key, FP, MK, out) is None
     return True
 
 
@@ -151,7 +153,7 @@ def test_every_read_of_foreign_content_is_a_miss(populated):
     tracemalloc.start()
     for kind in ("sparse_4g", "huge_meta"):
         path, key = kinds[kind]
-        disk.read_into(str(path), key, FP, np.zeros(SIZE, dtype=np.uint8))
+        disk.read_into(str(path), key, FP, MK, np.zeros(SIZE, dtype=np.uint8))
         disk.read_meta(str(path))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
@@ -161,8 +163,8 @@ def test_every_read_of_foreign_content_is_a_miss(populated):
         path = disk.block_path(str(base), key)
         out = np.zeros(SIZE, dtype=np.uint8)
         assert disk.read_meta(path) == b"meta"
-        assert disk.read_into(path, key, FP, out) == b"meta" and (out == payload(seed)).all()
-        fd, meta = disk.open_verified(path, key, FP, SIZE)
+        assert disk.read_into(path, key, FP, MK, out) == b"meta" and (out == payload(seed)).all()
+        fd, meta = disk.open_verified(path, key, FP, MK, SIZE)
         os.close(fd)
     assert disk.read_meta(outside) == b"meta"  # the symlinks' target itself is fine
 
@@ -178,7 +180,7 @@ def test_writes_never_go_through_symlinks_or_onto_foreign_entries(tmp_path):
     os.symlink(target, link)
     store(base, key_of(1), seed=5)
     assert not os.path.islink(link) and target.read_text() == "keep"
-    assert disk.read_into(link, key_of(1), FP, np.zeros(SIZE, np.uint8)) == b"meta"
+    assert disk.read_into(link, key_of(1), FP, MK, np.zeros(SIZE, np.uint8)) == b"meta"
     # ... by a FIFO: replaced, no hang
     fifo = disk.block_path(str(base), key_of(2))
     os.mkfifo(fifo)
@@ -203,7 +205,7 @@ def test_writes_never_go_through_symlinks_or_onto_foreign_entries(tmp_path):
     store(base, key_of(4))
     assert set(dict(disk.scan(str(base)))) == {GOOD, key_of(1), key_of(2), key_of(4)}
     with pytest.raises(disk.BlockRefused):
-        disk.write_block(disk.block_path(str(base), key_of(5)), key_of(5), FP, payload(0), b"m" * (disk.MAX_META + 1))
+        disk.write_block(disk.block_path(str(base), key_of(5)), key_of(5), FP, MK, payload(0), b"m" * (disk.MAX_META + 1))
 
 
 def test_temporary_files_of_live_writers_stay_and_abandoned_ones_go(tmp_path):
@@ -259,7 +261,7 @@ def test_everything_the_tier_creates_is_private_whatever_the_umask(tmp_path, uma
     disk.prepare_block_dir(str(root), base)
     for k in (GOOD, OTHER, key_of(1)):
         store(base, k)
-    write_reference(disk.block_path(base, key_of(2)), disk.encode(key_of(2), FP, payload(0)))
+    write_reference(disk.block_path(base, key_of(2)), disk.encode(key_of(2), FP, MK, payload(0)))
     umask(0o022)
     modes = modes_below(tmp_path)
     assert modes.pop("kv") == 0o700
@@ -355,22 +357,22 @@ def test_direct_writes_are_the_same_exact_private_file(tmp_path, size, meta):
     data = np.frombuffer(os.urandom(size), dtype=np.uint8)
     base = disk.block_dir(str(tmp_path), FP, 0)
     path = disk.block_path(base, GOOD)
-    disk.write_block(path, GOOD, FP, data, meta, direct=True)
+    disk.write_block(path, GOOD, FP, MK, data, meta, direct=True)
     assert base not in disk._no_direct  # ext4 / tmpfs take O_DIRECT: this was a direct write
     ours = open(path, "rb").read()
     assert len(ours) == disk.HEADER_SIZE + size + len(meta)  # the page padding was cut off
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
     out = np.empty(size, dtype=np.uint8)
-    assert disk.read_into(path, GOOD, FP, out) == meta and (out == data).all()
-    write_reference(path, disk.encode(GOOD, FP, data, meta))  # the reference encoding
+    assert disk.read_into(path, GOOD, FP, MK, out) == meta and (out == data).all()
+    write_reference(path, disk.encode(GOOD, FP, MK, data, meta))  # the reference encoding
     assert ours == open(path, "rb").read()
-    with open(path, "r+b") as f:  # and the checksum still covers every payload byte
+    with open(path, "r+b") as f:  # and the MAC still covers every payload byte
         f.seek(disk.HEADER_SIZE + size - 1)
         last = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([last[0] ^ 0x80]))
-    assert disk.read_into(path, GOOD, FP, out) is None
+    assert disk.read_into(path, GOOD, FP, MK, out) is None
 
 
 def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
@@ -382,14 +384,14 @@ def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypat
     data = np.frombuffer(os.urandom(disk._DIRECT_MIN + 8), dtype=np.uint8)
     with caplog.at_level(logging.INFO, logger="vllm.kvbm.disk"):
         for k in (GOOD, OTHER):
-            disk.write_block(disk.block_path(base, k), k, FP, data, b"meta", direct=True)
+            disk.write_block(disk.block_path(base, k), k, FP, MK, data, b"meta", direct=True)
     assert disk._no_direct == {base}
     assert sum("O_DIRECT refused" in r.getMessage() for r in caplog.records) == 1  # said once
     for k in (GOOD, OTHER):
         path = disk.block_path(base, k)
         assert os.path.getsize(path) == disk.HEADER_SIZE + data.nbytes + 4
         out = np.empty(data.nbytes, dtype=np.uint8)
-        assert disk.read_into(path, k, FP, out) == b"meta" and (out == data).all()
+        assert disk.read_into(path, k, FP, MK, out) == b"meta" and (out == data).all()
     assert not [n for n in os.listdir(os.path.dirname(disk.block_path(base, GOOD))) if ".tmp" in n]
 
 
@@ -406,14 +408,14 @@ def test_batched_writes_hold_their_temporary_files_while_engines_scan(tmp_path, 
         while not done.is_set():
             disk.scan(base)
 
-    disk.write_block(disk.block_path(base, key_of(0)), key_of(0), FP, data, b"m")  # the directories
+    disk.write_block(disk.block_path(base, key_of(0)), key_of(0), FP, MK, data, b"m")  # the directories
     scanner = threading.Thread(target=scanning, daemon=True)
     scanner.start()
     try:
         keys = [key_of(i) for i in range(1, 301)]
         for part in range(0, len(keys), 30):
             batch = keys[part: part + 30]
-            errors = disk.write_blocks([disk.block_path(base, k) for k in batch], batch, FP,
+            errors = disk.write_blocks([disk.block_path(base, k) for k in batch], batch, FP, MK,
                                        [data] * len(batch), [b"m"] * len(batch), direct=direct)
             assert errors == [None] * len(batch)
     finally:
@@ -421,14 +423,14 @@ def test_batched_writes_hold_their_temporary_files_while_engines_scan(tmp_path, 
         scanner.join()
     assert base not in disk._no_direct
     out = np.empty(data.nbytes, dtype=np.uint8)
-    assert disk.read_blocks([disk.block_path(base, k) for k in keys], keys, FP, [out] * len(keys)) == [b"m"] * 300
+    assert disk.read_blocks([disk.block_path(base, k) for k in keys], keys, FP, MK, [out] * len(keys)) == [b"m"] * 300
     assert not [n for _, _, names in os.walk(base) for n in names if ".tmp" in n]
 
 
 # ---- one batch, many files: each file on its own (issue 10) ----------------------------------------
 def reference_read(path: str, key, plen: int):
     """An independent reader of the format: (payload, metadata) or None, with Python's own file
-    objects, struct and checksum64 (how the format is defined, not how the tier reads it)."""
+    objects, struct and the reference MAC (how the format is defined, not how the tier reads it)."""
     data = open(path, "rb").read()
     h = disk.parse_header(data)
     if (h is None or h.key != disk.key_bytes(key) or h.fingerprint != FP or h.payload_bytes != plen
@@ -436,7 +438,7 @@ def reference_read(path: str, key, plen: int):
         return None
     body = np.frombuffer(data, dtype=np.uint8, offset=disk.HEADER_SIZE, count=plen)
     meta = data[disk.HEADER_SIZE + plen:]
-    return (body, meta) if disk._combine(disk.checksum64(body), meta) == h.checksum else None
+    return (body, meta) if reference_mac(MK, data[:disk.HEADER_SIZE], body.tobytes(), meta) == h.mac else None
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
@@ -449,15 +451,15 @@ def test_the_format_is_the_same_both_ways(tmp_path, direct):
     datas = [np.frombuffer(os.urandom(n), dtype=np.uint8) for n in sizes]
     metas = [b"", b"m" * 5000, b"x", b"", b"meta", b"y" * 7, b"", b"z" * 4093]
     paths = [disk.block_path(base, k) for k in keys]
-    assert disk.write_blocks(paths, keys, FP, datas, metas, direct=direct) == [None] * len(keys)
+    assert disk.write_blocks(paths, keys, FP, MK, datas, metas, direct=direct) == [None] * len(keys)
     for path, key, data, meta in zip(paths, keys, datas, metas):
         body, m = reference_read(path, key, data.nbytes)
         assert (body == data).all() and m == meta
         ours = open(path, "rb").read()
-        write_reference(path, disk.encode(key, FP, data, meta))  # the Python reference encoding
+        write_reference(path, disk.encode(key, FP, MK, data, meta))  # the Python reference encoding
         assert open(path, "rb").read() == ours
     outs = [np.empty(n, dtype=np.uint8) for n in sizes]
-    assert disk.read_blocks(paths, keys, FP, outs) == metas
+    assert disk.read_blocks(paths, keys, FP, MK, outs) == metas
     assert all((o == d).all() for o, d in zip(outs, datas))
 
 
@@ -486,7 +488,7 @@ def test_a_batch_reads_each_file_on_its_own(tmp_path):
     # 15: missing
     keys = [key_of(i) for i in range(16)]
     outs = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
-    metas = finishes(disk.read_blocks, [disk.block_path(str(base), k) for k in keys], keys, FP, outs)
+    metas = finishes(disk.read_blocks, [disk.block_path(str(base), k) for k in keys], keys, FP, MK, outs)
     for i in range(16):
         if i % 2 == 0:
             assert metas[i] == b"meta" and (outs[i] == payload(i)).all(), i
@@ -494,18 +496,18 @@ def test_a_batch_reads_each_file_on_its_own(tmp_path):
             assert metas[i] == b"m"
         else:
             assert metas[i] is None, i
-    opened = finishes(disk.open_verified_blocks, [disk.block_path(str(base), k) for k in keys], keys, FP, SIZE)
+    opened = finishes(disk.open_verified_blocks, [disk.block_path(str(base), k) for k in keys], keys, FP, MK, SIZE)
     try:
         assert [o is not None for o in opened] == [i % 2 == 0 or i == 13 for i in range(16)]
         for i in range(0, 16, 2):  # each kept open on its verified file
             out = np.zeros(SIZE, dtype=np.uint8)
-            assert opened[i][1] == b"meta" and disk.read_payload(opened[i][0], [out]) and (out == payload(i)).all()
+            assert opened[i][1] == b"meta" and disk.read_payload(opened[i][0], [out], MK) and (out == payload(i)).all()
     finally:
         for o in opened:
             if o is not None:
                 os.close(o[0])
-    assert disk.read_blocks([], [], FP, []) == []
-    assert disk.read_blocks([good[0]], [key_of(0)], bytes(15), [outs[0]]) == [None]  # another fingerprint
+    assert disk.read_blocks([], [], FP, MK, []) == []
+    assert disk.read_blocks([good[0]], [key_of(0)], bytes(15), MK, [outs[0]]) == [None]  # another fingerprint
 
 
 def test_a_batch_writes_each_file_on_its_own(tmp_path):
@@ -517,16 +519,16 @@ def test_a_batch_writes_each_file_on_its_own(tmp_path):
     os.symlink(tmp_path / "elsewhere", base / "cd")
     keys = [key_of(0), key_of(1), (0xCD << 56, 1), key_of(3), (0x12 << 56, 4)]
     metas = [b"a", b"b", b"c", b"m" * (disk.MAX_META + 1), b"e"]
-    errors = disk.write_blocks([disk.block_path(str(base), k) for k in keys], keys, FP,
+    errors = disk.write_blocks([disk.block_path(str(base), k) for k in keys], keys, FP, MK,
                                [payload(i) for i in range(5)], metas)
     assert errors[0] is None and errors[4] is None
     assert all(isinstance(e, disk.BlockRefused) for e in errors[1:4]), errors
     assert os.listdir(tmp_path / "elsewhere") == []
     assert stat.S_IMODE(os.stat(base / "12").st_mode) == 0o700
     out = np.empty(SIZE, dtype=np.uint8)
-    assert disk.read_into(disk.block_path(str(base), keys[4]), keys[4], FP, out) == b"e" and (out == payload(4)).all()
+    assert disk.read_into(disk.block_path(str(base), keys[4]), keys[4], FP, MK, out) == b"e" and (out == payload(4)).all()
     # a failure that is no refusal is an OSError for the block: a file system that takes no new
     # file (read-only, or here a path through a regular file, which root cannot write through either)
     (base / "ff").write_bytes(b"x")
-    e = disk.write_blocks([os.path.join(str(base), "ff", "x", "y.kvb")], [key_of(6)], FP, [payload(6)], [b""])[0]
+    e = disk.write_blocks([os.path.join(str(base), "ff", "x", "y.kvb")], [key_of(6)], FP, MK, [payload(6)], [b""])[0]
     assert isinstance(e, OSError) and not isinstance(e, disk.BlockRefused) and e.errno == errno.ENOTDIR, e

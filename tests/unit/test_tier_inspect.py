@@ -12,8 +12,12 @@ import pytest
 from vllm_kvbm_plugin import cli
 from vllm_kvbm_plugin.tiers import disk, inspector
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.mac import mac_key
+from vllm_kvbm_plugin.tiers.secret import ENV as SECRET_ENV
 
 FP_A, FP_B = bytes(range(16)), bytes(range(16, 32))
+SECRET = bytes(range(32, 48))
+MK = mac_key(SECRET)
 SIZE = 4096
 DAY = 86400
 
@@ -25,7 +29,7 @@ def payload(i):
 def write(root, fp, rank, i, meta=b""):
     key = (i << 8, i)
     path = disk.block_path(disk.block_dir(str(root), fp, rank), key)
-    disk.write_block(path, key, fp, payload(i), meta or disk.encode_meta(32, [b"event %d" % (i % 10)]))
+    disk.write_block(path, key, fp, MK, payload(i), meta or disk.encode_meta(32, [b"event %d" % (i % 10)]))
     return path, key
 
 
@@ -35,6 +39,12 @@ def flip(path, at):
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 4]))
+
+
+@pytest.fixture(autouse=True)
+def tier_secret(monkeypatch):
+    """Verifying checks MACs: the tier secret, as an operator gives it."""
+    monkeypatch.setenv(SECRET_ENV, SECRET.hex())
 
 
 def tree(root):
@@ -55,7 +65,7 @@ def disk_tier(tmp_path):
     now = time.time()
     os.utime(a[0][0], (now - 2 * DAY, now - 2 * DAY))  # <7d
     os.utime(a[1][0], (now - 30 * DAY, now - 30 * DAY))  # >=7d
-    with open(a[2][0], "r+b") as f:  # a flipped payload byte: the checksum fails
+    with open(a[2][0], "r+b") as f:  # a flipped payload byte: the MAC fails
         f.seek(disk.HEADER_SIZE + 100)
         byte = f.read(1)
         f.seek(disk.HEADER_SIZE + 100)
@@ -103,7 +113,7 @@ def test_files_whose_fingerprint_is_not_the_directory_name(tmp_path, capsys):
     for i in range(5):
         key = (i << 8, i)
         paths.append(disk.block_path(disk.block_dir(str(root), FP_A, 0), key))
-        disk.write_block(paths[-1], key, tensors, payload(i), disk.encode_meta(32, [b"e"]))
+        disk.write_block(paths[-1], key, tensors, MK, payload(i), disk.encode_meta(32, [b"e"]))
     r = inspector.inspect(str(root), verify=True)
     assert r["verify"] == {"checked": 5, "failed": 0, "other_fingerprint": 0}
     assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}
@@ -115,7 +125,7 @@ def test_files_whose_fingerprint_is_not_the_directory_name(tmp_path, capsys):
     assert cli.main(["tiers", "inspect", str(root), "--verify"]) == 1
     capsys.readouterr()
     key = (9 << 8, 9)  # intact, but of another layout than its rank's other files: a load misses it
-    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, payload(9), b"m")
+    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, MK, payload(9), b"m")
     r = inspector.inspect(str(root), verify=True)
     assert r["verify"] == {"checked": 6, "failed": 2, "other_fingerprint": 1}
     assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}  # most files carry it
@@ -124,7 +134,7 @@ def test_files_whose_fingerprint_is_not_the_directory_name(tmp_path, capsys):
     for p in paths[3:]:
         flip(p, disk.HEADER_SIZE + 9)
     key = (10 << 8, 10)
-    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, payload(10), b"m")
+    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, MK, payload(10), b"m")
     r = inspector.inspect(str(root), verify=True)
     assert r["verify"] == {"checked": 7, "failed": 5, "other_fingerprint": 2}
     assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}
@@ -154,7 +164,7 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
         for i in range(n):
             key = (i << 8, i)
             name = remotefmt.value_name(fp.hex().encode(), rank, disk.key_hex(key).encode())
-            value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, payload(i), b"m")))
+            value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, MK, payload(i), b"m")))
             if fp == FP_A and i == 0:
                 value[disk.HEADER_SIZE + 5] ^= 0xFF  # damaged
             c.set(name, bytes(value))
@@ -177,7 +187,7 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
     for i in range(3):
         key = (i << 8, i)
         c.set(remotefmt.value_name(FP_B.hex().encode(), 2, disk.key_hex(key).encode()),
-              b"".join(bytes(p) for p in remotefmt.value_parts(key, tensors, payload(i), b"m")))
+              b"".join(bytes(p) for p in remotefmt.value_parts(key, tensors, MK, payload(i), b"m")))
     r = inspector.inspect(server.url, verify=True)
     assert r["verify"] == {"checked": 11, "failed": 1, "other_fingerprint": 0}
     assert r["layouts"][FP_B.hex()]["fingerprints"] == {"1": FP_B.hex(), "2": tensors.hex()}

@@ -5,11 +5,9 @@ import threading
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.testing.files import write_reference
-from vllm_kvbm_plugin.tiers import checksum
-from vllm_kvbm_plugin.tiers.checksum import checksum64
+from vllm_kvbm_plugin.testing.files import reference_mac, write_reference
 from vllm_kvbm_plugin.tiers import copy as tcopy
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import disk, mac
 from vllm_kvbm_plugin.tiers.index import TierIndex
 from vllm_kvbm_plugin.tiers.pinned import PinnedStores
 from vllm_kvbm_plugin.tiers.policies import LRU, Lineage, MultiLRU, make_policy
@@ -109,12 +107,13 @@ def test_multi_lru_keeps_frequent_entries_and_refuses_cold_newcomers():
 
 
 KEY, FP = (0x0123456789ABCDEF, 0xFEDCBA9876543210), bytes(range(16))
+MK = mac.mac_key(bytes(range(16, 32)))
 
 
 def write(tmp_path, payload):
     base = disk.block_dir(str(tmp_path), FP, 0)
     path = disk.block_path(base, KEY)
-    write_reference(path, disk.encode(KEY, FP, payload, b"meta"))
+    write_reference(path, disk.encode(KEY, FP, MK, payload, b"meta"))
     return base, path
 
 
@@ -125,7 +124,7 @@ def test_disk_round_trip_permissions_and_atomicity(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     out = np.empty(4096, dtype=np.uint8)
-    assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()
+    assert disk.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
     open(path + ".tmp123", "wb").write(b"partial")  # a crash mid-write leaves only a temp file
     assert disk.scan(base) == [(KEY, os.path.getsize(path))]
     assert not os.path.exists(path + ".tmp123")
@@ -139,7 +138,7 @@ def test_disk_corruption_is_a_miss(tmp_path):
 
     def read_with(data, key=KEY, fp=FP, size=4096):
         open(path, "wb").write(data)
-        return disk.read_into(path, key, fp, np.empty(size, dtype=np.uint8))
+        return disk.read_into(path, key, fp, MK, np.empty(size, dtype=np.uint8))
 
     flipped = bytearray(good)
     flipped[-100] ^= 1
@@ -154,7 +153,7 @@ def test_disk_corruption_is_a_miss(tmp_path):
     assert read_with(good, size=8192) is None  # another block size
     assert read_with(good) == b"meta"
     os.unlink(path)
-    assert disk.read_into(path, KEY, FP, out) is None  # deleted
+    assert disk.read_into(path, KEY, FP, MK, out) is None  # deleted
 
 
 # ---- CPU tier copies (tiers/copy.py) and the faster disk paths --------------------------------
@@ -253,28 +252,42 @@ def test_copy_pages_raises_only_after_every_part_is_done(monkeypatch):
     tcopy.copy_pages([(pages, 8, 0, ids, ids)], pool, 8, True, threads=2)  # the pool still works
 
 
-@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 4096 + 7, 3 * disk._CHUNK + 13])
-def test_checksum_in_pieces_equals_checksum64(n):
+def _head(n: int, meta_bytes: int = 0) -> np.ndarray:
+    return np.frombuffer(disk._header(KEY, FP, n, meta_bytes), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 4096 + 7, 8192 - 3, 8192, 3 * disk._CHUNK + 13])
+def test_mac_in_pieces_equals_the_reference(n):
     data = np.frombuffer(os.urandom(n), dtype=np.uint8)
-    for cut in sorted({0, n // 64 * 8, n // 8 * 8}):
-        acc = np.zeros(2, dtype=np.uint64)
-        checksum.checksum_update(acc, data[cut:], cut)  # pieces in any order
-        checksum.checksum_update(acc, data[:cut], 0)
-        assert checksum.checksum_final(acc, n) == checksum64(data)
+    meta = np.frombuffer(os.urandom(n % 23), dtype=np.uint8)
+    want = reference_mac(MK, _head(n, meta.size).tobytes(), data.tobytes(), meta.tobytes())
+    assert mac.block_mac(MK, _head(n, meta.size), data, meta) == want
+    for cuts in ({0, n // 64 * 8, n // 8 * 8}, {8, 8 * 1024, n // 8 * 8}):
+        cuts = sorted(c for c in cuts | {0, n} if c <= n)
+        acc, out = np.zeros(3, dtype=np.uint64), np.empty(n, np.uint8)
+        for a, b in zip(cuts, cuts[1:]):  # in order, each piece copied out as it goes
+            mac.mac_update(acc, MK, data[a:b], a, out[a:b])
+        assert mac.mac_final(acc, MK, _head(n, meta.size), meta) == want and (out == data).all()
 
 
-def test_checksum_sees_every_bit_flip_and_moved_pages():
-    data = np.frombuffer(os.urandom(4 * 4096 + 5), dtype=np.uint8).copy()
-    base = checksum64(data)
-    for i in range(0, len(data), 7):
+def test_mac_sees_bit_flips_moved_words_and_the_key():
+    data = np.frombuffer(os.urandom(4 * 8192 + 5), dtype=np.uint8).copy()
+    head, none = _head(data.size), np.zeros(0, np.uint8)
+    base = mac.block_mac(MK, head, data, none)
+    for i in range(0, len(data), 61):
         for bit in (0, 5):
             data[i] ^= 1 << bit
-            assert checksum64(data) != base, (i, bit)
+            assert mac.block_mac(MK, head, data, none) != base, (i, bit)
             data[i] ^= 1 << bit
     swapped = data.copy()
-    swapped[:4096], swapped[4096:8192] = data[4096:8192], data[:4096]
-    assert checksum64(swapped) != base
-    assert checksum64(np.concatenate([data, np.zeros(3, np.uint8)])) != base  # the length counts
+    swapped[:8192], swapped[8192:16384] = data[8192:16384], data[:8192]
+    assert mac.block_mac(MK, head, swapped, none) != base
+    words = data[:8 * 4096].view(np.uint64).copy()  # two words of one chunk swapped
+    words[[3, 4]] = words[[4, 3]]
+    assert mac.block_mac(MK, head, np.concatenate([words.view(np.uint8), data[8 * 4096:]]), none) != base
+    assert mac.block_mac(MK, _head(data.size + 3), np.concatenate([data, np.zeros(3, np.uint8)]), none) != base
+    assert mac.block_mac(mac.mac_key(bytes(16)), head, data, none) != base  # another secret
+    assert mac.block_mac(MK, head, data, np.zeros(1, np.uint8)) != base  # the metadata counts
 
 
 BIG = 3 * disk._CHUNK + 13  # several read chunks and a short last one
@@ -285,15 +298,15 @@ def test_write_block_matches_the_reference_encoding(tmp_path, size):
     payload = np.frombuffer(os.urandom(size), dtype=np.uint8)
     base = disk.block_dir(str(tmp_path), FP, 0)
     path = disk.block_path(base, KEY)
-    disk.write_block(path, KEY, FP, payload, b"meta")  # also makes the missing directories
+    disk.write_block(path, KEY, FP, MK, payload, b"meta")  # also makes the missing directories
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     ours = open(path, "rb").read()
-    write_reference(path, disk.encode(KEY, FP, payload, b"meta"))
+    write_reference(path, disk.encode(KEY, FP, MK, payload, b"meta"))
     assert ours == open(path, "rb").read()
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
     out = np.empty(size, dtype=np.uint8)
-    assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()
+    assert disk.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
 
 
 def test_disk_corruption_anywhere_in_a_large_block_is_a_miss(tmp_path):
@@ -308,12 +321,12 @@ def test_disk_corruption_anywhere_in_a_large_block_is_a_miss(tmp_path):
         flipped = bytearray(good)
         flipped[pos] ^= 0x10
         open(path, "wb").write(flipped)
-        assert disk.read_into(path, KEY, FP, out) is None, pos
+        assert disk.read_into(path, KEY, FP, MK, out) is None, pos
     for data in (good[:-1], good[: start + disk._CHUNK], good[:10], good + b"\0"):
         open(path, "wb").write(data)
-        assert disk.read_into(path, KEY, FP, out) is None, len(data)
+        assert disk.read_into(path, KEY, FP, MK, out) is None, len(data)
     open(path, "wb").write(good)
-    assert disk.read_into(path, KEY, FP, out) == b"meta" and (out == payload).all()
+    assert disk.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
 
 
 def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(tmp_path):
@@ -324,7 +337,7 @@ def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(
     size = os.path.getsize(path)
     for pos in (0, 40, disk.HEADER_SIZE, disk.HEADER_SIZE + 4096 + 7, size - 1):  # header, payload, metadata
         write(tmp_path, payload)
-        fd, _ = disk.open_verified(path, KEY, FP, payload.size)
+        fd, _ = disk.open_verified(path, KEY, FP, MK, payload.size)
         try:
             with open(path, "r+b") as f:
                 f.seek(pos)
@@ -332,15 +345,15 @@ def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(
                 f.seek(pos)
                 f.write(bytes([b[0] ^ 0x01]))
             parts = [np.empty(4096, np.uint8), np.empty(2 * 4096, np.uint8)]
-            assert not disk.read_payload(fd, parts), pos
+            assert not disk.read_payload(fd, parts, MK), pos
         finally:
             os.close(fd)
     write(tmp_path, payload)
-    fd, _ = disk.open_verified(path, KEY, FP, payload.size)
+    fd, _ = disk.open_verified(path, KEY, FP, MK, payload.size)
     try:
         os.truncate(path, size - 1)
-        assert not disk.read_payload(fd, [np.empty(payload.size, np.uint8)])
-        assert not disk.read_payload(fd, [np.empty(payload.size - 8, np.uint8)])  # not the payload's length
+        assert not disk.read_payload(fd, [np.empty(payload.size, np.uint8)], MK)
+        assert not disk.read_payload(fd, [np.empty(payload.size - 8, np.uint8)], MK)  # not the payload's length
     finally:
         os.close(fd)
 
@@ -348,16 +361,16 @@ def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(
 def test_an_open_verified_block_reads_the_same_bytes_after_unlink_or_replace(tmp_path):
     payload = np.frombuffer(os.urandom(3 * 4096), dtype=np.uint8)
     _, path = write(tmp_path, payload)
-    fd, meta = disk.open_verified(path, KEY, FP, payload.size)
+    fd, meta = disk.open_verified(path, KEY, FP, MK, payload.size)
     try:
         assert meta == b"meta"
         os.unlink(path)  # evicted meanwhile (this engine never does it to an open entry; another may)
         write(tmp_path, np.zeros_like(payload))  # and rewritten by someone else
         parts = [np.empty(4096, np.uint8), np.empty(2 * 4096, np.uint8)]  # e.g. one view per layer
-        assert disk.read_payload(fd, parts)
+        assert disk.read_payload(fd, parts, MK)
         assert (np.concatenate(parts) == payload).all()
-        assert not disk.read_payload(fd, [np.empty(payload.size + 4096, np.uint8)])  # past the file: short
+        assert not disk.read_payload(fd, [np.empty(payload.size + 4096, np.uint8)], MK)  # past the file: short
     finally:
         os.close(fd)
     open(path, "r+b").write(b"X")  # corrupt: no descriptor
-    assert disk.open_verified(path, KEY, FP, payload.size) is None
+    assert disk.open_verified(path, KEY, FP, MK, payload.size) is None

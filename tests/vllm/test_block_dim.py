@@ -42,7 +42,7 @@ def _worker(kv: dict, num_blocks: int, block_size: int, page: int) -> WorkerSide
     layout = Layout(groups={KV: (0,), STATE: ()}, spec_kinds=("full_attention",), layer_names=(tuple(NAMES),),
                     num_blocks=num_blocks, block_size=block_size, hash_unit=block_size,
                     slot_bytes=4 * len(NAMES) * page, cpu_slots=2, disk_slots=1, root=(1, 2), world=1,
-                    disk_path=None)  # slots room for block-outermost pages (a layer's view spans them all)
+                    disk_path=None, secret=bytes(16))  # slots room for block-outermost pages (a layer's view spans them all)
     w = WorkerSide(layout, KVBMConfig(), 0)
     w.register_kv_caches(kv)
     return w

@@ -19,7 +19,7 @@ def test_direct_load_reads_the_verified_file_into_the_block(tmp_path):
     key = (7, 9)
     w._copy([(KV, (3,), 0)], to_pool=True)  # block 3 -> slot 0 -> a block file
     path = disk.block_path(w.disk_base, key)
-    disk.write_block(path, key, w.fingerprint, w.pool[0].numpy())
+    disk.write_block(path, key, w.fingerprint, w.mac_key, w.pool[0].numpy())
     buf[:, 5].zero_()
 
     w.start_load_kv(KVBMMetadata(opens=[key]))
@@ -38,7 +38,7 @@ def test_a_file_that_fails_verification_is_not_held(tmp_path):
     w, _ = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_path=str(tmp_path))
     key = (1, 1)
     path = disk.block_path(w.disk_base, key)
-    disk.write_block(path, key, w.fingerprint, np.zeros(w.slot_bytes, np.uint8))
+    disk.write_block(path, key, w.fingerprint, w.mac_key, np.zeros(w.slot_bytes, np.uint8))
     data = bytearray(open(path, "rb").read())
     data[disk.HEADER_SIZE + 5] ^= 1
     open(path, "wb").write(data)
@@ -54,7 +54,7 @@ def test_a_step_whose_load_failed_stores_and_writes_nothing(tmp_path):
     key, other = (7, 9), (8, 8)
     w._copy([(KV, (3,), 0)], to_pool=True)
     path = disk.block_path(w.disk_base, key)
-    disk.write_block(path, key, w.fingerprint, w.pool[0].numpy())
+    disk.write_block(path, key, w.fingerprint, w.mac_key, w.pool[0].numpy())
     w.start_load_kv(KVBMMetadata(opens=[key]))
     with open(path, "r+b") as f:  # flipped in place after verification
         f.seek(disk.HEADER_SIZE + 1)
@@ -90,7 +90,7 @@ def test_staged_direct_loads_land_like_the_cpu_path(tmp_path):
     keys = [(1, k) for k in range(4)]
     for k, key in enumerate(keys):  # blocks 0-3 -> files
         w._copy([(KV, (k,), 0)], to_pool=True)
-        disk.write_block(disk.block_path(w.disk_base, key), key, w.fingerprint, w.pool[0].numpy())
+        disk.write_block(disk.block_path(w.disk_base, key), key, w.fingerprint, w.mac_key, w.pool[0].numpy())
     w.start_load_kv(KVBMMetadata(opens=keys))
     with open(disk.block_path(w.disk_base, keys[1]), "r+b") as f:  # flipped after verification
         f.seek(disk.HEADER_SIZE + 3)

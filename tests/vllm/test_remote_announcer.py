@@ -20,9 +20,11 @@ from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, AllBlocksCleared, Blo
 from vllm_kvbm_plugin.events.validator import Validator
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
+from vllm_kvbm_plugin.tiers.disk import VERSION
 
 from .test_remote_tier import idle, instance, prompt
 
+VALUES = f"kvbm:{VERSION}:*"  # the names of our values in this format
 pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
 pytestmark = pytest.mark.skipif(server_binary() is None,
                                 reason="no redis-server on PATH: scripts/setup.sh installs Debian's as root")
@@ -121,7 +123,7 @@ def test_two_instances_and_the_announcer_each_entry_once_and_server_removals(ser
 
     # server-side deletions: DEL of one key, then FLUSHALL
     client = server.client()
-    leaf = sorted(k for k in client.scan_iter(match="kvbm:2:*"))[0]
+    leaf = sorted(k for k in client.scan_iter(match=VALUES))[0]
     client.delete(leaf)
     ann.wait(lambda evs: any(isinstance(e, BlockRemoved) for e in evs))
     client.flushall()
@@ -180,7 +182,7 @@ def test_server_evictions_are_announced_and_the_stream_validates(server):
         assert int(small.client().info("stats")["evicted_keys"]) > 0
         # the stream settles on the server's state: what it says the tier holds is all on the
         # server (nothing stale), and it is what the announcer announced
-        on_server = {k.split(b":")[-1] for k in small.client().scan_iter(match="kvbm:2:*")}
+        on_server = {k.split(b":")[-1] for k in small.client().scan_iter(match=VALUES)}
         ann.wait(lambda evs: any(isinstance(e, BlockRemoved) for e in evs)
                  and {eid[1] for eid, e in list(ann.announcer.entries.items()) if e.announced} <= on_server
                  and held_in(evs) == len(ann.announcer.held))
@@ -199,7 +201,7 @@ def test_tensor_parallel_entry_is_announced_with_every_rank_and_removed_with_any
     p = prompt()
     assert h.serve(p) == 0
     assert idle(h)
-    names = sorted(server.client().scan_iter(match="kvbm:2:*"))
+    names = sorted(server.client().scan_iter(match=VALUES))
     r1 = [k for k in names if b":r1:" in k]
     assert len(r1) * 2 == len(names) >= 12  # every entry has a value per rank
     blocks = {(0, x) for x in h.unit_hashes(p)[:6]}
@@ -280,7 +282,7 @@ def described(server) -> set:
     from vllm_kvbm_plugin.tiers import disk as diskfmt
 
     out, c = set(), server.client()
-    for name in c.scan_iter(match="kvbm:2:*:r0:*"):
+    for name in c.scan_iter(match=VALUES + ":r0:*"):
         value = c.get(name)
         plen = diskfmt._HEADER.unpack_from(value, 0)[5]
         for ev in (diskfmt.decode_meta(value[diskfmt.HEADER_SIZE + plen:]) or (0, []))[1]:

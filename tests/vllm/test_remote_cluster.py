@@ -66,16 +66,24 @@ def ours(node) -> set:
 @needs_server
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_fresh_instance_is_connected_to_every_node_before_its_first_request(cluster, workers):
+    """The scheduler side connects at startup (its lookups); every worker once it learns the
+    scheduler side's decision, in the engine's first step, before any fetch can be sent (a
+    request's first step only starts its lookup)."""
     before = [ours(s) for s in cluster.nodes]
     b = instance(cluster.url, workers)
 
     def new() -> list[int]:
         return [len(ours(s) - old) for s, old in zip(cluster.nodes, before)]
 
-    deadline = time.monotonic() + 10  # the workers connect behind startup
-    while min(new()) < 1 + workers and time.monotonic() < deadline:
-        time.sleep(0.02)
-    # the scheduler side (its lookups) and every worker (its fetches) on every master, no request yet
+    def wait_for(n: int) -> None:
+        deadline = time.monotonic() + 10  # connections are made behind startup / the step
+        while min(new()) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    wait_for(1)
+    assert new() == [1] * len(cluster.nodes)  # the scheduler side alone: workers never decide
+    b.step()  # the engine's first step: the decision reaches the workers
+    wait_for(1 + workers)
     assert new() == [1 + workers] * len(cluster.nodes)
     assert b.connector.tier("remote").counters["lookups"] == 0
 

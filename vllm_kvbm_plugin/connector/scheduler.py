@@ -45,7 +45,7 @@ from vllm_kvbm_plugin.connector.metadata import (
 from vllm_kvbm_plugin.connector.pic_planner import PicPlanner
 from vllm_kvbm_plugin.connector.remote_tier import RemoteTier
 from vllm_kvbm_plugin.hashing import Keyer
-from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.log import get_logger, redact_url
 from vllm_kvbm_plugin.tiers.index import Entry
 
 logger = get_logger("connector")
@@ -150,7 +150,7 @@ class SchedulerSide:
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
             f"{layout.disk_slots} slots under {cfg.disk_path}" if "disk" in self._by_label else "off",
             cfg.eviction_policy,
-            f", remote tier {cfg.remote_url}" if "remote" in self._by_label else "",
+            f", remote tier {redact_url(cfg.remote_url)}" if "remote" in self._by_label else "",
             f", hybrid: state groups {list(layout.groups[STATE])}, hits every {self.hash_unit} tokens"
             if layout.hybrid else "",
             layout.secret_source or "the test's layout",

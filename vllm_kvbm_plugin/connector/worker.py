@@ -35,6 +35,7 @@ from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import host_memory
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
 
 logger = get_logger("connector.worker")
@@ -74,7 +75,9 @@ class WorkerSide:
         logger.info("KVBMConnector worker %d follows the scheduler side: %r", self.rank, decision)
 
     def _open_tiers(self) -> None:
-        """The disk tier's rank directory and the remote tier's connection, under the decided root."""
+        """The disk tier's rank directory and the remote tier's connection, under the decided root
+        and the MAC key of their files and values (tiers/mac.py), derived once from the secret."""
+        self.mac_key = mac_key(self.layout.secret)
         self.disk_base = self.layout.rank_dir(self.rank)
         if self.disk_base is not None:
             try:  # 0700 whatever the umask; existing tier directories are tightened (logged)
@@ -109,6 +112,7 @@ class WorkerSide:
         self._stats_lock = threading.Lock()  # the disk writer thread records too
         self.peaks: dict[str, float] = {}  # "<tier>_<direction>" -> bytes/s (measure_roofline)
         self.remote: RemoteIO | None = None  # opened by _open_tiers when the decision says so
+        self.mac_key = None  # of block files and remote values, once the decision is known (_open_tiers)
         self.described: list | None = None  # the KV layers' layout (register_kv_caches), for the fingerprint
         self.fingerprint: bytes | None = None  # of the exact byte layout of an entry, under the key root
 
@@ -215,7 +219,7 @@ class WorkerSide:
                     via_scratch.append((layer, ids[gi]))
                 end = layer.offset + layer.nbytes
         parts.append(scratch[end:])  # the slot's unused tail (slots fit the larger entry kind)
-        if not diskfmt.read_payload(fd, parts):
+        if not diskfmt.read_payload(fd, parts, self.mac_key):
             return False
         for layer, block_id in via_scratch:
             slots_to_layer(layer, [block_id], [0], self.scratch)
@@ -258,7 +262,8 @@ class WorkerSide:
         if meta.opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
             keys = list(meta.opens)
-            opened = diskfmt.open_verified_blocks(self._paths(keys), keys, self.fingerprint, self.slot_bytes)
+            opened = diskfmt.open_verified_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
+                                                  self.slot_bytes)
             for key, o in zip(keys, opened):
                 if o is not None:
                     old = self.held.pop(key, None)
@@ -272,7 +277,7 @@ class WorkerSide:
         if meta.prefetches:  # read and verified straight into their (not yet ready) slots
             t0 = time.perf_counter()
             keys = [p.key for p in meta.prefetches]
-            metas = diskfmt.read_blocks(self._paths(keys), keys, self.fingerprint,
+            metas = diskfmt.read_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
                                         [self.pool[p.slot].numpy() for p in meta.prefetches])
             for key, m in zip(keys, metas):
                 self._report(Op.PREFETCH, key, m is not None)
@@ -429,7 +434,7 @@ class WorkerSide:
         if self._disk_writes_on():
             keys = [key for key, _, _ in jobs]
             try:
-                errors = diskfmt.write_blocks(self._paths(keys), keys, self.fingerprint,
+                errors = diskfmt.write_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
                                               [self.pool[slot].numpy() for _, slot, _ in jobs],
                                               [blob for _, _, blob in jobs], fsync=self.cfg.disk_fsync)
             except OSError as e:
@@ -594,7 +599,8 @@ class RemoteIO:
         outs = [self.side.pool[slot].numpy() for _, _, slot in fetches]
         keys = [key for _, key, _ in fetches]
         # a DirectClient reads straight into the slots, verified as the bytes land
-        results = remotefmt.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint, outs)
+        results = remotefmt.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint,
+                                         self.side.mac_key, outs)
         done, bad = {}, []
         for key, name, r in zip(keys, names, results):
             if r == remotefmt.BAD:
@@ -610,9 +616,9 @@ class RemoteIO:
         return done
 
     def _write(self, writes: list) -> None:
-        pool, fp = self.side.pool, self.side.fingerprint
+        pool, fp, mk = self.side.pool, self.side.fingerprint, self.side.mac_key
         names = [self.prefix + diskfmt.key_hex(key) for _, key, _, _ in writes]
-        values = [remotefmt.value_parts(key, fp, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
+        values = [remotefmt.value_parts(key, fp, mk, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
         remotefmt.store_values(self.direct or self.client, names, values)
 
 
@@ -637,7 +643,7 @@ def load_direct_staged(side: WorkerSide, loads: list) -> None:
         ops = []
         for row, d in enumerate(loads[at:at + side.direct_rows], first):
             fd = side.held.get(d.key)
-            if fd is not None and diskfmt.read_payload(fd, [side.pool[row].numpy()]):
+            if fd is not None and diskfmt.read_payload(fd, [side.pool[row].numpy()], side.mac_key):
                 ops.append((d.kind, d.block_ids, row))
             else:
                 side._direct_load_failed(d)

@@ -33,7 +33,7 @@ import uuid
 import msgspec
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, SPARSE_KINDS, storage_tier
-from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.log import get_logger, redact_url
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote
 
@@ -63,9 +63,9 @@ class _Nodes:
         # no silent retries: a reconnect must go through a rescan (notifications in between are lost)
         self.opts = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
                          health_check_interval=0)
-        self.url, self.owner, self.topology, self.key_slot = url, None, None, key_slot
-        if not url.startswith(remote.CLUSTER_SCHEMES):
-            self.clients = [redis.Redis.from_url(url, **self.opts)]
+        self.where, self.owner, self.topology, self.key_slot = redact_url(url), None, None, key_slot
+        if not url.startswith(remote.CLUSTER_SCHEMES):  # the URL's password, if any, wins
+            self.clients = [redis.Redis.from_url(url, password=remote.auth_password(None), **self.opts)]
             self.db = self.clients[0].connection_pool.connection_kwargs.get("db", 0)
             return
         seeds, user, password = remote.cluster_seeds(url)
@@ -82,7 +82,7 @@ class _Nodes:
             finally:
                 seed.close()
         else:
-            raise error or ConnectionError(f"{url}: no seed node")
+            raise error or ConnectionError(f"{self.where}: no seed node")
         masters = sorted({(h, p) for _, _, h, p in self.topology})
         self.clients = [redis.Redis(host=h, port=p, **self.opts) for h, p in masters]
         self.owner = bytearray(16384)  # slot -> index of its master in clients
@@ -120,7 +120,7 @@ class _Nodes:
     def check(self) -> None:
         """Raise TopologyChanged when the cluster's slots moved since we connected."""
         if self.owner is not None and self._slots(self.clients[0]) != self.topology:
-            raise TopologyChanged(f"{self.url}: the cluster's masters or slots changed")
+            raise TopologyChanged(f"{self.where}: the cluster's masters or slots changed")
 
     def run(self, commands: list) -> list:
         """(method, key, *args) commands, one pipeline per node they go to; results in order."""
@@ -186,6 +186,7 @@ class RemoteAnnouncer:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         self.url, self.publish = url, publish
+        self.where = redact_url(url)  # what log lines and errors show
         self.rescan_interval, self.check_interval = rescan_interval, check_interval
         self._stored, self._removed, self._cleared = BlockStored, BlockRemoved, AllBlocksCleared
         self._decode = msgspec.msgpack.Decoder(BlockStored).decode
@@ -216,7 +217,7 @@ class RemoteAnnouncer:
                 if self.counters["connects"] > connects:
                     failing, backoff = False, 0.5
                 if not failing:
-                    logger.warning("announcer: server %s failed (%s: %s); reconnecting", self.url,
+                    logger.warning("announcer: server %s failed (%s: %s); reconnecting", self.where,
                                    type(e).__name__, e)
                     failing = True
                 stop.wait(backoff)
@@ -245,7 +246,7 @@ class RemoteAnnouncer:
                 self._apply(nodes, early)
             self.counters["connects"] += 1
             self.connected.set()
-            logger.info("announcer: subscribed to %s (%d node%s), %d entries announced", self.url,
+            logger.info("announcer: subscribed to %s (%d node%s), %d entries announced", self.where,
                         len(nodes.clients), "s" if len(nodes.clients) > 1 else "", len(self.held))
             next_check = next_rescan = time.monotonic()
             next_check += self.check_interval
@@ -304,7 +305,7 @@ class RemoteAnnouncer:
             client.config_set("notify-keyspace-events", want)
         except redis.ResponseError as e:
             raise ServerRefused(
-                f"{self.url} sends no keyspace notifications for our keys (notify-keyspace-events is "
+                f"{self.where} sends no keyspace notifications for our keys (notify-keyspace-events is "
                 f"{have!r}) and refused CONFIG SET ({e}): set `notify-keyspace-events {NOTIFY_FLAGS}` "
                 f"(or add those flags) in the server's configuration") from e
         logger.info("announcer: notify-keyspace-events %r -> %r", have, want)
@@ -318,7 +319,7 @@ class RemoteAnnouncer:
         while not all(m.encode() in seen for m in markers):
             if time.monotonic() > deadline:
                 raise ServerRefused(
-                    f"{self.url} sends no keyspace notifications for our keys ({config}): set "
+                    f"{self.where} sends no keyspace notifications for our keys ({config}): set "
                     f"`notify-keyspace-events {NOTIFY_FLAGS}` (or add those flags) in the server's "
                     f"configuration, or allow this client CONFIG GET and CONFIG SET")
             seen.update(self._drain(pubsubs, skip))

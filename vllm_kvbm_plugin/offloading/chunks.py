@@ -4,7 +4,13 @@ named and described in our block format, and the scaffolding around vLLM's Secon
 vLLM names a chunk by its OffloadKey (block hash + group, 36 bytes with sha256); the disk format
 names blocks by a 128-bit key, so the file key is a 128-bit digest of the OffloadKey and the
 OffloadKey itself (with its parent and end position, for a restart index) is in the block's
-checksummed metadata (`ChunkMeta`), compared on every load.
+metadata (`ChunkMeta`, covered by the block's MAC), compared on every load.
+
+Both tiers run in the EngineCore process, which does all their I/O, so each holds the tier secret
+the way KVBMConnector does (tiers/secret.py tier_secret: KVBM_KEY_SECRET, else the disk tier's
+`<path>/kvbm-key-secret`, the remote tier's store entry): its MAC key (tiers/mac.py), and a layout
+fingerprint keyed by it, so instances with different secrets never read (nor delete) each other's
+blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import msgspec
 import numpy as np
 from vllm.v1.kv_offload.base import Medium, OffloadingEvent, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+
+from vllm_kvbm_plugin.tiers.mac import mac_key
 
 _FORMAT = "vllm-offload-chunk-v1"  # part of the fingerprint: how a chunk's bytes are laid out
 
@@ -38,9 +46,10 @@ def file_key(key: bytes) -> tuple[int, int]:
     return int.from_bytes(d[:8], "big"), int.from_bytes(d[8:], "big")
 
 
-def layout_fingerprint(spec, chunk_bytes: int) -> bytes:
+def layout_fingerprint(spec, chunk_bytes: int, secret: bytes) -> bytes:
     """16 bytes naming everything that makes a chunk's bytes mean what they mean: model, dtype,
-    groups, chunk geometry, parallelism, KV layout. Stable across restarts of the same setup."""
+    groups, chunk geometry, parallelism, KV layout, keyed by the tier secret. Stable across
+    restarts of the same setup."""
     c = spec.config
     par = c.parallel
     parts = (
@@ -51,24 +60,26 @@ def layout_fingerprint(spec, chunk_bytes: int) -> bytes:
         getattr(c, "replicated_layout", False), getattr(c, "canonical_layout", False),
         getattr(c, "kv_cache_layout", None),
     )
-    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16, key=secret).digest()
 
 
 class ChunkTier(SecondaryTierManager):
     """The base of KVBMDiskTier and KVBMRemoteTier (built by vLLM's tiering manager in the
     EngineCore process, called on its scheduler thread): the primary tier's chunks as byte rows
     (`_rows`), the layout fingerprint and the tier's ownership ("<kind>:<fingerprint>"), the jobs
-    in flight (job id -> (futures, is_load, work)) and the events, if the engine publishes them."""
+    in flight (job id -> (futures, is_load, work)) and the events, if the engine publishes them;
+    `secret` is the tier secret (module docstring)."""
 
     medium = Medium.STORAGE
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, kind: str,
-                 enable_kv_events: bool, backpressure_detector=None):
+                 enable_kv_events: bool, secret: bytes, backpressure_detector=None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.chunk_bytes = self.block_size_bytes
         rows = np.asarray(primary_kv_view)
         self._rows = rows.view(np.uint8).reshape(rows.shape[0], -1)[:, : self.chunk_bytes]
-        self.fingerprint = layout_fingerprint(offloading_spec, self.chunk_bytes)
+        self.fingerprint = layout_fingerprint(offloading_spec, self.chunk_bytes, secret)
+        self.mac_key = mac_key(secret)
         self.ownership = f"{kind}:{self.fingerprint.hex()}"
         events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
         self._events: list[OffloadingEvent] | None = [] if events_on else None

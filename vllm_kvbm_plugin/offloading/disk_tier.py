@@ -10,7 +10,7 @@ writes, which keep no second copy of stored chunks in the page cache, so reading
 from the device), "fsync" (default false), "enable_kv_events" (default true; effective when the
 engine publishes KV events).
 
-The same block files as KVBMConnector's disk tier (tiers/disk.py: checksummed, written to a
+The same block files as KVBMConnector's disk tier (tiers/disk.py: with a MAC, written to a
 temporary file and renamed into place, opened without following symlinks or blocking, verified
 before a byte is used), under `<DIR>/<layout fingerprint>/r0/`; one file holds one primary-tier
 chunk (every worker's pages of it). A load that fails verification (flipped, truncated, deleted,
@@ -21,7 +21,7 @@ announced) at start. Events: Stored when a file is in place, Removed when it is 
 bad, as medium STORAGE, locality LOCAL, ownership "kvbm-disk:<fingerprint>".
 
 A file is named by the 128-bit digest of vLLM's OffloadKey and carries the OffloadKey, its parent
-and end position in its checksummed metadata (chunks.py), compared on every load and read back by
+and end position in its MAC'd metadata (chunks.py), compared on every load and read back by
 the restart index.
 
 All vLLM calls run on the scheduler thread and stay cheap: the index, pins and events live there;
@@ -48,6 +48,7 @@ from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers.index import TierIndex
 from vllm_kvbm_plugin.tiers.pinned import PinnedStores, restore
 from vllm_kvbm_plugin.tiers.policies import make_policy
+from vllm_kvbm_plugin.tiers.secret import tier_secret
 
 logger = get_logger("offloading")
 
@@ -63,10 +64,10 @@ class KVBMDiskTier(ChunkTier):
                  fsync: bool = False, direct_io: bool = False, enable_kv_events: bool = True,
                  locality: str | None = None,
                  backpressure_detector=None):
-        super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-disk", enable_kv_events,
-                         backpressure_detector)
-        self.locality = Locality(locality) if locality is not None else Locality.LOCAL
         self.root = os.path.abspath(path)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-disk", enable_kv_events,
+                         tier_secret(None, self.root).key, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else Locality.LOCAL
         self.base = diskfmt.block_dir(self.root, self.fingerprint, 0)
         file_bytes = diskfmt.file_footprint(self.chunk_bytes, 128)  # metadata: ~100 bytes
         self.index = TierIndex(max(0, int(bytes_to_use) // file_bytes), make_policy(eviction_policy))
@@ -194,6 +195,7 @@ class KVBMDiskTier(ChunkTier):
         t0 = time.perf_counter()
         fkeys = [file_key(key) for key, _, _ in work]
         errors = diskfmt.write_blocks([diskfmt.block_path(self.base, k) for k in fkeys], fkeys, self.fingerprint,
+                                      self.mac_key,
                                       [self._rows[chunk] for _, chunk, _ in work], [meta for _, _, meta in work],
                                       fsync=self.fsync, direct=self.direct_io)
         for e in errors:
@@ -206,6 +208,7 @@ class KVBMDiskTier(ChunkTier):
         t0, ok = time.perf_counter(), set()
         fkeys = [file_key(key) for key, _ in work]
         metas = diskfmt.read_blocks([diskfmt.block_path(self.base, k) for k in fkeys], fkeys, self.fingerprint,
+                                    self.mac_key,
                                     [self._rows[chunk] for _, chunk in work])
         for (key, _), meta in zip(work, metas):
             try:

@@ -7,7 +7,7 @@
 optional "enable_kv_events" (default true). One value per primary-tier chunk, named
 `kvbm:<format>:<layout fingerprint>:r0:<file key>` with KVBMDiskTier's file key (a 128-bit digest
 of vLLM's OffloadKey); the value is a block file's bytes (tiers/disk.py), verified on every read:
-a value that is missing, damaged, truncated or of another layout fails that key (vLLM recomputes
+a value that is missing, damaged, truncated, without a valid MAC or of another layout fails that key (vLLM recomputes
 the chunk) and a bad one is deleted. The server's `maxmemory` policy bounds the tier (docs/remote.md);
 this side keeps no index. vLLM offers a chunk again each time it re-enters the CPU tier (after an
 eviction); a chunk this instance wrote or found there before is first asked for (EXISTS) and
@@ -36,11 +36,12 @@ from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
-from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.log import get_logger, redact_url
 from vllm_kvbm_plugin.offloading.chunks import ChunkMeta, ChunkTier, encode_meta, file_key
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers.secret import tier_secret
 
 logger = get_logger("offloading")
 
@@ -56,7 +57,7 @@ class _Exists(AsyncLookupManager):
 
     def batch_lookup(self, keys: list, req_context: ReqContext) -> Iterable[bool]:
         t = self.tier
-        if not t.breakers["lookup"].allow():
+        if t.off or not t.breakers["lookup"].allow():
             return [False] * len(keys)
         try:
             if self.client is None:
@@ -89,10 +90,12 @@ class KVBMRemoteTier(ChunkTier):
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, url: str,
                  enable_kv_events: bool = True, backpressure_detector=None):
-        super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-remote", enable_kv_events,
-                         backpressure_detector)
         remotefmt.check_url(url)
+        secret = tier_secret(url, None)
+        super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-remote", enable_kv_events,
+                         secret.key, backpressure_detector)
         self.url = url
+        self.off = secret.remote_off  # the store's secret could not be read: every key a miss (logged)
         self.locality = Locality.REMOTE
         root = (int.from_bytes(self.fingerprint[:8], "big"), int.from_bytes(self.fingerprint[8:], "big"))
         self.prefix = remotefmt.key_prefix(root, 0)
@@ -104,7 +107,8 @@ class KVBMRemoteTier(ChunkTier):
         self._announced: collections.OrderedDict = collections.OrderedDict()
         self.failed_writes = self.failed_loads = 0
         self._lookups = _Exists(self)
-        logger.info("KVBMRemoteTier: %s, chunks of %d bytes under %s*", url, self.chunk_bytes, self.prefix)
+        logger.info("KVBMRemoteTier: %s, chunks of %d bytes under %s*", redact_url(url), self.chunk_bytes,
+                    self.prefix)
 
     # ---- the server --------------------------------------------------------------------------
     def name(self, key: bytes) -> str:
@@ -174,7 +178,7 @@ class KVBMRemoteTier(ChunkTier):
     def _call(self, op: str, fn):
         """fn(client) on `op`'s connection, through its breaker; None when the server failed."""
         breaker = self.breakers[op]
-        if not breaker.allow():
+        if self.off or not breaker.allow():
             return None
         try:
             if op not in self._clients:
@@ -198,7 +202,7 @@ class KVBMRemoteTier(ChunkTier):
             held = {w[0] for w, r in zip(work, remotefmt.run(client, [("EXISTS", n) for n in names])) if r == 1}
             missing = [(w, n) for w, n in zip(work, names) if w[0] not in held]
             remotefmt.store_values(client, [n for _, n in missing], [
-                remotefmt.value_parts(file_key(key), self.fingerprint, self._rows[chunk], meta)
+                remotefmt.value_parts(file_key(key), self.fingerprint, self.mac_key, self._rows[chunk], meta)
                 for (key, chunk, meta), _ in missing])
             return held
 
@@ -213,7 +217,8 @@ class KVBMRemoteTier(ChunkTier):
         fkeys = [file_key(key) for key, _ in work]
         outs = [self._rows[chunk] for _, chunk in work]
 
-        outcomes = self._call("load", lambda c: remotefmt.fetch_values(c, names, fkeys, self.fingerprint, outs))
+        outcomes = self._call("load", lambda c: remotefmt.fetch_values(c, names, fkeys, self.fingerprint,
+                                                                        self.mac_key, outs))
         if outcomes is None:
             return set(), {}, time.perf_counter() - t0
         bad = [n for n, o in zip(names, outcomes) if o == remotefmt.BAD]

@@ -38,3 +38,31 @@ def write_reference(path: str, parts: list) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+def reference_mac(key, head: bytes, payload: bytes, meta: bytes) -> int:
+    """The block MAC (tiers/mac.py) written from its definition with numpy and Python integers:
+    the reference the numba kernels are compared against."""
+    import numpy as np
+
+    from vllm_kvbm_plugin.hashing.spec import siphash
+    from vllm_kvbm_plugin.tiers.mac import CHUNK_WORDS
+
+    p, lo32 = (1 << 61) - 1, np.uint64(0xFFFFFFFF)
+    nh = np.asarray(key[4:], dtype=np.uint64)
+    padded = bytes(payload) + b"\0" * (-len(payload) % 8)
+    words = np.frombuffer(padded, dtype=np.uint64)
+    h = 0
+    for at in range(0, len(words), CHUNK_WORDS):
+        x = words[at:at + CHUNK_WORDS]
+        sums = []
+        for k in (nh[:len(x)], nh[1:len(x) + 1]):  # the Toeplitz shift: one key word
+            a = (x + k) & lo32
+            b = ((x >> np.uint64(32)) + (k >> np.uint64(32))) & lo32
+            sums.append(int((a * b).sum(dtype=np.uint64)))
+        for y in sums:
+            h = (h * int(key[0]) + (y >> 32)) % p
+            h = (h * int(key[0]) + (y & 0xFFFFFFFF)) % p
+    prf = int(key[1]).to_bytes(8, "little") + int(key[2]).to_bytes(8, "little")
+    return siphash(prf, bytes(head[:48]) + bytes(head[48:52]) + b"\0" * 4 + h.to_bytes(8, "little") + bytes(meta),
+                   wide=False)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers.mac import mac_key
 
 TIERS = ("cpu", "disk", "remote")
 
@@ -61,9 +62,8 @@ def control_check(control: Control | None, allow_off: bool = False) -> Check:
 def forge_block(path: str, secret: bytes, itemsize: int) -> None:
     """Rewrite the block file at `path` through the disk tier's own writer with the sign of every
     KV value flipped (values of `itemsize` bytes, little-endian): same key, layout fingerprint and
-    metadata, a header that verifies, KV that surely changes greedy tokens. `secret`: the tier
-    secret (the soak's KVBM_KEY_SECRET), which a writer that keys its files needs."""
-    del secret  # today's files carry no keyed MAC
+    metadata, a header that verifies (its MAC made under `secret`, the tier secret: the soak's
+    KVBM_KEY_SECRET), KV that surely changes greedy tokens."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         data = f.read()
@@ -73,4 +73,4 @@ def forge_block(path: str, secret: bytes, itemsize: int) -> None:
     payload = np.frombuffer(data, np.uint8, h.payload_bytes, disk.HEADER_SIZE).copy()
     payload.reshape(-1, itemsize)[:, itemsize - 1] ^= 0x80
     key = (int.from_bytes(h.key[:8], "big"), int.from_bytes(h.key[8:], "big"))
-    disk.write_block(path, key, h.fingerprint, payload, data[disk.HEADER_SIZE + h.payload_bytes:])
+    disk.write_block(path, key, h.fingerprint, mac_key(secret), payload, data[disk.HEADER_SIZE + h.payload_bytes:])

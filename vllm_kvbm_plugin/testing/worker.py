@@ -23,7 +23,7 @@ def cpu_layout_worker(layers: int, num_blocks: int, block_shape: tuple, slots: i
     layout = Layout(groups={KV: (0,), STATE: ()}, spec_kinds=("full_attention",), layer_names=(tuple(kv),),
                     num_blocks=num_blocks, block_size=block_shape[1], hash_unit=block_shape[1],
                     slot_bytes=slot, cpu_slots=slots, disk_slots=1 << 20, root=(1, 2), world=world,
-                    disk_path=disk_path)
+                    disk_path=disk_path, secret=bytes(range(16)))
     w = WorkerSide(layout, KVBMConfig(disk_path=disk_path), rank)
     w.register_kv_caches(kv)
     return w, buf

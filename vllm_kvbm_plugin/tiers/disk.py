@@ -4,24 +4,25 @@ File: <root>/<layout fingerprint hex>/r<rank>/<key hex[:2]>/<key hex>.kvb, direc
 files 0600, names derived only from hex. Content: a fixed 64-byte header, the payload, a msgpack
 metadata blob. A file is written to a temporary name in the same directory and renamed into place,
 so a crash leaves either the whole block or no block, and a file is never changed in place. Reads
-check magic, version, key, fingerprint, lengths and the 64-bit checksum of payload and metadata
-(tiers.checksum.checksum64): anything else is a miss, never data.
+check magic, version, key, fingerprint, lengths and the 64-bit MAC of header, payload and metadata
+under the tier secret (tiers/mac.py): anything else is a miss, never data. Without the secret,
+nobody can write a file the tier will serve.
 
 Speed: reads and writes go in batches through tiers/fileio.py: one numba call that holds no GIL
 does a batch's files from open to close (libc directly), so a pool thread takes the GIL back once
 per batch, not once per syscall (with an engine loop holding the GIL, each take-back waited up to
 5 ms). A read goes through a small buffer that stays in cache: the kernel copies a chunk into it,
-the checksum reads it from cache, streaming stores move it to its destination without reading the
-destination first. A write checksums payload and metadata from memory, then writes header, payload
-and metadata into the new temporary file. Optionally (`direct`) a write goes with O_DIRECT
+the MAC reads it from cache, streaming stores move it to its destination without reading the
+destination first. A write computes the MAC of payload and metadata from memory, then writes
+header, payload and metadata into the new temporary file. Optionally (`direct`) a write goes with O_DIRECT
 through an aligned buffer, padded to a page multiple and cut back to its exact size before the
 rename (same bytes, same file). Measured on ext4 (one thread, 256 KiB blocks): it costs more CPU
 per file than a page-cache write (~450 vs ~280 us, file creation included) and a re-read then
 comes from the device; what it saves is the page cache's second copy of every stored block.
-Measured and not kept: reading straight into the destination (the checksum then reads it back
+Measured and not kept: reading straight into the destination (the MAC then reads it back
 from memory: 0.75x of a plain read instead of 0.82x); reading half of a block on a helper (fast
 with an idle second core, much slower with a busy one); mapping the file and copying it out with
-the checksum (a few percent faster, but a disk error or an outside truncation would then be a
+the MAC (a few percent faster, but a disk error or an outside truncation would then be a
 SIGBUS instead of a miss).
 
 Foreign content: anything can end up in a directory (FIFOs, sockets, device nodes, symlinks,
@@ -56,13 +57,13 @@ import numpy as np
 
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import fileio
-from vllm_kvbm_plugin.tiers.checksum import checksum64, checksum_final, checksum_update
+from vllm_kvbm_plugin.tiers.mac import block_mac, mac_final, mac_update
 
 logger = get_logger("disk")
 
 MAGIC = b"KVBM"
-VERSION = 2  # 2: payload before metadata, checksum64 with position keys (version 1 files are misses)
-# magic, version, flags, key, layout fingerprint, payload length, meta length, checksum, reserved (0)
+VERSION = 3  # 3: a MAC under the tier secret instead of a checksum (files of versions 1 and 2 are misses)
+# magic, version, flags, key, layout fingerprint, payload length, meta length, MAC, reserved (0)
 _HEADER = struct.Struct("<4sHH16s16sQIQI")
 HEADER_SIZE = _HEADER.size  # 64: the payload starts cache-line aligned
 SUFFIX = ".kvb"
@@ -113,15 +114,12 @@ def block_path(base: str, key: tuple[int, int]) -> str:
     return os.path.join(base, h[:2], h + SUFFIX)
 
 
-def _combine(payload_sum: int, meta) -> int:
-    """The header's checksum from the payload's checksum64 and the metadata."""
-    cm = int(checksum64(np.frombuffer(meta, dtype=np.uint8))) if len(meta) else 0
-    return (int(payload_sum) * 0x9E3779B97F4A7C15 + cm) & 0xFFFFFFFFFFFFFFFF
+def _header(key: tuple[int, int], fingerprint: bytes, plen: int, mlen: int, mac: int = 0) -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, 0, key_bytes(key), fingerprint, plen, mlen, mac, 0)
 
 
-def _header(key: tuple[int, int], fingerprint: bytes, plen: int, meta: bytes, payload_sum: int) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, 0, key_bytes(key), fingerprint, plen, len(meta),
-                        _combine(payload_sum, meta), 0)
+def _u8(b) -> np.ndarray:
+    return np.frombuffer(b, dtype=np.uint8)
 
 
 class Header(NamedTuple):
@@ -131,22 +129,26 @@ class Header(NamedTuple):
     fingerprint: bytes
     payload_bytes: int
     meta_bytes: int
-    checksum: int
+    mac: int
 
 
 def parse_header(head) -> Header | None:
     """The fields of a block header (the first HEADER_SIZE bytes of `head`) of this format version,
     or None for another magic, version or flags. Callers check the fields they expect."""
-    magic, version, flags, key, fp, plen, mlen, checksum, reserved = _HEADER.unpack_from(head, 0)
+    magic, version, flags, key, fp, plen, mlen, mac, reserved = _HEADER.unpack_from(head, 0)
     if magic != MAGIC or version != VERSION or flags or reserved:
         return None
-    return Header(key, fp, plen, mlen, checksum)
+    return Header(key, fp, plen, mlen, mac)
 
 
-def encode(key: tuple[int, int], fingerprint: bytes, payload: np.ndarray, meta: bytes = b"") -> list:
-    """The parts of a block file, to be written in order (the payload is not copied)."""
+def encode(key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, payload: np.ndarray,
+           meta: bytes = b"") -> list:
+    """The parts of a block file, to be written in order (the payload is not copied); `mac_key`
+    is tiers.mac.mac_key(tier secret)."""
     payload = np.asarray(payload, dtype=np.uint8).reshape(-1)
-    return [_header(key, fingerprint, payload.nbytes, meta, checksum64(payload)), payload, meta]
+    head = _header(key, fingerprint, payload.nbytes, len(meta))
+    mac = int(block_mac(mac_key, _u8(head), payload, _u8(meta)))
+    return [_header(key, fingerprint, payload.nbytes, len(meta), mac), payload, meta]
 
 
 def _io_exact(op, fd: int, parts: list, offset: int) -> bool:
@@ -165,32 +167,33 @@ def _io_exact(op, fd: int, parts: list, offset: int) -> bool:
     return True
 
 
-def read_into(path: str, key: tuple[int, int], fingerprint: bytes, out: np.ndarray) -> bytes | None:
+def read_into(path: str, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray,
+              out: np.ndarray) -> bytes | None:
     """Read the block file at `path` into `out` (contiguous, its exact payload size); returns its
-    metadata, or None when the file is missing, truncated, corrupt, or for another key or layout
-    (then `out` holds garbage and must not be used)."""
-    return read_blocks([path], [key], fingerprint, [out])[0]
+    metadata, or None when the file is missing, truncated, corrupt, not written under this tier
+    secret (`mac_key`), or for another key or layout (then `out` holds garbage and must not be used)."""
+    return read_blocks([path], [key], fingerprint, mac_key, [out])[0]
 
 
-def read_blocks(paths: list, keys: list, fingerprint: bytes, outs: list) -> list:
+def read_blocks(paths: list, keys: list, fingerprint: bytes, mac_key: np.ndarray, outs: list) -> list:
     """read_into for many files in one call that holds no GIL (tiers/fileio.py): the metadata of
     each verified file, None for each miss."""
-    status, _, metas, at = _read_files(paths, keys, fingerprint, [o.nbytes for o in outs],
+    status, _, metas, at = _read_files(paths, keys, fingerprint, mac_key, [o.nbytes for o in outs],
                                        [_address(o) for o in outs], keep_open=False)
     return [None if status[i] else bytes(metas[at[i]: at[i + 1]]) for i in range(len(paths))]
 
 
-def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, payload_bytes: int):
+def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, payload_bytes: int):
     """Verify the block file at `path` (as read_into, keeping no bytes) and keep it open: (fd,
     metadata) or None. This tier never changes a block file in place (writes replace it by a rename,
     eviction unlinks it), so later reads through this fd (read_payload) return the verified bytes,
     whatever happens to the path meanwhile; read_payload checks them again all the same."""
-    return open_verified_blocks([path], [key], fingerprint, payload_bytes)[0]
+    return open_verified_blocks([path], [key], fingerprint, mac_key, payload_bytes)[0]
 
 
-def open_verified_blocks(paths: list, keys: list, fingerprint: bytes, payload_bytes: int) -> list:
+def open_verified_blocks(paths: list, keys: list, fingerprint: bytes, mac_key: np.ndarray, payload_bytes: int) -> list:
     """open_verified for many files in one call that holds no GIL: (fd, metadata) or None each."""
-    status, fds, metas, at = _read_files(paths, keys, fingerprint, [payload_bytes] * len(paths),
+    status, fds, metas, at = _read_files(paths, keys, fingerprint, mac_key, [payload_bytes] * len(paths),
                                          [0] * len(paths), keep_open=True)
     return [None if status[i] else (int(fds[i]), bytes(metas[at[i]: at[i + 1]])) for i in range(len(paths))]
 
@@ -209,7 +212,7 @@ def _names(paths) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(bytearray(b"".join(raw)), dtype=np.uint8), at
 
 
-def _read_files(paths, keys, fingerprint: bytes, plens: list, dsts: list, keep_open: bool):
+def _read_files(paths, keys, fingerprint: bytes, mac_key: np.ndarray, plens: list, dsts: list, keep_open: bool):
     """fileio.read_files, with the header bytes each file must start with (magic to payload length)."""
     names, at = _names(paths)
     expect = np.frombuffer(bytearray(b"".join(
@@ -218,7 +221,7 @@ def _read_files(paths, keys, fingerprint: bytes, plens: list, dsts: list, keep_o
     if len(fingerprint) != 16:  # a header holds 16 bytes of it: no file can match
         expect[:, 0] ^= 0xFF
     return fileio.read_files(names, at, expect, np.array(plens, dtype=np.int64), np.array(dsts, dtype=np.int64),
-                             keep_open, MAX_META)
+                             keep_open, MAX_META, mac_key)
 
 
 def _open_regular(path: str) -> tuple[int, int] | None:
@@ -238,10 +241,10 @@ def _open_regular(path: str) -> tuple[int, int] | None:
     return None
 
 
-def read_payload(fd: int, parts: list) -> bool:
+def read_payload(fd: int, parts: list, mac_key: np.ndarray) -> bool:
     """Read the payload of the open block file `fd` (verified by open_verified) into `parts`, in
     order (e.g. one view per layer, straight into the KV cache), and check what arrived against
-    the header's checksum once more: we never change a file in place, but someone else may have
+    the header's MAC once more: we never change a file in place, but someone else may have
     since it was verified (a flipped byte there would otherwise be a wrong token). False on a
     short read or any difference; `parts` then hold garbage."""
     try:
@@ -257,15 +260,15 @@ def read_payload(fd: int, parts: list) -> bool:
             return False
     except OSError:
         return False
-    acc, at = np.zeros(2, dtype=np.uint64), 0
+    acc, at = np.zeros(3, dtype=np.uint64), 0
     for v in views:
-        checksum_update(acc, np.frombuffer(v, dtype=np.uint8), at)
+        mac_update(acc, mac_key, np.frombuffer(v, dtype=np.uint8), at)
         at += v.nbytes
-    return _combine(checksum_final(acc, at), meta) == h.checksum
+    return int(mac_final(acc, mac_key, _u8(head), _u8(meta))) == h.mac
 
 
 def read_meta(path: str) -> bytes | None:
-    """The metadata blob of a block file (checksum not verified: for inspection and indexing only),
+    """The metadata blob of a block file (MAC not verified: for inspection and indexing only),
     or None unless `path` is a regular file of this format version whose header lengths add up to
     its size exactly and, when its name is a block file name, whose header holds that key."""
     opened = _open_regular(path)
@@ -321,16 +324,16 @@ def _refuse_direct(where: str) -> None:
         logger.info("KVBM disk tier: O_DIRECT refused under %s: writes go through the page cache", where)
 
 
-def write_block(path: str, key: tuple[int, int], fingerprint: bytes, payload: np.ndarray, meta: bytes = b"",
-                fsync: bool = False, direct: bool = False) -> None:
+def write_block(path: str, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, payload: np.ndarray,
+                meta: bytes = b"", fsync: bool = False, direct: bool = False) -> None:
     """One block file, encode(...)'s bytes, written without the GIL (write_blocks).
     OSError (BlockRefused for this block alone) when it could not be stored."""
-    error = write_blocks([path], [key], fingerprint, [payload], [meta], fsync, direct)[0]
+    error = write_blocks([path], [key], fingerprint, mac_key, [payload], [meta], fsync, direct)[0]
     if error is not None:
         raise error
 
 
-def write_blocks(paths: list, keys: list, fingerprint: bytes, payloads: list, metas: list,
+def write_blocks(paths: list, keys: list, fingerprint: bytes, mac_key: np.ndarray, payloads: list, metas: list,
                  fsync: bool = False, direct: bool = False) -> list:
     """Write block files in one call that holds no GIL (tiers/fileio.py write_files): each to a
     temporary file (0600, flock'ed until renamed so scan() knows its writer is alive), renamed into
@@ -349,7 +352,7 @@ def write_blocks(paths: list, keys: list, fingerprint: bytes, payloads: list, me
     for attempt in range(2):
         if not todo:
             break
-        status, errs = _write_files([paths[i] for i in todo], [keys[i] for i in todo], fingerprint,
+        status, errs = _write_files([paths[i] for i in todo], [keys[i] for i in todo], fingerprint, mac_key,
                                     [payloads[i] for i in todo], [metas[i] for i in todo], fsync, direct)
         retry = []
         for i, st, err in zip(todo, status, errs):
@@ -370,7 +373,7 @@ def write_blocks(paths: list, keys: list, fingerprint: bytes, payloads: list, me
     return errors
 
 
-def _write_files(paths, keys, fingerprint: bytes, payloads, metas, fsync: bool, direct: bool):
+def _write_files(paths, keys, fingerprint: bytes, mac_key: np.ndarray, payloads, metas, fsync: bool, direct: bool):
     wheres = [os.path.dirname(os.path.dirname(p)) for p in paths]
     use_direct = np.array([direct and bool(_DIRECT_O) and p.nbytes >= _DIRECT_MIN and w not in _no_direct
                            for p, w in zip(payloads, wheres)], dtype=np.bool_)
@@ -386,7 +389,7 @@ def _write_files(paths, keys, fingerprint: bytes, payloads, metas, fsync: bool, 
         *_names(dirs), *_names(tmps), *_names(finals), heads,
         np.array([p.ctypes.data for p in payloads], dtype=np.int64), np.array([p.nbytes for p in payloads], dtype=np.int64),
         np.frombuffer(bytearray(b"".join(bytes(m) for m in metas)), dtype=np.uint8), meta_at,
-        use_direct, _DIRECT_ALIGN, fsync)
+        use_direct, _DIRECT_ALIGN, fsync, mac_key)
     if refused:
         for w in {w for w, d in zip(wheres, use_direct) if d}:
             _refuse_direct(w)

@@ -4,7 +4,7 @@ Why: every syscall made from Python releases the GIL and takes it back. With an 
 holds the GIL, taking it back waits up to the switch interval (5 ms), so a pool thread doing
 open/stat/pread/close per file from Python waited milliseconds per file (measured: a disk hit
 through vLLM's OffloadingConnector took 256 ms instead of ~30). Here one numba `nogil` call does a
-whole batch of files (open, type and size check, reads and checksum, or create, lock, writes,
+whole batch of files (open, type and size check, reads and MAC, or create, lock, writes,
 rename, close) calling libc directly: the calling thread takes the GIL back once per batch.
 
 The kernels know nothing of the block format beyond its header offsets; tiers/disk.py builds the
@@ -25,12 +25,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from vllm_kvbm_plugin.hashing.kernels import _word as _le  # little-endian integer of buf[at:at+n]
-from vllm_kvbm_plugin.tiers.checksum import checksum64, checksum_final, checksum_update
+from vllm_kvbm_plugin.tiers.mac import block_mac, mac_final, mac_update
 
 HEADER = 64  # the block header's size (tiers/disk.py HEADER_SIZE)
 CHUNK = 256 << 10  # read buffer: small enough to stay in cache
 DIRECT_CHUNK = 1 << 20  # direct-write buffer
-_G = np.uint64(0x9E3779B97F4A7C15)  # how the header's checksum combines payload and metadata sums
 
 # read statuses (0: verified)
 MISSING, NOT_REGULAR, WRONG_SIZE, BAD = 1, 2, 3, 4
@@ -150,14 +149,15 @@ def _open_regular(path_addr, plen, max_meta, st, empty):
 
 
 @numba.njit(cache=True, nogil=True)
-def _read_verified(fd, expect, plen, meta, dst, buf):
+def _read_verified(fd, expect, plen, meta, dst, buf, mac_key):
     """Chunk by chunk through `buf` (header room + CHUNK, stays in cache): the header comes with
     the first chunk and is checked against `expect` (its first 48 bytes: magic to payload length)
-    and the metadata length; each chunk is checksummed from cache and copied to `dst` (an
-    address, 0 for none) with streaming stores; then the metadata into `meta`, and the combined
-    checksum against the header's. False for any difference or a short read."""
+    and the metadata length; each chunk goes into the MAC from cache and is copied to `dst` (an
+    address, 0 for none) with streaming stores; then the metadata into `meta`, and the MAC
+    against the header's. False for any difference or a short read."""
     mlen = meta.shape[0]
-    acc = np.zeros(2, dtype=np.uint64)
+    acc = np.zeros(3, dtype=np.uint64)
+    head = np.zeros(HEADER, dtype=np.uint8)
     want = np.uint64(0)
     a = 0
     while a == 0 or a < plen:
@@ -171,25 +171,26 @@ def _read_verified(fd, expect, plen, meta, dst, buf):
             if _le(buf, 48, 4) != np.uint64(mlen) or _le(buf, 60, 4) != 0:
                 return False
             want = _le(buf, 52, 8)
+            head[:] = buf[:HEADER]
         elif not _pread_all(fd, buf.ctypes.data + HEADER, m, HEADER + a):
             return False
         data = buf[HEADER: HEADER + m]
         if dst != 0:
-            checksum_update(acc, data, a, _bytes_at(dst + a, m))
+            mac_update(acc, mac_key, data, a, _bytes_at(dst + a, m))
         else:
-            checksum_update(acc, data, a)
+            mac_update(acc, mac_key, data, a)
         a += max(m, 1)
     if mlen and not _pread_all(fd, meta.ctypes.data, mlen, HEADER + plen):
         return False
-    msum = checksum64(meta) if mlen else np.uint64(0)
-    return checksum_final(acc, plen) * _G + msum == want
+    return mac_final(acc, mac_key, head, meta) == want
 
 
 @numba.njit(cache=True, nogil=True)
-def read_files(names, name_at, expect, plens, dsts, keep_open, max_meta):
+def read_files(names, name_at, expect, plens, dsts, keep_open, max_meta, mac_key):
     """Open, check and read the block files named in `names` (NUL-terminated, starting at
     name_at[i]); expect[i] holds the first 48 header bytes file i must have, plens[i] its payload
-    length, dsts[i] the address its payload goes to (0: verify only). Returns (status, fds, metas,
+    length, dsts[i] the address its payload goes to (0: verify only), mac_key the tier's MAC key
+    (tiers/mac.py). Returns (status, fds, metas,
     meta_at): status 0 for a verified file (its metadata is metas[meta_at[i]:meta_at[i+1]]; with
     keep_open its fd stays open in fds[i]), else the reason it is a miss. One GIL release for all."""
     n = plens.shape[0]
@@ -206,7 +207,7 @@ def read_files(names, name_at, expect, plens, dsts, keep_open, max_meta):
     for i in range(n):
         if fds[i] < 0:
             continue
-        if not _read_verified(fds[i], expect[i], plens[i], metas[meta_at[i]: meta_at[i + 1]], dsts[i], buf):
+        if not _read_verified(fds[i], expect[i], plens[i], metas[meta_at[i]: meta_at[i + 1]], dsts[i], buf, mac_key):
             status[i] = BAD
         if status[i] or not keep_open:
             _close(fds[i])
@@ -297,13 +298,13 @@ def _write_direct(fd, head, payload, meta, buf, align):
 
 @numba.njit(cache=True, nogil=True)
 def write_files(dirs, dir_at, tmps, tmp_at, finals, final_at, heads, srcs, plens, metas, meta_at,
-                direct, align, fsync):
+                direct, align, fsync, mac_key):
     """Write block files, each to a new temporary file tmps[i] (0600, flock'ed until renamed) in the
     directory dirs[i] (opened without following a symlink), renamed to finals[i]. heads[i] is the
-    header with a zero checksum, filled in here from the payload (plens[i] bytes at address srcs[i])
-    and metas[meta_at[i]:meta_at[i+1]]. direct[i]: with O_DIRECT through an aligned buffer, padded
-    to `align`; a refusal (EINVAL) writes that file and the rest of the batch through the page
-    cache. Returns (status, errno of each file, whether O_DIRECT was refused)."""
+    header with a zero MAC, filled in here (under mac_key) from the header, the payload (plens[i]
+    bytes at address srcs[i]) and metas[meta_at[i]:meta_at[i+1]]. direct[i]: with O_DIRECT through
+    an aligned buffer, padded to `align`; a refusal (EINVAL) writes that file and the rest of the
+    batch through the page cache. Returns (status, errno of each file, whether O_DIRECT was refused)."""
     n = plens.shape[0]
     status = np.zeros(n, dtype=np.int32)
     errs = np.zeros(n, dtype=np.int32)
@@ -323,9 +324,9 @@ def write_files(dirs, dir_at, tmps, tmp_at, finals, final_at, heads, srcs, plens
             continue
         head, meta = heads[i], metas[meta_at[i]: meta_at[i + 1]]
         payload = _bytes_at(srcs[i], plens[i])
-        total = checksum64(payload) * _G + (checksum64(meta) if meta.shape[0] else np.uint64(0))
+        tag = block_mac(mac_key, head, payload, meta)
         for j in range(8):
-            head[52 + j] = np.uint8((total >> np.uint64(8 * j)) & np.uint64(0xFF))
+            head[52 + j] = np.uint8((tag >> np.uint64(8 * j)) & np.uint64(0xFF))
         e, done = 0, False
         if direct[i] and not refused:
             e = _write_direct(fd, head, payload, meta, buf, align)

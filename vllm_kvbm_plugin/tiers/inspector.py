@@ -10,11 +10,13 @@ files are never changed in place); a server does not keep that, so remote ages a
 the last read or write; OBJECT IDLETIME, unknown under an LFU eviction policy).
 
 What --verify can tell without the engine: each entry is read as a load reads it (key = its name,
-lengths = its size, checksum of payload and metadata) under the fingerprint its own header names,
-and the entries of one rank must all name one fingerprint (a load under that rank's layout misses
-the others). That fingerprint is the layout name itself in the OffloadingConnector's tiers; in
-KVBMConnector's it also hashes the KV cache tensors' names and shapes (connector/layout.py
-tensor_fingerprint), which only the engine knows: whether it is this model's is not checked here.
+lengths = its size, MAC of payload and metadata under the tier secret) under the fingerprint its
+own header names, and the entries of one rank must all name one fingerprint (a load under that
+rank's layout misses the others). That fingerprint is the layout name itself in the
+OffloadingConnector's tiers; in KVBMConnector's it also hashes the KV cache tensors' names and
+shapes (connector/layout.py tensor_fingerprint), which only the engine knows: whether it is this
+model's is not checked here. Verifying needs the tier secret: KVBM_KEY_SECRET, else the one the
+tier keeps (the disk tier's secret file, the store's entry).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import numpy as np
 
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.log import redact_url
+from vllm_kvbm_plugin.tiers import secret as tiersecret
+from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.secret import FILE_NAME as SECRET_FILE
 
 AGES = ((60, "<1m"), (3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (float("inf"), ">=7d"))
@@ -46,6 +51,7 @@ class Report:
                     "age": {"basis": age_basis, "histogram": {name: 0 for _, name in AGES}, "unknown": 0,
                             "oldest_s": None},
                     "skipped": 0, "verify": {"checked": 0, "failed": 0, "other_fingerprint": 0} if verify else None}
+        self.mac_key = None  # the tier's MAC key, to verify with
         self._progress, self._next = progress, time.monotonic() + 0.5  # short scans print nothing
         self._fingerprints: dict = {}  # (layout, rank) -> {fingerprint: [entries naming it, of them verified]}
 
@@ -111,6 +117,7 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
     if not stat.S_ISDIR(os.lstat(disk_path).st_mode):
         raise NotADirectoryError(f"{disk_path} is not a directory (a symlink is not followed)")
     rep = Report(disk_path, "disk", "written", verify, progress)
+    mk = _mac_key(lambda: tiersecret.on_disk(disk_path)) if verify else None
     layouts, other = _real_dirs(disk_path, _LAYOUT_NAME)
     rep.out["skipped"] += other
     now = time.time()
@@ -126,15 +133,26 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
                 rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
             if verify:
                 for i in range(0, len(found), BATCH):
-                    for named, ok in _verify_files(base, [k for k, _ in found[i:i + BATCH]]):
+                    for named, ok in _verify_files(base, mk, [k for k, _ in found[i:i + BATCH]]):
                         rep.verified(fp, int(rank[1:]), named, ok)
     return rep.finish()
 
 
-def _verify_files(base: str, keys: list) -> list[tuple[bytes | None, bool]]:
+def _mac_key(kept: Callable[[], bytes | None]) -> np.ndarray:
+    """The MAC key to verify with: KVBM_KEY_SECRET's, else the secret the tier keeps (`kept()`)."""
+    raw = os.environ.get(tiersecret.ENV)
+    if raw:
+        return mac_key(tiersecret.parse(raw, tiersecret.ENV))
+    kept = kept()
+    if kept is None:
+        raise ValueError(f"verifying needs the tier secret: set {tiersecret.ENV} (the tier keeps none)")
+    return mac_key(kept)
+
+
+def _verify_files(base: str, mk: np.ndarray, keys: list) -> list[tuple[bytes | None, bool]]:
     """For each block file, the fingerprint its header names (None: no header of this format) and
-    whether the file verifies under it, read as a load reads it (open_verified); each fd is
-    closed at once."""
+    whether the file verifies under it and the MAC key, read as a load reads it (open_verified);
+    each fd is closed at once."""
     paths = [diskfmt.block_path(base, k) for k in keys]
     named: list[bytes | None] = [None] * len(keys)
     ok = [False] * len(keys)
@@ -146,7 +164,7 @@ def _verify_files(base: str, keys: list) -> list[tuple[bytes | None, bool]]:
             groups.setdefault((h.fingerprint, h.payload_bytes), []).append(i)
     for (fingerprint, plen), idx in groups.items():
         for i, got in zip(idx, diskfmt.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
-                                                            fingerprint, plen)):
+                                                            fingerprint, mk, plen)):
             if got is not None:
                 os.close(got[0])
                 ok[i] = True
@@ -157,9 +175,11 @@ def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
     """The report of the values under `kvbm:` on a Redis / Valkey server (or cluster)."""
     remotefmt.check_url(url)
     client = remotefmt.connect(url)
-    rep = Report(url, "remote", "idle", verify, progress)
+    rep = Report(redact_url(url), "remote", "idle", verify, progress)
     names = []
     try:
+        if verify:
+            rep.mac_key = _mac_key(lambda: _remote_secret(client))
         for name in client.scan_iter(match=b"kvbm:*", count=1000):
             names.append(name)
             if len(names) == BATCH:
@@ -170,6 +190,11 @@ def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
     finally:
         client.close()
     return rep.finish()
+
+
+def _remote_secret(client) -> bytes | None:
+    kept = client.get(tiersecret.REMOTE_NAME)
+    return tiersecret.parse(kept.decode("ascii", "replace"), tiersecret.REMOTE_NAME) if kept else None
 
 
 def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
@@ -190,12 +215,12 @@ def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
     if verify and kept:
         values = remotefmt.run(client, [("GET", n) for n, _, _, _ in kept])
         for v, (_, root, rank, key_hex) in zip(values, kept):
-            rep.verified(root.decode(), rank, *_verify_value(v, key_hex))
+            rep.verified(root.decode(), rank, *_verify_value(v, key_hex, rep.mac_key))
 
 
-def _verify_value(value, key_hex: bytes) -> tuple[bytes | None, bool]:
+def _verify_value(value, key_hex: bytes, mk: np.ndarray) -> tuple[bytes | None, bool]:
     """The fingerprint the value's header names (None: no header of this format) and whether the
-    value verifies under it."""
+    value verifies under it and the MAC key."""
     if not isinstance(value, (bytes, bytearray)) or len(value) < diskfmt.HEADER_SIZE:
         return None, False
     h = diskfmt.parse_header(value)
@@ -203,7 +228,7 @@ def _verify_value(value, key_hex: bytes) -> tuple[bytes | None, bool]:
         return None, False
     key = diskfmt.parse_key_hex(key_hex.decode() + diskfmt.SUFFIX)
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
-    return h.fingerprint, remotefmt.read_value(value, key, h.fingerprint, out)
+    return h.fingerprint, remotefmt.read_value(value, key, h.fingerprint, mk, out)
 
 
 def inspect(target: str, verify: bool = False, progress=None) -> dict:

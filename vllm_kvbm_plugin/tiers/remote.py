@@ -1,26 +1,40 @@
 """The remote tier's store: one Redis / Valkey key per entry and rank, the value the same bytes as a
-disk block file (tiers/disk.py: header with key, layout fingerprint, lengths, checksum; payload;
-metadata), so a value is verified exactly as a file is. The server may evict any key at any time.
+disk block file (tiers/disk.py: header with key, layout fingerprint, lengths, MAC under the tier
+secret; payload; metadata), so a value is verified exactly as a file is: anyone who can write to
+the server but does not hold the secret cannot plant a value we serve. The server may evict any
+key at any time.
 
 Failure is a miss: every call goes through a `Breaker` that, after a failure (down, slow, reset,
 paused), stops using the server for a backoff that doubles up to 30 s, then lets one call probe it.
+
+Credentials: a URL is only ever shown redacted (log.redact_url). vLLM logs the whole
+kv_transfer_config at startup, so a password inside `remote_url` reaches vLLM's log: give it in
+KVBM_REMOTE_PASSWORD instead (the user, if any, stays in the URL); every connection we open uses it
+when the URL carries no password.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 
 import numpy as np
 
-from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.log import get_logger, redact_url
 from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers.checksum import checksum_final, checksum_update
+from vllm_kvbm_plugin.tiers.mac import mac_final, mac_update
 
 logger = get_logger("tiers.remote")
 
 CLIENT_NAME = "kvbm"  # what CLIENT LIST shows for our connections
+PASSWORD_ENV = "KVBM_REMOTE_PASSWORD"
+
+
+def auth_password(url_password: str | None) -> str | None:
+    """The password to authenticate with: the URL's, else KVBM_REMOTE_PASSWORD's (module docstring)."""
+    return url_password or os.environ.get(PASSWORD_ENV) or None
 SOCKET_TIMEOUT = 0.5  # s: a server slower than this is treated as down (the breaker opens)
 
 
@@ -45,15 +59,15 @@ def value_name(root_hex: bytes, rank: int, key_hex: bytes) -> bytes:
     return b"kvbm:%d:%s:r%d:%s" % (diskfmt.VERSION, root_hex, rank, key_hex)
 
 
-def value_parts(key, fingerprint: bytes, payload: np.ndarray, meta: bytes) -> list:
+def value_parts(key, fingerprint: bytes, mac_key: np.ndarray, payload: np.ndarray, meta: bytes) -> list:
     """The value of `key`: a disk block file's bytes, as parts (the payload is not copied)."""
-    return diskfmt.encode(key, fingerprint, payload, meta)
+    return diskfmt.encode(key, fingerprint, mac_key, payload, meta)
 
 
 MISSING, BAD, OK = 0, 1, 2  # outcomes of a value's read (DirectClient.fetch, classify)
 
 
-def classify(reply, key, fingerprint: bytes, out: np.ndarray) -> int:
+def classify(reply, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> int:
     """MISSING, BAD or OK for one GET reply of redis-py (raise_on_error=False), verified into
     `out` as read_value does. A key of another type under our name is BAD (as DirectClient
     reads it); any other error is the server's, not the value's: raised."""
@@ -63,13 +77,13 @@ def classify(reply, key, fingerprint: bytes, out: np.ndarray) -> int:
         if str(reply).startswith("WRONGTYPE"):
             return BAD
         raise reply
-    return OK if read_value(reply, key, fingerprint, out) else BAD
+    return OK if read_value(reply, key, fingerprint, mac_key, out) else BAD
 
 
-def read_value(value, key, fingerprint: bytes, out: np.ndarray) -> bool:
+def read_value(value, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> bool:
     """Verify a value read from the store and copy its payload into `out` (uint8, the exact
     payload size). False for anything but a complete value of `key` written under `fingerprint`
-    (then `out` holds garbage and must not be used)."""
+    and the tier secret of `mac_key` (then `out` holds garbage and must not be used)."""
     out = out.reshape(-1)
     plen = out.nbytes
     if value is None or len(value) < diskfmt.HEADER_SIZE + plen:
@@ -78,16 +92,14 @@ def read_value(value, key, fingerprint: bytes, out: np.ndarray) -> bool:
     h = diskfmt.parse_header(value)
     if not _header_fits(h, key, fingerprint, plen, len(value)):
         return False
-    acc = np.zeros(2, dtype=np.uint64)
-    payload = buf[diskfmt.HEADER_SIZE: diskfmt.HEADER_SIZE + plen]
-    checksum_update(acc, payload, 0, out)
-    meta = bytes(value[diskfmt.HEADER_SIZE + plen:])
-    return diskfmt._combine(checksum_final(acc, plen), meta) == h.checksum
+    acc = np.zeros(3, dtype=np.uint64)
+    mac_update(acc, mac_key, buf[diskfmt.HEADER_SIZE: diskfmt.HEADER_SIZE + plen], 0, out)
+    return int(mac_final(acc, mac_key, buf[:diskfmt.HEADER_SIZE], buf[diskfmt.HEADER_SIZE + plen:])) == h.mac
 
 
 def _header_fits(h, key, fingerprint: bytes, plen: int, size: int) -> bool:
     """A value of `size` bytes with header `h` is a complete value of `key` under `fingerprint`
-    with a `plen`-byte payload (its checksum still to be verified)."""
+    with a `plen`-byte payload (its MAC still to be verified)."""
     return (h is not None and h.key == diskfmt.key_bytes(key) and h.fingerprint == fingerprint
             and h.payload_bytes == plen and diskfmt.HEADER_SIZE + plen + h.meta_bytes == size)
 
@@ -120,7 +132,7 @@ LANDINGS = Landings()
 class DirectClient:
     """Pipelined GETs and SETs on a socket of our own (redis:// and unix:// servers, not TLS, not
     a cluster). A GET's reply is read straight into the caller's buffer: the payload of a value
-    goes from the kernel into its CPU slot and is checksummed there chunk by chunk while it is
+    goes from the kernel into its CPU slot and goes into the MAC there chunk by chunk while it is
     still in cache. redis-py copies each value twice (its parser's buffer, a bytes object) and
     read_value a third time; on 2 cores those copies also starve the server that is sending.
     A SET's value goes to the socket from its parts as they are (sendmsg: header, the CPU slot,
@@ -140,6 +152,7 @@ class DirectClient:
         from redis.connection import parse_url
 
         self.opts = parse_url(url)
+        self.opts["password"] = auth_password(self.opts.get("password"))
         self.sock = None
         self.buf = bytearray(self.CHUNK)
         self.view = memoryview(self.buf)
@@ -293,10 +306,10 @@ class DirectClient:
             raise
 
     # ---- fetch ----------------------------------------------------------------------------------
-    def fetch(self, names: list, keys: list, fingerprint: bytes, outs: list) -> list[int]:
+    def fetch(self, names: list, keys: list, fingerprint: bytes, mac_key: np.ndarray, outs: list) -> list[int]:
         """GET every name (pipelined, DEPTH groups in flight) and verify each value into its `out`
         (uint8, the exact payload size): OK, BAD (present but not a complete value of its key
-        under `fingerprint`; `out` holds garbage) or MISSING, per name."""
+        under `fingerprint` and `mac_key`; `out` holds garbage) or MISSING, per name."""
         gets = [_command([b"GET", n]) for n in names]
         group = max(1, self.GROUP_BYTES // max(1, outs[0].nbytes)) if outs else 1
         try:
@@ -308,7 +321,7 @@ class DirectClient:
                 if i % group == 0 and i and sent < len(gets):  # a group was read: ask for another one
                     self.sock.sendall(b"".join(gets[sent:sent + group]))
                     sent += group
-                results.append(self._value(k, fingerprint, out))
+                results.append(self._value(k, fingerprint, mac_key, out))
             return results
         except BaseException:
             self.close()
@@ -344,7 +357,7 @@ class DirectClient:
         if refused:
             raise ConnectionError(f"remote tier: {len(refused)} of {len(names)} SETs refused: {refused[0][:200]!r}")
 
-    def _value(self, key, fingerprint: bytes, out: np.ndarray) -> int:
+    def _value(self, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> int:
         line = self._line()
         if line.startswith(b"-WRONGTYPE"):  # not a string under our name: not ours, a bad value
             return BAD
@@ -364,21 +377,22 @@ class DirectClient:
         if not _header_fits(h, key, fingerprint, plen, size):
             self._skip(size - diskfmt.HEADER_SIZE + 2)
             return BAD
-        acc = np.zeros(2, dtype=np.uint64)
+        acc = np.zeros(3, dtype=np.uint64)
         summed = [0]
 
-        def checksum(end: int) -> None:  # whole words as they land; the tail at the end
+        def mac(end: int) -> None:  # whole words as they land; the tail at the end
             stop = end if end == plen else end & ~7
             if stop > summed[0]:
-                checksum_update(acc, out[summed[0]:stop], summed[0])
+                mac_update(acc, mac_key, out[summed[0]:stop], summed[0])
                 summed[0] = stop
 
-        self._read_into(memoryview(out), checksum)
+        self._read_into(memoryview(out), mac)
         meta = bytearray(h.meta_bytes)
         self._read_into(memoryview(meta))
         if self._take(2) != b"\r\n":
             raise ConnectionError("remote tier: malformed bulk reply")
-        return OK if diskfmt._combine(checksum_final(acc, plen), meta) == h.checksum else BAD
+        tag = mac_final(acc, mac_key, np.frombuffer(head, dtype=np.uint8), np.frombuffer(meta, dtype=np.uint8))
+        return OK if int(tag) == h.mac else BAD
 
     def _take(self, n: int) -> bytes:
         while self.end - self.start < n:
@@ -400,8 +414,9 @@ CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 def check_url(url) -> None:
     """A clear startup error for anything but a URL `connect` takes, or without redis-py."""
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES + CLUSTER_SCHEMES):
+        shown = repr(redact_url(url)) if isinstance(url, str) else type(url).__name__
         raise ValueError(f"remote_url must start with one of {', '.join(URL_SCHEMES + CLUSTER_SCHEMES)}, "
-                         f"got {url!r}")
+                         f"got {shown}")
     if url.startswith(CLUSTER_SCHEMES):
         cluster_seeds(url)
     try:
@@ -413,17 +428,19 @@ def check_url(url) -> None:
 
 def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
     """Seed nodes, user and password of `redis+cluster://[user:password@]host:port[,host:port...]`
-    (rediss+cluster:// for TLS): any node of the cluster will do, the client learns the rest."""
+    (rediss+cluster:// for TLS; the password else from KVBM_REMOTE_PASSWORD): any node of the
+    cluster will do, the client learns the rest."""
     rest = url.split("://", 1)[1].split("/", 1)[0]
     auth, _, hosts = rest.rpartition("@")
-    user, _, password = auth.partition(":")
+    user, _, secret = auth.partition(":")
     seeds = []
     for node in hosts.split(","):
         host, _, port = node.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"remote_url {url!r}: cluster seeds must be host:port[,host:port...], got {node!r}")
+            raise ValueError(f"remote_url {redact_url(url)!r}: cluster seeds must be host:port[,host:port...], "
+                             f"got {node!r}")
         seeds.append((host.strip("[]"), int(port)))
-    return seeds, user or None, password or None
+    return seeds, user or None, auth_password(secret or None)
 
 
 def connect(url: str):
@@ -434,14 +451,14 @@ def connect(url: str):
 
     opts = dict(socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, health_check_interval=0,
                 client_name=CLIENT_NAME)
-    if not url.startswith(CLUSTER_SCHEMES):
-        return redis.Redis.from_url(url, retry_on_timeout=False, **opts)
+    if not url.startswith(CLUSTER_SCHEMES):  # the URL's password, if any, wins over this one
+        return redis.Redis.from_url(url, retry_on_timeout=False, password=auth_password(None), **opts)
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
 
-    seeds, user, password = cluster_seeds(url)
-    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds], username=user, password=password,
+    seeds, user, secret = cluster_seeds(url)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds], username=user, password=secret,
                         ssl=url.startswith("rediss"), retry=Retry(NoBackoff(), 0), **opts)
 
 
@@ -478,13 +495,13 @@ def run(client, commands: list) -> list:
     return pipe.execute(raise_on_error=False)
 
 
-def fetch_values(client, names: list, keys: list, fingerprint: bytes, outs: list) -> list[int]:
+def fetch_values(client, names: list, keys: list, fingerprint: bytes, mac_key: np.ndarray, outs: list) -> list[int]:
     """OK, BAD or MISSING per name, each value verified into its `out`: straight from the socket
     on a DirectClient, through `classify` on a redis-py client (TLS, cluster)."""
     if isinstance(client, DirectClient):
-        return client.fetch(names, keys, fingerprint, outs)
+        return client.fetch(names, keys, fingerprint, mac_key, outs)
     replies = run(client, [("GET", name) for name in names])
-    return [classify(v, k, fingerprint, o) for v, k, o in zip(replies, keys, outs)]
+    return [classify(v, k, fingerprint, mac_key, o) for v, k, o in zip(replies, keys, outs)]
 
 
 def store_values(client, names: list, values: list) -> None:
@@ -513,7 +530,7 @@ class Breaker:
     MIN_BACKOFF, MAX_BACKOFF = 0.5, 30.0
 
     def __init__(self, name: str, url: str):
-        self.name, self.url = name, url
+        self.name, self.url = name, redact_url(url)  # shown in its log lines only
         self.lock = threading.Lock()
         self.open_until = 0.0  # 0: closed
         self.backoff = self.MIN_BACKOFF

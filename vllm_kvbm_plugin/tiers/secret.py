@@ -1,4 +1,5 @@
-"""The tier secret: the 128-bit key of the block keys (hashing/spec.py, docs/block-keys.md).
+"""The tier secret: the 128-bit key of the block keys (hashing/spec.py, docs/block-keys.md) and of
+the MAC every stored block carries (tiers/mac.py): whoever holds it can plant KV the tiers serve.
 
 Everyone who shares a tier must hash with the same secret, and nobody else may know it: then an
 outsider choosing token ids can neither compute a key nor make two prompts collide. Where it
@@ -34,7 +35,7 @@ import stat
 import threading
 import time
 
-from vllm_kvbm_plugin.log import get_logger
+from vllm_kvbm_plugin.log import get_logger, redact_url
 
 logger = get_logger("tiers.secret")
 
@@ -82,7 +83,8 @@ def from_remote(url: str, offer: bytes | None = None) -> bytes:
     if value is None:  # evicted between the two calls (a full server): the next start writes one
         raise ConnectionError(f"{REMOTE_NAME} vanished right after it was written")
     text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
-    return parse(text, f"the remote entry {REMOTE_NAME} at {url} (delete it only if no instance uses it)")
+    return parse(text, f"the remote entry {REMOTE_NAME} at {redact_url(url)} (delete it only if no instance "
+                       "uses it)")
 
 
 def on_disk(disk_path: str | None) -> bytes | None:
@@ -193,9 +195,9 @@ def load(remote_url: str | None, disk_path: str | None, env: dict | None = None)
             raise
         except Exception as e:  # noqa: BLE001 - any failure to use the server at startup
             remote_off = True
-            logger.warning("KVBMConnector: cannot read the block-key secret from the remote tier %s (%s: %s); "
+            logger.warning("KVBM: cannot read the block-key secret from the remote tier %s (%s: %s); "
                            "the remote tier is off for this process (its keys would not match the other "
-                           "instances'); set %s to share a secret without asking the server", remote_url,
+                           "instances'); set %s to share a secret without asking the server", redact_url(remote_url),
                            type(e).__name__, e, ENV)
         else:
             if disk_path:
