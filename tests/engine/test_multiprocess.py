@@ -1,5 +1,6 @@
 """Multi-process engine (EngineCore and worker in their own processes)."""
 
+import os
 import random
 
 import pytest
@@ -58,7 +59,13 @@ def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
     One decision per engine: Redis refusing the first connection of an engine's start (under the
     old design a worker's own secret read, so that rank alone ran without the remote tier and
     crashed at the first remote write planned for it) turns the remote tier off everywhere; the
-    workers follow the scheduler side and never connect themselves; one secret, one tier directory."""
+    workers follow the scheduler side and never connect themselves; one secret, one tier directory.
+
+    The Redis needs a user and a password (ACL), given as docs/remote.md says: the user in
+    remote_url, the password in KVBM_REMOTE_PASSWORD. It appears in no engine's log (ours, and
+    vLLM's, which prints the whole kv_transfer_config)."""
+    import redis
+
     from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
     from vllm_kvbm_plugin.testing.tcp_proxy import RefusingProxy
 
@@ -67,16 +74,24 @@ def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
 
     if server_binary() is None:
         pytest.skip("no redis-server on PATH: scripts/setup.sh installs Debian's as root")
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}  # one NUMA node here: vLLM cannot bind 2 workers
+    password = "pw-" + os.urandom(12).hex()
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind",  # one NUMA node here: vLLM cannot bind 2 workers
+           "KVBM_REMOTE_PASSWORD": password}
+    logs = []
 
     def tp(steps, cpu=4 << 20, **tiers):
         s = spec(steps, cpu_bytes_to_use=cpu, **tiers)
         s["llm"]["tensor_parallel_size"] = 2
-        return run_engine(s, env=env)
+        r = run_engine(s, env=env)
+        logs.append(r["log"])
+        return r
 
-    server = RedisServer().start()
+    server = RedisServer(extra_args=("--user", "kvbm", "on", f">{password}", "~*", "&*", "+@all",
+                                     "--user", "default", "on", "nopass", "-@all", "+ping")).start()
+    url = f"redis://kvbm@127.0.0.1:{server.port}/0"
     try:
-        r = tp(REPEAT, disk_path=str(tmp_path), remote_url=server.url)
+        r = tp(REPEAT, disk_path=str(tmp_path), remote_url=url)
+        assert "redis://***@127.0.0.1" in r["log"]  # our startup line names the server, redacted
         first, again = outputs(r)
         assert again["num_cached_tokens"] == HIT and again["tokens"] == first["tokens"]
         ranks = {p.parent.parent.name: {f.name for f in p.parent.parent.rglob("*.kvb")}
@@ -85,17 +100,19 @@ def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
         # the two shards differ: each rank wrote its own half of the heads
         f0 = sorted(tmp_path.rglob("r0/*/*.kvb"))[0]
         assert f0.read_bytes() != (f0.parents[2] / "r1" / f0.parent.name / f0.name).read_bytes()
-        assert len([k for k in server.client().keys("kvbm:*")]) == 2 * HIT // 32  # a value per block and rank
+        client = redis.Redis(port=server.port, username="kvbm", password=password)
+        assert len(client.keys("kvbm:*")) == 2 * HIT // 32  # a value per block and rank
         r = tp([{"prompts": [PROMPT]}], cpu=2 * 8192, disk_path=str(tmp_path))  # two slots of a rank's half block
         (o,) = outputs(r)
         assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]
-        r = tp([{"prompts": [PROMPT]}], remote_url=server.url)  # the remote tier alone
+        r = tp([{"prompts": [PROMPT]}], remote_url=url)  # the remote tier alone
         (o,) = outputs(r)
         assert o["num_cached_tokens"] == HIT and o["tokens"] == first["tokens"]
 
         proxy = RefusingProxy(("127.0.0.1", server.port), refuse={0})
         try:  # 40 tokens complete block 7: a store, written through to every tier that is on
-            r = tp([{"prompts": [PROMPT], "max_tokens": 40}], disk_path=str(tmp_path), remote_url=proxy.url())
+            r = tp([{"prompts": [PROMPT], "max_tokens": 40}], disk_path=str(tmp_path),
+                   remote_url=f"redis://kvbm@127.0.0.1:{proxy.port}/0")
         finally:
             proxy.close()
         (o,) = outputs(r)
@@ -105,5 +122,6 @@ def test_tiers_with_tensor_parallel_workers(run_engine, tmp_path):
         assert r["log"].count("follows the scheduler side") == 2 and "remote=False" in r["log"]
         tier_dirs = {p.parents[2] for p in tmp_path.rglob("*.kvb")}
         assert len(tier_dirs) == 1, f"two secrets: {sorted(tier_dirs)}"
+        assert not any(password in log for log in logs)
     finally:
         server.stop()
