@@ -23,8 +23,10 @@ def expected_hit(n: int) -> int:
     return (n - 1) // 32 * 32
 
 
-def run(run_engine, steps, **extra):
+def run(run_engine, steps, policy: str | None = None, **extra):
     llm = dict(LLM, kv_transfer_config=connector(**extra)) if extra else LLM
+    if policy:  # vLLM's kv_load_failure_policy (its default: fail the request)
+        llm["kv_transfer_config"]["kv_load_failure_policy"] = policy
     return run_engine({"model": "qwen3next", "llm": llm, "steps": steps})
 
 
@@ -65,3 +67,14 @@ def test_hybrid_hits_from_cpu_then_disk_in_a_new_process(run_engine, baseline, t
     assert [o["num_cached_tokens"] for o in outs3] == [expected_hit(n) for n in LENGTHS]
     assert [o["tokens"] for o in outs3] == baseline
     assert r3["connector"]["direct"] == 0 and r3["connector"]["disk"]["busy"] == 0
+
+    # the same, with every file held open for a direct load changed in place after its
+    # verification: those loads fail; vLLM takes block-level errors for one KV cache group only, so
+    # a hybrid hit with direct loads is loaded asynchronously and fails as a whole (failed_recving):
+    # with kv_load_failure_policy recompute its request starts again, and gets the cold tokens
+    r4 = run(run_engine, [{"prompts": PROMPTS, "flip_held": True}], cpu_bytes_to_use=2 * slot,
+             disk_path=str(tmp_path), policy="recompute")
+    assert r4["steps"][0]["flipped"] > 0
+    assert "failed; request" in r4["log"] and "recomputes" in r4["log"]
+    assert [o["tokens"] for o in outputs(r4)] == baseline
+    assert r4["connector"]["direct"] == 0 and r4["connector"]["disk"]["busy"] == 0

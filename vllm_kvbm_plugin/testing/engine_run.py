@@ -5,13 +5,16 @@
 Runs in its own process so each scenario gets a fresh vLLM (and plugin) state. SPEC:
     {"model": "qwen3next" | "llama" | "<dir>", "llm": {LLM kwargs}, "events": true,
      "steps": [{"prompts": [[token ids] | {"text": str, "image_rgb": [r, g, b]}, ...],
-                "max_tokens": 8, "logprobs": k} | {"reset": true} | {"scale_mamba_state": x}, ...]}
+                "max_tokens": 8, "logprobs": k, "flip_held": bool} | {"reset": true} | {"scale_mamba_state": x}, ...]}
 An image prompt gets a 56x56 image of one colour. It may give "tokens" (ids with the model's image
 placeholders) instead of "text", several colours ("image_rgb": [[r, g, b], ...], one image each)
 and "image_size": [w, h]. Outputs carry "prompt_len", the prompt after placeholder expansion, and
 with "logprobs" the first generated token's top-k as [[token, logprob], ...]. "scale_mamba_state"
 multiplies every cached Mamba/linear-attention state page by x (in-process engines only): tests use
-it to show their oracle notices a wrong recurrent state.
+it to show their oracle notices a wrong recurrent state. "flip_held" steps the engine by hand and,
+after the first step that leaves block files open in this process (held for direct loads next
+step), flips a byte of each in place: the race of a file changed between verification and load, on
+purpose (in-process engines only); the step's result then carries "flipped", the files changed.
 RESULT: {"steps": [...per-step outputs...], "events": [recorded batches], "subscriber": {...},
          "group_metadata": [...], "hash_block_size": int, "block_size": int, "offload_tiers": [...],
          "offload_shm_named": bool}
@@ -126,6 +129,42 @@ def _output(o) -> dict:
     return out
 
 
+def _generate_flipping_held(llm, prompts: list, sp) -> tuple[list, int]:
+    """The prompts' outputs, the engine stepped by hand; after the first step that leaves block files
+    open here (held for direct loads), a byte of each is flipped in place. Returns (outputs, files flipped)."""
+    engine, done, flipped = llm.llm_engine, {}, 0
+    for i, p in enumerate(prompts):
+        engine.add_request(f"flip-{i}", p, sp)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if not flipped:
+            flipped = _flip_held_files()
+    return [done[f"flip-{i}"] for i in range(len(prompts))], flipped
+
+
+def _flip_held_files() -> int:
+    """Flip the fourth payload byte, in place, of every block file this process holds open."""
+    from vllm_kvbm_plugin.tiers import disk
+
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith(disk.SUFFIX) and os.path.isfile(target):
+            held.add(target)
+    for path in held:
+        with open(path, "r+b") as f:
+            f.seek(disk.HEADER_SIZE + 3)
+            b = f.read(1)
+            f.seek(disk.HEADER_SIZE + 3)
+            f.write(bytes([b[0] ^ 0x40]))
+    return len(held)
+
+
 def _scale_mamba_state(llm, factor: float) -> int:
     """Multiply the state pages of every Mamba group's layers in place; returns the tensors touched."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -175,8 +214,12 @@ def run(spec: dict) -> dict:
         else:
             sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
                                 extra_args=step.get("extra_args"), logprobs=step.get("logprobs"))
-            outs = llm.generate([_prompt(p) for p in step["prompts"]], sp, use_tqdm=False)
-            steps.append({"outputs": [_output(o) for o in outs], "events_before": before})
+            if step.get("flip_held"):
+                outs, flipped = _generate_flipping_held(llm, [_prompt(p) for p in step["prompts"]], sp)
+                steps.append({"outputs": [_output(o) for o in outs], "events_before": before, "flipped": flipped})
+            else:
+                outs = llm.generate([_prompt(p) for p in step["prompts"]], sp, use_tqdm=False)
+                steps.append({"outputs": [_output(o) for o in outs], "events_before": before})
         drain(300)
     core = llm.llm_engine.engine_core
     engine_core = getattr(core, "engine_core", None)
