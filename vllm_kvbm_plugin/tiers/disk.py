@@ -276,10 +276,7 @@ def read_meta(path: str) -> bytes | None:
         return None
     fd, size = opened
     try:
-        head = bytearray(HEADER_SIZE)
-        if size < HEADER_SIZE or not _io_exact(os.preadv, fd, [head], 0):
-            return None
-        h = parse_header(head)
+        h = _read_head(fd, size)
         named = parse_key_hex(os.path.basename(path))
         if (h is None or h.meta_bytes > MAX_META or HEADER_SIZE + h.payload_bytes + h.meta_bytes != size
                 or (named is not None and h.key != key_bytes(named))):
@@ -300,12 +297,17 @@ def read_header(path: str) -> Header | None:
         return None
     fd, size = opened
     try:
-        head = bytearray(HEADER_SIZE)
-        return parse_header(head) if size >= HEADER_SIZE and _io_exact(os.preadv, fd, [head], 0) else None
+        return _read_head(fd, size)
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+def _read_head(fd: int, size: int) -> Header | None:
+    """The header at the start of an open file of `size` bytes, if it is one of this format version."""
+    head = bytearray(HEADER_SIZE)
+    return parse_header(head) if size >= HEADER_SIZE and _io_exact(os.preadv, fd, [head], 0) else None
 
 
 def _is_real_dir(path: str) -> bool:
