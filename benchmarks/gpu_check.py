@@ -27,7 +27,7 @@ runs on a bare GPU machine from the repository root without an install:
    (cudaHostRegister, exact) and by torch's pinned allocator (a power of two), and whether
    registered memory is used at its host address (the kernels need it).
 6. Direct disk loads: block files (tmpfs) read into pinned staging rows in batches and moved by
-   load jobs (connector/worker.py load_direct_staged) against the path before it (a pageable
+   load jobs (connector/worker.py WorkerSide.load_direct_staged) against the path before it (a pageable
    scratch slot, then a copy per layer per block); bytes checked, time ratio printed.
 
 Exits 1 on any byte mismatch or a check that raised (the figures are printed, not enforced).

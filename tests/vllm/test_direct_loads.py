@@ -79,11 +79,10 @@ def test_a_step_whose_load_failed_stores_and_writes_nothing(tmp_path):
 
 
 def test_staged_direct_loads_land_like_the_cpu_path(tmp_path):
-    """CUDA's direct loads (worker.load_direct_staged), run on the CPU engine: files read into the
+    """CUDA's direct loads (WorkerSide.load_direct_staged), run on the CPU engine: files read into the
     pool's staging rows in batches (here 2 rows for 3 loads) and moved into their blocks by load
     jobs give the bytes the CPU path reads straight into the pages; a file changed in place after
     its verification is a load error and its block is left to vLLM's recompute."""
-    from vllm_kvbm_plugin.connector.worker import load_direct_staged
     from vllm_kvbm_plugin.tiers.transfer import TransferEngine
 
     w, buf = cpu_layout_worker(2, 12, (2, 32, 16), slots=2, disk_path=str(tmp_path))
@@ -100,7 +99,7 @@ def test_staged_direct_loads_land_like_the_cpu_path(tmp_path):
     w.direct_rows = 2
     w.pool = torch.zeros(w.layout.cpu_slots + w.direct_rows, w.slot_bytes, dtype=torch.uint8)
     w.copies = TransferEngine(w.layers, w.pool)
-    load_direct_staged(w, [DirectLoad(KV, (8 + k,), key) for k, key in enumerate(keys)])
+    w.load_direct_staged([DirectLoad(KV, (8 + k,), key) for k, key in enumerate(keys)])
     assert w.take_load_errors() == {9}
     for k in (0, 2, 3):
         assert torch.equal(buf[:, 8 + k].view(torch.int16), want[:, k].view(torch.int16))

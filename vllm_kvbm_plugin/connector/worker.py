@@ -141,7 +141,7 @@ class WorkerSide:
             self.fingerprint = tensor_fingerprint(self.layout.root, described)
         pin = torch.cuda.is_available()
         # CUDA: pinned with exactly the bytes asked, plus staging rows past the CPU tier's slots
-        # for direct disk loads (load_direct_staged)
+        # for direct disk loads (WorkerSide.load_direct_staged)
         self.direct_rows = direct_staging_rows(self.slot_bytes) if pin else 0
         t0 = time.perf_counter()
         self.pool = host_memory.allocate(self.layout.cpu_slots + self.direct_rows, self.slot_bytes, pin)
@@ -225,6 +225,26 @@ class WorkerSide:
             slots_to_layer(layer, [block_id], [0], self.scratch)
         return True
 
+    def load_direct_staged(self, loads: list) -> None:
+        """Direct disk loads through pinned staging (CUDA; the CPU path reads straight into the KV
+        pages): each batch of held-open, verified files is read into the pool's staging rows and
+        moved into its blocks by one load job, which the forward's stream waits for, instead of a
+        pageable scratch slot copied layer by layer, block by block, each a synchronous copy. A batch
+        reuses the rows once the previous load job has read them. A file that no longer reads back
+        verified is a failed load, handled as on the CPU path (_direct_load_failed)."""
+        first = self.layout.cpu_slots
+        for at in range(0, len(loads), self.direct_rows):
+            self.copies.wait_loads()  # the previous batch (this step's or the last) has left the rows
+            ops = []
+            for row, d in enumerate(loads[at:at + self.direct_rows], first):
+                fd = self.held.get(d.key)
+                if fd is not None and diskfmt.read_payload(fd, [self.pool[row].numpy()], self.mac_key):
+                    ops.append((d.kind, d.block_ids, row))
+                else:
+                    self._direct_load_failed(d)
+            if ops:
+                self.copies.submit(ops, to_pool=False)
+
     # ---- connector hooks -------------------------------------------------------------------
     def _record(self, tier: str, direction: str, blocks: int, t0: float) -> None:
         with self._stats_lock:
@@ -291,7 +311,7 @@ class WorkerSide:
         if meta.direct_loads:
             t0 = time.perf_counter()
             if self.copies.cuda:  # through pinned staging rows, a load job per batch
-                load_direct_staged(self, meta.direct_loads)
+                self.load_direct_staged(meta.direct_loads)
             else:
                 for d in meta.direct_loads:
                     fd = self.held.get(d.key)
@@ -629,23 +649,3 @@ def direct_staging_rows(slot_bytes: int) -> int:
     """Pool rows set aside on CUDA for direct disk loads: DIRECT_STAGING_BYTES' worth, 2 to 32."""
     return max(2, min(32, DIRECT_STAGING_BYTES // slot_bytes))
 
-
-def load_direct_staged(side: WorkerSide, loads: list) -> None:
-    """Direct disk loads through pinned staging (CUDA; the CPU path reads straight into the KV
-    pages): each batch of held-open, verified files is read into the pool's staging rows and
-    moved into its blocks by one load job, which the forward's stream waits for, instead of a
-    pageable scratch slot copied layer by layer, block by block, each a synchronous copy. A batch
-    reuses the rows once the previous load job has read them. A file that no longer reads back
-    verified is a failed load (the step's stores are dropped), as on the CPU path."""
-    first = side.layout.cpu_slots
-    for at in range(0, len(loads), side.direct_rows):
-        side.copies.wait_loads()  # the previous batch (this step's or the last) has left the rows
-        ops = []
-        for row, d in enumerate(loads[at:at + side.direct_rows], first):
-            fd = side.held.get(d.key)
-            if fd is not None and diskfmt.read_payload(fd, [side.pool[row].numpy()], side.mac_key):
-                ops.append((d.kind, d.block_ids, row))
-            else:
-                side._direct_load_failed(d)
-        if ops:
-            side.copies.submit(ops, to_pool=False)
