@@ -54,6 +54,9 @@ class KVBMConfig:
     # measure this machine's peak per transfer kind when the worker starts (tiers/roofline.py, a few
     # seconds): the log line and vllm:kvbm_transfer_peak_bytes_per_second then show the share reached
     measure_roofline: bool = False
+    # modules that each add a tier below the built-in ones, in lookup order: each defines
+    # `TIER`, a connector.base.TierModule (its scheduler and worker halves; docs/architecture.md)
+    tier_module_paths: tuple[str, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "KVBMConfig":
@@ -97,6 +100,10 @@ class KVBMConfig:
         for name in ("offload_prompt_only", "disk_fsync", "measure_roofline", "pic_index_always"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"{CONNECTOR_NAME}: {name} must be true or false, got {getattr(cfg, name)!r}")
+        paths = cfg.tier_module_paths
+        if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):
+            raise ValueError(f"{CONNECTOR_NAME}: tier_module_paths must be a list of module paths, got {paths!r}")
+        cfg = dataclasses.replace(cfg, tier_module_paths=tuple(paths))
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
             raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
         if os.environ.get("KVBM_KEY_SECRET"):  # a malformed one fails here, before the engine starts

@@ -11,7 +11,9 @@ import time
 import pytest
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import Copies, KVBMWorkerMetadata, Op, Report
+from vllm_kvbm_plugin.connector.base import Report
+from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
+from vllm_kvbm_plugin.connector.metadata import STORE, Copies, KVBMWorkerMetadata
 from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.events.types import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from vllm_kvbm_plugin.events.validator import Validator
@@ -246,8 +248,8 @@ def test_a_steps_copies_cross_as_columns_and_its_stores_are_reported_once_per_wo
     copies = stored[0].stores[KV]
     assert isinstance(copies, Copies) and len(copies.slots) == len(copies.block_ids[0]) == len(PROMPT) // 32
     assert all(type(i) is int for i in copies.block_ids[0] + copies.slots)
-    store_reports = [r for wm in received if wm for r in wm.reports if r.op is Op.STORE]
-    assert store_reports == [Report(Op.STORE, stored[0].store_batch, True)] * 2
+    store_reports = [r for wm in received if wm for r in wm.reports if r.op == STORE]
+    assert store_reports == [Report(STORE, stored[0].store_batch, True)] * 2
     h.reset_prefix_cache()
     assert h.serve(PROMPT) == 192
     loads = [m.loads[KV] for m in sent if m.loads]
@@ -366,16 +368,16 @@ def test_a_late_write_report_after_a_failed_store_batch_leaves_the_new_entries_a
         if phase[0] == "fail":
             reports = []
             for r in wm.reports:
-                if r.op is Op.STORE:  # the step's stores fail as one...
+                if r.op == STORE:  # the step's stores fail as one...
                     seen["old"] = {k: cpu.index.entries[k] for k in side.store_batches[r.key]}
-                    r = Report(Op.STORE, r.key, False)
+                    r = Report(STORE, r.key, False)
                     phase[0] = "hold"
                 reports.append(r)
             wm.reports = reports
         if phase[0] in ("fail", "hold"):  # ...and their disk writes are reported late
-            held.extend(r for r in wm.reports if r.op is Op.WRITE)
-            wm.reports = [r for r in wm.reports if r.op is not Op.WRITE]
-        elif phase[0] == "late" and any(r.op is Op.STORE for r in wm.reports):
+            held.extend(r for r in wm.reports if r.op == DiskTier.WRITE)
+            wm.reports = [r for r in wm.reports if r.op != DiskTier.WRITE]
+        elif phase[0] == "late" and any(r.op == STORE for r in wm.reports):
             new = {k: cpu.index.entries[k] for k in seen["old"]}
             seen["new"] = {k: e.pins for k, e in new.items()}
             update(dataclasses.replace(output, kv_connector_worker_meta=KVBMWorkerMetadata(held)))

@@ -8,7 +8,7 @@ import os
 import random
 
 from vllm_kvbm_plugin.connector.announce import NOTHING
-from vllm_kvbm_plugin.connector.disk_tier import DiskTier
+from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk

@@ -7,9 +7,10 @@ import os
 import time
 
 from vllm_kvbm_plugin.connector.announce import NOTHING
-from vllm_kvbm_plugin.connector.disk_tier import DiskTier
+from vllm_kvbm_plugin.connector.base import TierJob
+from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import DiskWrite, KVBMMetadata, Op
+from vllm_kvbm_plugin.connector.metadata import KVBMMetadata
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
 from vllm_kvbm_plugin.tiers import disk
 
@@ -18,11 +19,11 @@ PAUSE = 0.3
 
 def write(w, key) -> tuple[bool, tuple]:
     """One block file from slot 0; (its WRITE report's ok, the metadata's broken tiers)."""
-    w.wait_for_save(KVBMMetadata(disk_writes=[DiskWrite(key, 0, disk.encode_meta(32, []))]))
+    w.wait_for_save(KVBMMetadata(jobs=[TierJob(DiskTier.WRITE, key, 0, disk.encode_meta(32, []))]))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         meta = w.build_worker_meta()
-        reports = [r for r in (meta.reports if meta else []) if r.op == Op.WRITE]
+        reports = [r for r in (meta.reports if meta else []) if r.op == DiskTier.WRITE]
         if reports:
             return reports[0].ok, meta.broken
         time.sleep(0.01)
@@ -33,7 +34,7 @@ def test_worker_disk_writes_resume_after_a_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(disk, "WRITE_PAUSE_S", PAUSE, raising=False)
     w, _ = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_path=str(tmp_path))
     w._copy([(KV, (3,), 0)], to_pool=True)
-    base = w.disk_base
+    base = w.tier("disk").base
     os.rename(base, base + ".away")
     open(base, "w").close()  # the tier directory replaced by a file: every write fails, even as root
     ok, broken = write(w, (1, 1))

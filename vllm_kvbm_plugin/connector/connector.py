@@ -30,7 +30,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm_kvbm_plugin.connector.pic_model import PicModel, with_model_support
 
         cfg = with_model_support(config.connector_config(vllm_config), vllm_config)
-        self._sched = self._worker = self._remote_counters = None
+        self._sched = self._worker = None
         if getattr(cfg, "pic_recompute_ratio", 0) and isinstance(cfg.pic_model, PicModel):
             from vllm_kvbm_plugin.patches import pic_blend
 
@@ -101,29 +101,19 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self):
-        """Worker side: transfers and the remote breaker's changes; scheduler side (vLLM adds it
-        to the workers'): the remote tier's hits, misses, errors and breaker changes, and the
-        position-independent planner's computed and skipped tokens."""
-        from vllm_kvbm_plugin.connector.stats import KVBMStats, RemoteCounters
+        """Worker side: transfers and the tiers' worker counters (e.g. the remote breaker's
+        changes); scheduler side (vLLM adds it to the workers'): the tiers' own counters (e.g.
+        the remote tier's hits, misses, errors) and the position-independent planner's computed
+        and skipped tokens."""
+        from vllm_kvbm_plugin.connector.stats import KVBMStats
 
         if self._worker is not None:
-            stats, remote = self._worker.get_stats(), self._worker.remote
+            stats, counts = self._worker.get_stats(), self._worker.take_tier_stats()
         else:
-            stats, remote = None, self._sched.tier("remote")
-            pic = self._sched.pic  # position-independent loads: what only the scheduler counts
-            if pic is not None and (counts := pic.take_counts()):
-                stats = KVBMStats(data=counts)
-        if remote is None:
+            stats, counts = None, self._sched.take_stats()
+        if not counts:
             return stats
-        if self._remote_counters is None:
-            self._remote_counters = RemoteCounters()
-        if self._worker is not None:
-            changes = self._remote_counters.take(breaker=remote.breaker, side="worker")
-        else:
-            changes = self._remote_counters.take(remote, remote.breaker, "scheduler")
-        if not changes:
-            return stats
-        return (stats or KVBMStats()).aggregate(KVBMStats(data=changes))
+        return (stats or KVBMStats()).aggregate(KVBMStats(data=counts))
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

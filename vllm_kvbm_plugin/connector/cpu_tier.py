@@ -40,6 +40,7 @@ class TierManager:
         # stores that fail
         self.storing: dict = {}
         self.events: list = []
+        self.entries = self.index.entries  # key -> Entry (base.PrimaryTier; the same dict, never replaced)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -187,6 +188,9 @@ class TierManager:
 
     def accounting(self) -> dict:
         return {self.label: {"blocks": len(self), "busy": self.busy()}}
+
+    def take_stats(self) -> dict[str, int]:
+        return {}  # what it moves, the workers count
 
     def _announce(self, entry: Entry) -> None:
         a = entry.meta

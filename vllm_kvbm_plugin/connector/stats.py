@@ -1,16 +1,17 @@
 """Tier transfer metrics in vLLM's connector-stats and Prometheus style.
 
-Workers count blocks, bytes and seconds per (tier, direction): cpu/store (KV -> CPU slots),
-cpu/load (CPU slots -> KV), disk/write, disk/read (verified reads: prefetches into CPU slots and
-checks before a direct load), disk/load (disk -> KV directly), remote/write, remote/read (verified
-GETs into CPU slots), plus failed disk reads and writes. The remote tier's lookups, errors and
+Workers count blocks, bytes and seconds per (tier, direction), whatever the tier: cpu/store
+(KV -> CPU slots), cpu/load (CPU slots -> KV), and each tier's own, e.g. disk/write, disk/read
+(verified reads: prefetches into CPU slots and checks before a direct load), disk/load (disk -> KV
+directly), remote/write, remote/read (verified GETs into CPU slots), plus each tier's failed
+operations (`<tier>_<operation>_failures`). The remote tier's lookups, errors and
 circuit-breaker changes are counted where they happen (scheduler side, worker breakers) and turned
 into per-interval stats by `RemoteCounters`. vLLM aggregates stats across workers, the scheduler
 and steps (`aggregate`), logs `reduce()` with its "KV Transfer metrics" line, and feeds Prometheus
 through `KVBMPromMetrics`:
     vllm:kvbm_blocks_total, vllm:kvbm_bytes_total, vllm:kvbm_transfer_seconds_total
         {tier, direction}
-    vllm:kvbm_disk_failures_total{operation}
+    vllm:kvbm_failures_total{tier, operation}
     vllm:kvbm_remote_hits_total     (blocks read from the server and verified)
     vllm:kvbm_remote_misses_total   (blocks looked up and not on the server)
     vllm:kvbm_remote_errors_total{operation}   (lookup, lookup_timeout, fetch, write)
@@ -33,9 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-DIRECTIONS = (("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"), ("disk", "load"),
-              ("remote", "write"), ("remote", "read"))
 FIELDS = ("blocks", "bytes", "seconds")
+FAILURES = "_failures"  # stats key suffix of a tier's failed operations, e.g. disk_read_failures
 # stats key -> its running total in the scheduler-side RemoteTier's counters
 REMOTE_TIER = {"remote_hits": lambda c: c["fetched"],
                "remote_misses": lambda c: c["lookup_keys"] - c["lookup_keys_found"],
@@ -49,6 +49,13 @@ PIC_TOKENS = {"pic_tokens": "loaded", "pic_blended_tokens": "blended", "pic_reco
               "pic_computed_tokens": "computed", "pic_skipped_tokens": "skipped"}
 PEAK = "peak_"  # stats key prefix of a measured peak (bytes/s), e.g. peak_disk_write
 BREAKER = tuple(f"remote_{side}_breaker_{state}" for side in ("scheduler", "worker") for state in ("open", "closed"))
+
+
+def directions(data: dict) -> list[tuple[str, str]]:
+    """The (tier, direction) pairs with transfers in `data` (keys <tier>_<direction>_blocks; tier
+    labels hold no "_"), in the order they were first recorded."""
+    return [tuple(k[:-len("_blocks")].split("_", 1)) for k in data
+            if k.endswith("_blocks") and not k.startswith(PEAK)]
 
 
 class RemoteCounters:
@@ -86,8 +93,8 @@ class KVBMStats(KVConnectorStats):
         for d, v in peaks.items():
             self.data[PEAK + d] = v
 
-    def failure(self, operation: str) -> None:
-        key = f"disk_{operation}_failures"
+    def failure(self, tier: str, operation: str) -> None:
+        key = f"{tier}_{operation}{FAILURES}"
         self.data[key] = self.data.get(key, 0) + 1
 
     def reset(self) -> None:
@@ -103,7 +110,7 @@ class KVBMStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
-        for tier, direction in DIRECTIONS:
+        for tier, direction in directions(self.data):
             p = f"{tier}_{direction}"
             blocks = self.data.get(f"{p}_blocks", 0)
             if blocks:
@@ -113,9 +120,7 @@ class KVBMStats(KVConnectorStats):
                 out[f"{p}_GiB_per_s"] = round(speed / 2**30, 2)
                 if self.data.get(PEAK + p):
                     out[f"{p}_pct_of_peak"] = round(100 * speed / self.data[PEAK + p], 1)
-        for op in ("read", "write"):
-            if self.data.get(f"disk_{op}_failures"):
-                out[f"disk_{op}_failures"] = self.data[f"disk_{op}_failures"]
+        out.update({k: v for k, v in self.data.items() if k.endswith(FAILURES) and v})
         for k in ("remote_hits", "remote_misses", *(f"remote_{e}_errors" for e in ERRORS), *BREAKER):
             if self.data.get(k):
                 out[k] = self.data[k]
@@ -140,9 +145,10 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
             "seconds": self._counter_cls(name="vllm:kvbm_transfer_seconds_total", labelnames=extra,
                                          documentation="Seconds spent moving KV blocks by the KVBM tiers"),
         }
-        self._failures = self._counter_cls(name="vllm:kvbm_disk_failures_total",
-                                           labelnames=labelnames + ["operation"],
-                                           documentation="Disk tier reads (corrupt or missing) and writes that failed")
+        self._failures = self._counter_cls(name="vllm:kvbm_failures_total",
+                                           labelnames=labelnames + ["tier", "operation"],
+                                           documentation="Tier reads (corrupt or missing), direct loads and writes "
+                                                         "that failed")
         self._remote = {
             "hits": self._counter_cls(name="vllm:kvbm_remote_hits_total", labelnames=labelnames,
                                       documentation="Blocks read from the remote tier's server and verified"),
@@ -168,15 +174,15 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
-        for tier, direction in DIRECTIONS:
+        for tier, direction in directions(transfer_stats_data):
             for name, counter in self._counters.items():
                 v = transfer_stats_data.get(f"{tier}_{direction}_{name}", 0)
                 if v:
                     counter.labels(*labels, tier, direction).inc(v)
-        for op in ("read", "write"):
-            v = transfer_stats_data.get(f"disk_{op}_failures", 0)
-            if v:
-                self._failures.labels(*labels, op).inc(v)
+        for k, v in transfer_stats_data.items():
+            if k.endswith(FAILURES) and v:
+                tier, _, op = k[:-len(FAILURES)].partition("_")
+                self._failures.labels(*labels, tier, op).inc(v)
         for name, counter in self._remote.items():
             if v := transfer_stats_data.get(f"remote_{name}", 0):
                 counter.labels(*labels).inc(v)
@@ -190,6 +196,7 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
         for k, operation in PIC_TOKENS.items():
             if v := transfer_stats_data.get(k, 0):
                 self._pic.labels(*labels, operation).inc(v)
-        for tier, direction in DIRECTIONS:
-            if v := transfer_stats_data.get(f"{PEAK}{tier}_{direction}", 0):
+        for k, v in transfer_stats_data.items():
+            if k.startswith(PEAK) and v:
+                tier, _, direction = k[len(PEAK):].partition("_")
                 self._peaks.labels(*labels, tier, direction).set(v)

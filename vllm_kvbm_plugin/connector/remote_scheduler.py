@@ -1,6 +1,6 @@
 """The shared remote tier (Redis / Valkey), scheduler side (EngineCore process): lookups on a
 thread of its own, fetches into CPU slots and writes behind from them, planned for the workers'
-remote threads (worker.RemoteIO). Values in the format of tiers/remote.py.
+remote threads (remote_worker.py). Values in the format of tiers/remote.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved
 
 from vllm_kvbm_plugin.connector.announce import Announcer
-from vllm_kvbm_plugin.connector.base import TierOp, Verb
+from vllm_kvbm_plugin.connector.base import TierJob, TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import Layout
-from vllm_kvbm_plugin.connector.metadata import RemoteFetch, RemoteWrite
+from vllm_kvbm_plugin.connector.stats import RemoteCounters
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
+from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME as SECRET_NAME
@@ -62,6 +63,7 @@ class RemoteTier:
     label = "remote"
     waits = True
     direct = False
+    FETCH, WRITE = TierOp(label, Verb.FETCH), TierOp(label, Verb.WRITE)
 
     PRESENT_TTL = 10.0  # s: a key seen present is trusted that long without asking again
     LOOKUP_PATIENCE = 0.2  # s: a request waits (steps) that long for its lookup, then it is a miss
@@ -102,6 +104,7 @@ class RemoteTier:
         self.lookups: dict = {}  # request id -> _Lookup
         self.events: list = []
         self.counters: collections.Counter = collections.Counter()
+        self.changes = RemoteCounters()  # the counters' and breaker's changes per stats interval
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client = None
@@ -129,13 +132,13 @@ class RemoteTier:
 
     def submit_load(self, key, slot: int, meta) -> None:
         self.prefetch(key)
-        meta.remote_fetches.append(RemoteFetch(key, slot))
+        meta.jobs.append(TierJob(self.FETCH, key, slot))
 
     def submit_store(self, key, parent, end: int, announce: Announcer, slot: int, meta) -> bool:
         blob = self.prepare_write(key, parent, end, announce)
         if blob is None:
             return False
-        meta.remote_writes.append(RemoteWrite(key, slot, blob))
+        meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
         return True
 
     def settle(self, op: TierOp, key, ok: bool) -> None:
@@ -164,6 +167,13 @@ class RemoteTier:
 
     def accounting(self) -> dict:
         return {self.label: {"fetching": len(self.fetching), "writing": len(self.writing)}}
+
+    def describe(self) -> str:
+        return f"remote tier {redact_url(self.url)}"
+
+    def take_stats(self) -> dict[str, int]:
+        """Hits, misses, errors and the scheduler's breaker changes since the last call."""
+        return self.changes.take(self, self.breaker, "scheduler")
 
     # ---- lookups -------------------------------------------------------------------------
     def lookup(self, key) -> bool:

@@ -1,6 +1,6 @@
-"""The disk tier, scheduler side (EngineCore process): block files under
+"""The disk tier, scheduler half (EngineCore process): block files under
 `<disk_path>/<layout root>/r<rank>/`, one per entry and rank (tiers/disk.py), read and written by
-the workers (worker.py). Besides its index (cpu_tier.TierManager) it owns the restart index, the
+its worker half (disk_worker.py). Besides its index (cpu_tier.TierManager) it owns the restart index, the
 keys being read into CPU slots, the files the workers hold open for direct loads, and unlinking
 what it evicts.
 """
@@ -16,10 +16,9 @@ import msgspec
 from vllm.distributed.kv_events import BlockStored
 
 from vllm_kvbm_plugin.connector.announce import Announce, Announcer, compact, renamed
-from vllm_kvbm_plugin.connector.base import TierOp, Verb
+from vllm_kvbm_plugin.connector.base import TierJob, TierOp, Verb
 from vllm_kvbm_plugin.connector.cpu_tier import TierManager
 from vllm_kvbm_plugin.connector.layout import Layout
-from vllm_kvbm_plugin.connector.metadata import DiskWrite, Prefetch
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -60,6 +59,8 @@ class DiskTier(TierManager):
     label = "disk"
     waits = False
     direct = True
+    FETCH, OPEN = TierOp(label, Verb.FETCH), TierOp(label, Verb.OPEN)
+    CLOSE, WRITE = TierOp(label, Verb.CLOSE), TierOp(label, Verb.WRITE)
 
     @classmethod
     def create(cls, layout: Layout, cfg) -> "DiskTier | None":
@@ -69,6 +70,7 @@ class DiskTier(TierManager):
         root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
         super().__init__(storage_tier(f"kvbm-disk:{root_hex}"),
                          layout.disk_slots, policy)
+        self.path = layout.disk_path
         self.bases = [layout.rank_dir(r) for r in range(layout.world)]
         self.meta_bytes = layout.disk_meta_bytes  # what a file's metadata may take (disk_slots counts it)
         self.oversized = 0  # entries not written: their metadata would take more
@@ -80,18 +82,21 @@ class DiskTier(TierManager):
         self._load_index()
 
     # ---- the contract (base.SecondaryTier) -----------------------------------------------------
+    def describe(self) -> str:
+        return f"disk tier {self.index.capacity} slots under {self.path}"
+
     def prepare_lookup(self, req_id: str, keys: list) -> bool:
         return True  # its index answers at once
 
     def submit_load(self, key, slot: int, meta) -> None:
         self.prefetch(key)
-        meta.prefetches.append(Prefetch(key, slot))
+        meta.jobs.append(TierJob(self.FETCH, key, slot))
 
     def submit_store(self, key, parent, end: int, announce: Announcer, slot: int, meta) -> bool:
         blob = self.prepare_write(key, parent, end, announce)
         if blob is None:
             return False
-        meta.disk_writes.append(DiskWrite(key, slot, blob))
+        meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
         return True
 
     def settle(self, op: TierOp, key, ok: bool) -> None:
@@ -107,7 +112,9 @@ class DiskTier(TierManager):
 
     def on_schedule_end(self, meta) -> None:
         self.close_idle()
-        meta.opens, meta.closes = self.take_file_ops()
+        meta.jobs += [TierJob(self.OPEN, key) for key in self.opens]
+        meta.jobs += [TierJob(self.CLOSE, key) for key in self.closes]
+        self.opens, self.closes = [], []
 
     def worker_failed(self) -> None:
         self.stop_writes()
@@ -208,12 +215,6 @@ class DiskTier(TierManager):
         held for a request that still waits for them, nor what the tier merely holds."""
         return bool(self.storing or self.prefetching or self.closes
                     or any(not h.ready or not h.requests for h in self.held.values()))
-
-    def take_file_ops(self) -> tuple[list, list]:
-        """(opens, closes) for this step's metadata."""
-        ops = self.opens, self.closes
-        self.opens, self.closes = [], []
-        return ops
 
     def lost(self, key) -> None:
         logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
