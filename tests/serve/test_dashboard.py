@@ -257,7 +257,7 @@ def test_every_panel_returns_series(tmp_path, prometheus_binary):
         moved = labels("Blocks per second by tier and direction", "tier", "direction")
         assert {("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"), ("remote", "write"),
                 ("remote", "read")} <= moved, moved
-        assert ("read",) in labels("Disk failures by operation", "operation")
+        assert ("disk", "read") in labels("Tier failures by tier and operation", "tier", "operation")
         # the scheduler's breaker opened and closed again: the state panel says closed (0)
         state = {r["metric"]["side"]: r["value"][1] for r in results["Remote circuit breaker state"]}
         assert state.get("scheduler") == "0", state

@@ -4,7 +4,8 @@ Prometheus counters (the engine-level export is in tests/engine/test_remote_engi
 import collections
 import types
 
-from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats, RemoteCounters
+from vllm_kvbm_plugin.connector.remote_scheduler import RemoteCounters
+from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats
 from vllm_kvbm_plugin.tiers.remote import Breaker
 
 

@@ -250,9 +250,20 @@ class WorkerTier(Protocol):
     def shutdown(self) -> None: ...
 
 
+class Series(NamedTuple):
+    """A Prometheus counter fed from stats keys (what the halves' take_stats count); vLLM builds
+    it in the API server process (stats.KVBMPromMetrics)."""
+    name: str  # e.g. vllm:kvbm_remote_hits_total
+    documentation: str
+    keys: Mapping[str, tuple[str, ...]]  # stats key -> its label values
+    labels: tuple[str, ...] = ()
+
+
 class TierModule(NamedTuple):
     """One secondary tier: how each side builds its half (each None where the tier is not
-    configured), and, optionally, how to measure its peak speeds (measure_roofline)."""
+    configured) and, optionally, how to measure its peak speeds (measure_roofline) and the
+    Prometheus series of its own counters."""
     scheduler: Callable[[Layout, KVBMConfig], SecondaryTier | None]
     worker: Callable[[WorkerContext], WorkerTier | None]
     peaks: Callable[[KVBMConfig, int], dict[str, float]] | None = None  # (cfg, slot bytes) -> "<tier>_<direction>": bytes/s
+    series: tuple[Series, ...] = ()

@@ -16,9 +16,8 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved
 
 from vllm_kvbm_plugin.connector.announce import Announcer
-from vllm_kvbm_plugin.connector.base import TierJob, TierOp, Verb
+from vllm_kvbm_plugin.connector.base import Series, TierJob, TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import Layout
-from vllm_kvbm_plugin.connector.stats import RemoteCounters
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
 from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -27,6 +26,47 @@ from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME as SECRET_NAME
 from vllm_kvbm_plugin.tiers.secret import tier_secret
 
 _ENCODE = msgspec.msgpack.Encoder().encode
+
+
+# stats key -> its running total in the scheduler half's counters
+TOTALS = {"remote_hits": lambda c: c["fetched"],
+          "remote_misses": lambda c: c["lookup_keys"] - c["lookup_keys_found"],
+          "remote_lookup_errors": lambda c: c["lookup_failures"],
+          "remote_lookup_timeout_errors": lambda c: c["lookup_timeouts"],
+          "remote_fetch_errors": lambda c: c["fetch_misses"],
+          "remote_write_errors": lambda c: c["write_failures"]}
+ERRORS = ("lookup", "lookup_timeout", "fetch", "write")
+SERIES = (
+    Series("vllm:kvbm_remote_hits_total", "Blocks read from the remote tier's server and verified",
+           {"remote_hits": ()}),
+    Series("vllm:kvbm_remote_misses_total", "Blocks a remote-tier lookup did not find on the server",
+           {"remote_misses": ()}),
+    Series("vllm:kvbm_remote_errors_total", "Remote-tier lookups that failed or were late, fetches of missing or "
+           "corrupt values, failed writes (each a miss)", {f"remote_{e}_errors": (e,) for e in ERRORS}, ("operation",)),
+    Series("vllm:kvbm_remote_breaker_changes_total", "Remote-tier circuit breaker state changes (open: the server "
+           "is not used for a backoff)", {f"remote_{side}_breaker_{state}": (side, state)
+                                          for side in ("scheduler", "worker") for state in ("open", "closed")},
+           ("side", "state")),
+)
+
+
+class RemoteCounters:
+    """The remote tier's running totals (RemoteTier.counters, Breaker.opened / closed) as the
+    change since the last call: what one stats interval adds."""
+
+    def __init__(self):
+        self.last: dict[str, int] = {}
+
+    def take(self, remote=None, breaker=None, side: str = "scheduler") -> dict[str, int]:
+        totals = {}
+        if remote is not None:
+            totals = {name: total(remote.counters) for name, total in TOTALS.items()}
+        if breaker is not None:
+            totals[f"remote_{side}_breaker_open"] = breaker.opened
+            totals[f"remote_{side}_breaker_closed"] = breaker.closed
+        out = {k: v - self.last.get(k, 0) for k, v in totals.items() if v != self.last.get(k, 0)}
+        self.last = totals
+        return out
 
 
 @dataclasses.dataclass

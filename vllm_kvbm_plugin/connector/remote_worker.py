@@ -17,8 +17,7 @@ import numpy as np
 
 from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, Verb, WorkerContext
 from vllm_kvbm_plugin.connector.disk_worker import run_batches
-from vllm_kvbm_plugin.connector.remote_scheduler import RemoteTier
-from vllm_kvbm_plugin.connector.stats import RemoteCounters
+from vllm_kvbm_plugin.connector.remote_scheduler import RemoteCounters, RemoteTier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers import remote as remotefmt

@@ -10,12 +10,13 @@ from vllm_kvbm_plugin.config import CONNECTOR_NAME, KVBMConfig
 from vllm_kvbm_plugin.connector.base import TierModule
 from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
 from vllm_kvbm_plugin.connector.disk_worker import DiskWorker, disk_peaks
+from vllm_kvbm_plugin.connector.remote_scheduler import SERIES as REMOTE_SERIES
 from vllm_kvbm_plugin.connector.remote_scheduler import RemoteTier
 from vllm_kvbm_plugin.connector.remote_worker import RemoteWorker, remote_peaks
 
 BUILT_IN = (
     TierModule(DiskTier.create, DiskWorker.open, disk_peaks),
-    TierModule(RemoteTier.create, RemoteWorker.open, remote_peaks),
+    TierModule(RemoteTier.create, RemoteWorker.open, remote_peaks, REMOTE_SERIES),
 )
 
 
