@@ -39,11 +39,8 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         # raises for groups we cannot hold; only the scheduler side decides the tier secret (TierDecision)
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg, decide=role == KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_kvbm_plugin.connector.layout import remove_v1_tier_dir, v1_key_root
             from vllm_kvbm_plugin.connector.scheduler import SchedulerSide
 
-            if cfg.disk_path:  # once per engine, not in every worker process
-                remove_v1_tier_dir(cfg.disk_path, v1_key_root(vllm_config, kv_cache_config, layout.hash_unit))
             self._sched = SchedulerSide(layout, cfg)
         else:
             from vllm_kvbm_plugin.connector.worker import WorkerSide

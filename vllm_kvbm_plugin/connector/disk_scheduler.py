@@ -18,7 +18,7 @@ from vllm.distributed.kv_events import BlockStored
 from vllm_kvbm_plugin.connector.announce import Announce, Announcer, compact, renamed
 from vllm_kvbm_plugin.connector.base import TierJob, TierOp, Verb
 from vllm_kvbm_plugin.connector.cpu_tier import TierManager
-from vllm_kvbm_plugin.connector.layout import Layout
+from vllm_kvbm_plugin.connector.layout import Layout, remove_v1_tier_dir
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import disk as diskfmt
@@ -64,7 +64,11 @@ class DiskTier(TierManager):
 
     @classmethod
     def create(cls, layout: Layout, cfg) -> "DiskTier | None":
-        return cls(layout, cfg.eviction_policy) if layout.disk_path else None
+        if not layout.disk_path:
+            return None
+        if layout.v1_root is not None:  # once per engine (the scheduler side), not in every worker process
+            remove_v1_tier_dir(layout.disk_path, layout.v1_root)
+        return cls(layout, cfg.eviction_policy)
 
     def __init__(self, layout: Layout, policy: str):
         root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"

@@ -62,6 +62,7 @@ class Layout:
     secret: bytes = dataclasses.field(default=b"", repr=False, compare=False)  # the tier secret (tiers/secret.py)
     remote_off: bool = False  # remote_url is set but the tier secret could not be read from it
     secret_source: str = ""  # tiers/secret.TierSecret.source
+    v1_root: tuple[int, int] | None = None  # the scheduler's: the root key spec 1 derived (remove_v1_tier_dir)
 
     @property
     def hybrid(self) -> bool:
@@ -118,6 +119,7 @@ class Layout:
             secret=secret.key if secret else b"",
             remote_off=secret.remote_off if secret else False,
             secret_source=secret.source if secret else "",
+            v1_root=v1_key_root(vllm_config, kv_cache_config, unit) if decide else None,
         )
 
     def decision(self) -> TierDecision:
