@@ -516,7 +516,7 @@ class SchedulerSide:
             parent = keys[i * r - 1] if i else None
             # a tier holds whole prefixes: no block without its parent; each block's parent is the
             # block before it, which is stored or found held here (pinned while its child is stored)
-            if parent is None or parent in self.primary.index.entries:
+            if parent is None or parent in self.primary.entries:
                 i = self._store_blocks(st, i, keys[(i + 1) * r - 1 : n_full * r : r], parent)
             st.stored_upto = max(st.stored_upto, i)
         x = computed_after_step
@@ -532,7 +532,7 @@ class SchedulerSide:
         free slots; once it needs evictions, block by block (`_store_each`). Returns the block
         after the last one stored or found held."""
         cpu, lower = self.primary, self.lower
-        held = cpu.index.entries
+        held = cpu.entries
         run = self.events.run(st.request, first)  # the events of the blocks stored here, built together once announced
         n, m = len(keys), 0
         while m < n:
@@ -588,7 +588,7 @@ class SchedulerSide:
         """_store_blocks from keys[m] on, block by block: a store may evict, even a block this
         request goes on to, so each block is looked up when its turn comes."""
         cpu = self.primary
-        held = cpu.index.entries
+        held = cpu.entries
         while m < len(keys):
             b, k = first + m, keys[m]
             if k in held:
