@@ -150,7 +150,7 @@ def _tiny_model(args) -> int:
 
 
 def _match(args) -> int:
-    from vllm_kvbm_plugin.reuse.subseq import match_recording
+    from vllm_kvbm_plugin.reuse.subseq_feed import match_recording
 
     prompts = [[int(t) for t in args.prompt.replace(",", " ").split()]] if args.prompt else []
     if args.prompts:
