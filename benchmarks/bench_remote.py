@@ -147,7 +147,7 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int, float, fl
     import redis
 
     from mac_cost import mac_and_checksum_seconds
-    from vllm_kvbm_plugin.tiers import disk as diskfmt
+    from vllm_kvbm_plugin.tiers import block_dir
     from vllm_kvbm_plugin.tiers import remote as remotefmt
     from vllm_kvbm_plugin.tiers import secret as tiersecret
     from vllm_kvbm_plugin.tiers.mac import mac_key
@@ -157,7 +157,7 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int, float, fl
     first = c.get(names[0])
     plen = int.from_bytes(first[40:48], "little")
     fp = first[24:40]
-    keys = [diskfmt.parse_key_hex(n.decode().rsplit(":", 1)[1] + ".kvb") for n in names]
+    keys = [block_dir.parse_key_hex(n.decode().rsplit(":", 1)[1] + ".kvb") for n in names]
     mk = mac_key(tiersecret.parse(c.get(tiersecret.REMOTE_NAME).decode(), tiersecret.REMOTE_NAME))
     total = sum(len(v) for v in c.mget(names))
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vllm_kvbm_plugin.testing.redis_server import server_binary
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.mac import mac_key
 
@@ -29,7 +29,7 @@ def stored(server, n: int, plen: int) -> tuple[list, list, list]:
     for i in range(n):
         key = (i + 1, (i * 7919) | 1)
         payload = rng.integers(0, 256, plen, dtype=np.uint8)
-        name = f"kvbm:test:r0:{diskfmt.key_hex(key)}"
+        name = f"kvbm:test:r0:{block_dir.key_hex(key)}"
         c.set(name, b"".join(bytes(p) for p in remotefmt.value_parts(key, FP, MK, payload, os.urandom(i * 37))))
         names.append(name)
         keys.append(key)
@@ -42,7 +42,7 @@ def test_values_land_verified_in_their_buffers_and_damage_is_reported_per_value(
     names, keys, payloads = stored(server, 12, plen)
     c = server.client()
     c.delete(names[3])  # missing
-    c.setrange(names[5], diskfmt.HEADER_SIZE + plen // 2, b"\x00\xff\x00")  # payload damaged
+    c.setrange(names[5], block_file.HEADER_SIZE + plen // 2, b"\x00\xff\x00")  # payload damaged
     c.set(names[7], c.get(names[7])[:-1])  # truncated (its metadata)
     v = c.get(names[9])
     c.set(names[9], v[:24] + bytes(16) + v[40:])  # another layout's fingerprint
@@ -132,7 +132,7 @@ def test_redis_py_replies_are_classified_as_the_direct_reader_reads_them(server)
     c.delete(names[1])
     c.delete(names[2])
     c.rpush(names[2], b"a list")  # -WRONGTYPE
-    at = diskfmt.HEADER_SIZE + 10
+    at = block_file.HEADER_SIZE + 10
     c.setrange(names[3], at, bytes([c.get(names[3])[at] ^ 0xFF]))  # one payload byte flipped
     pipe = c.pipeline(transaction=False)
     for n in names:
@@ -173,7 +173,7 @@ def test_stores_go_from_their_parts_and_a_refused_set_raises(server):
     rng = np.random.default_rng(5)
     keys = [(i + 1, 3 * i + 1) for i in range(6)]
     payloads = [rng.integers(0, 256, 3 << 20, dtype=np.uint8) for _ in keys]
-    names = [f"kvbm:test:r0:{diskfmt.key_hex(k)}" for k in keys]
+    names = [f"kvbm:test:r0:{block_dir.key_hex(k)}" for k in keys]
     d = remotefmt.connect_direct(server.url)
     try:
         remotefmt.store_values(d, names, [remotefmt.value_parts(k, FP, MK, p, b"meta%d" % i)
@@ -203,7 +203,7 @@ def test_write_access_to_the_server_without_the_secret_cannot_plant_a_value(serv
     genuine = b"".join(bytes(p) for p in remotefmt.value_parts(KEY, FP, MK, np.frombuffer(payload, np.uint8), b"m"))
     fake = forged(payload)
     values = [genuine,
-              genuine[:diskfmt.HEADER_SIZE] + fake + b"m",
+              genuine[:block_file.HEADER_SIZE] + fake + b"m",
               b"".join(bytes(p) for p in remotefmt.value_parts(KEY, FP, ATTACKER, np.frombuffer(fake, np.uint8), b"m")),
               old_header(payload, b"m") + payload + b"m"]
     c = server.client()

@@ -1,5 +1,5 @@
 """The disk tier, scheduler side (EngineCore process): block files under
-`<disk_path>/<layout root>/r<rank>/`, one per entry and rank (tiers/disk.py), read and written by
+`<disk_path>/<layout root>/r<rank>/`, one per entry and rank (tiers/block_dir.py), read and written by
 the workers (worker.py). Besides its index (cpu_tier.TierManager) it owns the restart index, the
 keys being read into CPU slots, the files the workers hold open for direct loads, and unlinking
 what it evicts.
@@ -22,7 +22,7 @@ from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.connector.metadata import DiskWrite, Prefetch
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers.index import Entry
 from vllm_kvbm_plugin.tiers.pinned import restore
 
@@ -125,7 +125,7 @@ class DiskTier(TierManager):
         if self.prepare_store(key, parent, announce) is None:
             return None
         events = self.events_of(key).events
-        blob = diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
+        blob = block_file.encode_meta(end, [_ENCODE(e) for e in events])
         if len(blob) > self.meta_bytes:  # the file would go beyond its share of disk_bytes_to_use
             self.complete_store(key, False)
             if not self.oversized:
@@ -141,8 +141,8 @@ class DiskTier(TierManager):
         store again after a pause (a full disk frees up)."""
         if time.monotonic() >= self.writes_resume:
             logger.warning("KVBMConnector: disk writes failed; the disk tier stops storing for %.0f s and "
-                           "keeps serving what it holds", diskfmt.WRITE_PAUSE_S)
-        self.writes_resume = time.monotonic() + diskfmt.WRITE_PAUSE_S
+                           "keeps serving what it holds", block_file.WRITE_PAUSE_S)
+        self.writes_resume = time.monotonic() + block_file.WRITE_PAUSE_S
 
     # ---- loads: prefetches into CPU slots, and direct loads from open files --------------
     def prefetch(self, key) -> None:
@@ -217,7 +217,7 @@ class DiskTier(TierManager):
 
     def lost(self, key) -> None:
         logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
-                       diskfmt.key_hex(key))
+                       block_dir.key_hex(key))
         self.remove(key)
 
     # ---- files ---------------------------------------------------------------------------
@@ -229,22 +229,22 @@ class DiskTier(TierManager):
     def _unlink(self, key) -> None:
         for base in self.bases:
             try:
-                os.unlink(diskfmt.block_path(base, key))
+                os.unlink(block_dir.block_path(base, key))
             except OSError:
                 pass
 
     def _load_index(self) -> None:
         """Index the block files of earlier runs and announce them (parents first) from the
         BlockStored events each file carries in its metadata."""
-        found = diskfmt.scan(self.bases[0])
+        found = block_dir.scan(self.bases[0])
         readable, unreadable = [], 0
         for key, _size in found:
-            meta = diskfmt.read_meta(diskfmt.block_path(self.bases[0], key))
+            meta = block_file.read_meta(block_dir.block_path(self.bases[0], key))
             if meta is None:  # unreadable, or another format version: it could never be a hit
                 self._unlink(key)
                 unreadable += 1
                 continue
-            info = diskfmt.decode_meta(meta)
+            info = block_file.decode_meta(meta)
             try:
                 events = renamed([compact(_DECODE_STORED(ev)) for ev in info[1]], self.name) if info else None
             except (msgspec.DecodeError, msgspec.ValidationError):

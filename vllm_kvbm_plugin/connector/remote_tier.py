@@ -20,7 +20,7 @@ from vllm_kvbm_plugin.connector.base import TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.connector.metadata import RemoteFetch, RemoteWrite
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME as SECRET_NAME
 from vllm_kvbm_plugin.tiers.secret import tier_secret
@@ -113,7 +113,7 @@ class RemoteTier:
         return len(self.present)
 
     def names(self, key) -> list[str]:
-        h = diskfmt.key_hex(key)
+        h = block_dir.key_hex(key)
         return [p + h for p in self.prefixes]
 
     def busy(self) -> int:
@@ -346,7 +346,7 @@ class RemoteTier:
             return None
         a = announce(self.name)
         self.writing[key] = (a, parent)
-        return diskfmt.encode_meta(end, [_ENCODE(e) for e in a.events])
+        return block_file.encode_meta(end, [_ENCODE(e) for e in a.events])
 
     def complete_store(self, key, ok: bool) -> None:
         a, parent = self.writing.pop(key, (None, None))

@@ -32,7 +32,7 @@ from vllm_kvbm_plugin.connector.metadata import (
 )
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers import host_memory
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.mac import mac_key
@@ -81,7 +81,7 @@ class WorkerSide:
         self.disk_base = self.layout.rank_dir(self.rank)
         if self.disk_base is not None:
             try:  # 0700 whatever the umask; existing tier directories are tightened (logged)
-                diskfmt.prepare_block_dir(self.layout.disk_path, self.disk_base)
+                block_dir.prepare_block_dir(self.layout.disk_path, self.disk_base)
             except OSError as e:
                 self._disk_broken = True
                 logger.warning("KVBMConnector: disk tier directory %s unusable (%s); no more disk writes",
@@ -219,7 +219,7 @@ class WorkerSide:
                     via_scratch.append((layer, ids[gi]))
                 end = layer.offset + layer.nbytes
         parts.append(scratch[end:])  # the slot's unused tail (slots fit the larger entry kind)
-        if not diskfmt.read_payload(fd, parts, self.mac_key):
+        if not block_file.read_payload(fd, parts, self.mac_key):
             return False
         for layer, block_id in via_scratch:
             slots_to_layer(layer, [block_id], [0], self.scratch)
@@ -238,7 +238,7 @@ class WorkerSide:
             ops = []
             for row, d in enumerate(loads[at:at + self.direct_rows], first):
                 fd = self.held.get(d.key)
-                if fd is not None and diskfmt.read_payload(fd, [self.pool[row].numpy()], self.mac_key):
+                if fd is not None and block_file.read_payload(fd, [self.pool[row].numpy()], self.mac_key):
                     ops.append((d.kind, d.block_ids, row))
                 else:
                     self._direct_load_failed(d)
@@ -282,7 +282,7 @@ class WorkerSide:
         if meta.opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
             keys = list(meta.opens)
-            opened = diskfmt.open_verified_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
+            opened = block_file.open_verified_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
                                                   self.slot_bytes)
             for key, o in zip(keys, opened):
                 if o is not None:
@@ -297,7 +297,7 @@ class WorkerSide:
         if meta.prefetches:  # read and verified straight into their (not yet ready) slots
             t0 = time.perf_counter()
             keys = [p.key for p in meta.prefetches]
-            metas = diskfmt.read_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
+            metas = block_file.read_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
                                         [self.pool[p.slot].numpy() for p in meta.prefetches])
             for key, m in zip(keys, metas):
                 self._report(Op.PREFETCH, key, m is not None)
@@ -395,11 +395,11 @@ class WorkerSide:
         if d.request is not None:
             self.failed_recving.add(d.request)
             logger.error("KVBMConnector: direct load of disk block %s failed; request %s recomputes",
-                         diskfmt.key_hex(d.key), d.request)
+                         block_dir.key_hex(d.key), d.request)
             return
         self._loads_failed = True
         self.load_errors.update(d.block_ids)
-        logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM", diskfmt.key_hex(d.key))
+        logger.error("KVBMConnector: direct load of disk block %s failed; reported to vLLM", block_dir.key_hex(d.key))
 
     def take_recving(self) -> tuple[set, set]:
         """(requests whose asynchronous loads ran, those of them that failed) since the last call:
@@ -419,7 +419,7 @@ class WorkerSide:
 
     # ---- disk ------------------------------------------------------------------------------
     def _paths(self, keys: list) -> list[str]:
-        return [diskfmt.block_path(self.disk_base, k) for k in keys]
+        return [block_dir.block_path(self.disk_base, k) for k in keys]
 
     def _disk_done(self, operation: str, ok: int, n: int, t0: float) -> None:
         """Stats of one batched disk call: `ok` of `n` blocks done, the rest failed."""
@@ -454,7 +454,7 @@ class WorkerSide:
         if self._disk_writes_on():
             keys = [key for key, _, _ in jobs]
             try:
-                errors = diskfmt.write_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
+                errors = block_file.write_blocks(self._paths(keys), keys, self.fingerprint, self.mac_key,
                                               [self.pool[slot].numpy() for _, slot, _ in jobs],
                                               [blob for _, _, blob in jobs], fsync=self.cfg.disk_fsync)
             except OSError as e:
@@ -462,13 +462,13 @@ class WorkerSide:
             for i, (key, e) in enumerate(zip(keys, errors)):
                 if e is None:
                     ok[i] = True
-                elif isinstance(e, diskfmt.BlockRefused):
-                    logger.warning("KVBMConnector: disk block %s not stored (%s)", diskfmt.key_hex(key), e)
+                elif isinstance(e, block_file.BlockRefused):
+                    logger.warning("KVBMConnector: disk block %s not stored (%s)", block_dir.key_hex(key), e)
                 elif self._disk_writes_on():
-                    self._disk_resume = time.monotonic() + diskfmt.WRITE_PAUSE_S
+                    self._disk_resume = time.monotonic() + block_file.WRITE_PAUSE_S
                     self._disk_failed = True
                     logger.warning("KVBMConnector: disk tier write failed (%s); disk writes pause for %.0f s",
-                                   e, diskfmt.WRITE_PAUSE_S)
+                                   e, block_file.WRITE_PAUSE_S)
         self._disk_done("write", sum(ok), len(jobs), t0)
         for (key, _, _), good in zip(jobs, ok):
             self._disk_results.put((key, good))
@@ -615,7 +615,7 @@ class RemoteIO:
             remotefmt.LANDINGS.landed()  # a scheduler side in this process waiting for them goes on
 
     def _fetch(self, fetches: list, t0: float) -> dict:
-        names = [self.prefix + diskfmt.key_hex(key) for _, key, _ in fetches]
+        names = [self.prefix + block_dir.key_hex(key) for _, key, _ in fetches]
         outs = [self.side.pool[slot].numpy() for _, _, slot in fetches]
         keys = [key for _, key, _ in fetches]
         # a DirectClient reads straight into the slots, verified as the bytes land
@@ -626,7 +626,7 @@ class RemoteIO:
             if r == remotefmt.BAD:
                 bad.append(name)
                 logger.warning("KVBMConnector: remote value %s does not verify; deleted (a miss)",
-                               diskfmt.key_hex(key))
+                               block_dir.key_hex(key))
             done[("fetch", key)] = r == remotefmt.OK
         if bad:
             remotefmt.delete_values(self.client, bad)
@@ -637,7 +637,7 @@ class RemoteIO:
 
     def _write(self, writes: list) -> None:
         pool, fp, mk = self.side.pool, self.side.fingerprint, self.side.mac_key
-        names = [self.prefix + diskfmt.key_hex(key) for _, key, _, _ in writes]
+        names = [self.prefix + block_dir.key_hex(key) for _, key, _, _ in writes]
         values = [remotefmt.value_parts(key, fp, mk, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
         remotefmt.store_values(self.direct or self.client, names, values)
 

@@ -8,7 +8,7 @@ r<rank>:<key>`, see tiers/remote.py) and publishes, in vLLM's wire format (its o
 ZmqEventPublisher: PUB socket, sequence numbers, ROUTER replay socket), BlockStored when an
 entry's values are in place and BlockRemoved when one is deleted, expired or evicted. The events
 are the ones the writing instance would have announced: each value's metadata carries them
-(tiers/disk.py encode_meta), read with two small GETRANGEs (header, then metadata), never the
+(tiers/block_file.py encode_meta), read with two small GETRANGEs (header, then metadata), never the
 payload. An entry is announced after its parent, as the instances announce their tiers.
 
 Notifications are fire-and-forget (nothing is replayed to a subscriber that was away, and a
@@ -34,7 +34,7 @@ import msgspec
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger, redact_url
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_file
 from vllm_kvbm_plugin.tiers import remote
 
 logger = get_logger("announcer")
@@ -411,7 +411,7 @@ class RemoteAnnouncer:
         a second GETRANGE reads the metadata only."""
         for i in range(0, len(eids), _READ_BATCH):
             batch = eids[i:i + _READ_BATCH]
-            heads = nodes.run([("getrange", value_name(eid, 0), 0, diskfmt.HEADER_SIZE - 1) for eid in batch])
+            heads = nodes.run([("getrange", value_name(eid, 0), 0, block_file.HEADER_SIZE - 1) for eid in batch])
             ranges = []
             for eid, head in zip(batch, heads):
                 r = self._meta_range(eid, head)
@@ -424,15 +424,15 @@ class RemoteAnnouncer:
                     self._describe(eid, e, blob)
 
     def _meta_range(self, eid, head: bytes) -> tuple[int, int] | None:
-        if len(head) != diskfmt.HEADER_SIZE:
+        if len(head) != block_file.HEADER_SIZE:
             return None
-        h = diskfmt.parse_header(head)
-        if h is None or h.key.hex().encode() != eid[1] or not 0 < h.meta_bytes <= diskfmt.MAX_META:
+        h = block_file.parse_header(head)
+        if h is None or h.key.hex().encode() != eid[1] or not 0 < h.meta_bytes <= block_file.MAX_META:
             return None
-        return diskfmt.HEADER_SIZE + h.payload_bytes, h.meta_bytes
+        return block_file.HEADER_SIZE + h.payload_bytes, h.meta_bytes
 
     def _describe(self, eid, e: _Entry, blob: bytes) -> None:
-        info = diskfmt.decode_meta(blob)
+        info = block_file.decode_meta(blob)
         if info is None:
             return
         name = storage_tier(f"kvbm-remote:{eid[0].decode()}", LOCALITY_REMOTE)

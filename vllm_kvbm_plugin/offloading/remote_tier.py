@@ -6,7 +6,7 @@
 `url` takes what KVBMConnector's `remote_url` takes (redis://, rediss://, unix://, redis+cluster://);
 optional "enable_kv_events" (default true). One value per primary-tier chunk, named
 `kvbm:<format>:<layout fingerprint>:r0:<file key>` with KVBMDiskTier's file key (a 128-bit digest
-of vLLM's OffloadKey); the value is a block file's bytes (tiers/disk.py), verified on every read:
+of vLLM's OffloadKey); the value is a block file's bytes (tiers/block_file.py), verified on every read:
 a value that is missing, damaged, truncated, without a valid MAC or of another layout fails that key (vLLM recomputes
 the chunk) and a bad one is deleted. The server's `maxmemory` policy bounds the tier (docs/remote.md);
 this side keeps no index. vLLM offers a chunk again each time it re-enters the CPU tier (after an
@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm_kvbm_plugin.log import get_logger, redact_url
 from vllm_kvbm_plugin.offloading.chunks import ChunkMeta, ChunkTier, encode_meta, file_key
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.secret import tier_secret
 
@@ -112,7 +112,7 @@ class KVBMRemoteTier(ChunkTier):
 
     # ---- the server --------------------------------------------------------------------------
     def name(self, key: bytes) -> str:
-        return self.prefix + diskfmt.key_hex(file_key(key))
+        return self.prefix + block_dir.key_hex(file_key(key))
 
     # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
     def lookup(self, key, req_context: ReqContext) -> LookupResult:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.tiers import secret as tiersecret
@@ -127,7 +127,7 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
         for rank in ranks:
             base = os.path.join(disk_path, fp, rank)
             stats: dict = {}
-            found = diskfmt.scan(base, tidy=False, stats=stats)
+            found = block_dir.scan(base, tidy=False, stats=stats)
             rep.out["skipped"] += stats.get("skipped", 0)
             for (key, size), st in zip(found, stats.get("st", [])):
                 rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
@@ -153,17 +153,17 @@ def _verify_files(base: str, mk: np.ndarray, keys: list) -> list[tuple[bytes | N
     """For each block file, the fingerprint its header names (None: no header of this format) and
     whether the file verifies under it and the MAC key, read as a load reads it (open_verified);
     each fd is closed at once."""
-    paths = [diskfmt.block_path(base, k) for k in keys]
+    paths = [block_dir.block_path(base, k) for k in keys]
     named: list[bytes | None] = [None] * len(keys)
     ok = [False] * len(keys)
     groups: dict[tuple[bytes, int], list[int]] = {}
     for i, p in enumerate(paths):
-        h = diskfmt.read_header(p)
+        h = block_file.read_header(p)
         if h is not None:
             named[i] = h.fingerprint
             groups.setdefault((h.fingerprint, h.payload_bytes), []).append(i)
     for (fingerprint, plen), idx in groups.items():
-        for i, got in zip(idx, diskfmt.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
+        for i, got in zip(idx, block_file.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
                                                             fingerprint, mk, plen)):
             if got is not None:
                 os.close(got[0])
@@ -221,12 +221,12 @@ def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
 def _verify_value(value, key_hex: bytes, mk: np.ndarray) -> tuple[bytes | None, bool]:
     """The fingerprint the value's header names (None: no header of this format) and whether the
     value verifies under it and the MAC key."""
-    if not isinstance(value, (bytes, bytearray)) or len(value) < diskfmt.HEADER_SIZE:
+    if not isinstance(value, (bytes, bytearray)) or len(value) < block_file.HEADER_SIZE:
         return None, False
-    h = diskfmt.parse_header(value)
+    h = block_file.parse_header(value)
     if h is None:
         return None, False
-    key = diskfmt.parse_key_hex(key_hex.decode() + diskfmt.SUFFIX)
+    key = block_dir.parse_key_hex(key_hex.decode() + block_dir.SUFFIX)
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
     return h.fingerprint, remotefmt.read_value(value, key, h.fingerprint, mk, out)
 
