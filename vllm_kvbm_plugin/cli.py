@@ -116,7 +116,7 @@ def _announce(args) -> int:
     import threading
 
     from vllm_kvbm_plugin.events.announcer import RemoteAnnouncer, ServerRefused, publish_to, zmq_publisher
-    from vllm_kvbm_plugin.tiers.remote import check_url
+    from vllm_kvbm_plugin.tiers.resp import check_url
 
     try:
         check_url(args.remote_url)

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_kvbm_plugin import cli
-from vllm_kvbm_plugin.tiers import block_dir, block_file, inspector
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file, inspector, remote_value
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.secret import ENV as SECRET_ENV
 
@@ -163,12 +162,12 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
     for fp, rank, n in ((FP_A, 0, 5), (FP_B, 1, 3)):
         for i in range(n):
             key = (i << 8, i)
-            name = remotefmt.value_name(fp.hex().encode(), rank, block_dir.key_hex(key).encode())
-            value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, MK, payload(i), b"m")))
+            name = remote_value.value_name(fp.hex().encode(), rank, block_dir.key_hex(key).encode())
+            value = bytearray(b"".join(bytes(p) for p in remote_value.value_parts(key, fp, MK, payload(i), b"m")))
             if fp == FP_A and i == 0:
                 value[block_file.HEADER_SIZE + 5] ^= 0xFF  # damaged
             c.set(name, bytes(value))
-    c.hset(remotefmt.value_name(FP_A.hex().encode(), 0, b"ab" * 16), "x", 1)  # not a value: skipped
+    c.hset(remote_value.value_name(FP_A.hex().encode(), 0, b"ab" * 16), "x", 1)  # not a value: skipped
     c.set("kvbm:announcer:marker", b"1")  # ours, not a value: skipped
     c.set("someone-else", b"x")  # not under kvbm: not looked at
     snapshot = {k: c.dump(k) for k in c.keys("*")}
@@ -186,8 +185,8 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
     tensors = bytes(range(100, 116))
     for i in range(3):
         key = (i << 8, i)
-        c.set(remotefmt.value_name(FP_B.hex().encode(), 2, block_dir.key_hex(key).encode()),
-              b"".join(bytes(p) for p in remotefmt.value_parts(key, tensors, MK, payload(i), b"m")))
+        c.set(remote_value.value_name(FP_B.hex().encode(), 2, block_dir.key_hex(key).encode()),
+              b"".join(bytes(p) for p in remote_value.value_parts(key, tensors, MK, payload(i), b"m")))
     r = inspector.inspect(server.url, verify=True)
     assert r["verify"] == {"checked": 11, "failed": 1, "other_fingerprint": 0}
     assert r["layouts"][FP_B.hex()]["fingerprints"] == {"1": FP_B.hex(), "2": tensors.hex()}

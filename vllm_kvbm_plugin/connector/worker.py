@@ -32,9 +32,8 @@ from vllm_kvbm_plugin.connector.metadata import (
 )
 from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import block_dir, block_file
-from vllm_kvbm_plugin.tiers import host_memory
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file, host_memory, remote_value, resp
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
 
@@ -169,7 +168,7 @@ class WorkerSide:
             if self.cfg.disk_path and os.path.isdir(self.cfg.disk_path):
                 peaks.update(roofline.disk_peaks(self.cfg.disk_path))
             if self.cfg.remote_url:
-                client = remotefmt.connect(self.cfg.remote_url)
+                client = resp.connect(self.cfg.remote_url)
                 try:
                     peaks.update(roofline.remote_peaks(client, self.slot_bytes))
                 finally:
@@ -542,13 +541,13 @@ class RemoteIO:
 
     def __init__(self, side: WorkerSide, url: str):
         self.side, self.url = side, url
-        self.prefix = remotefmt.key_prefix(side.layout.root, side.rank)
-        self.breaker = remotefmt.Breaker(f"worker {side.rank}", url)
+        self.prefix = remote_value.key_prefix(side.layout.root, side.rank)
+        self.breaker = Breaker(f"worker {side.rank}", url)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.client = None
-        self.direct = remotefmt.DirectClient(url) if remotefmt.DirectClient.supports(url) else None
+        self.direct = resp.DirectClient(url) if resp.DirectClient.supports(url) else None
         self.failures = {"fetch": 0, "write": 0}  # misses and failed writes (connector stats name disk only)
         self._start()  # connects at once, in the background: the first fetch finds its connections open
 
@@ -580,7 +579,7 @@ class RemoteIO:
     def _loop(self) -> None:
         if self.client is None and self.breaker.allow():
             try:
-                self.client = remotefmt.connect_ready(self.url)
+                self.client = resp.connect_ready(self.url)
                 if self.direct is not None:
                     self.direct.connect()
                 self.breaker.success()
@@ -596,7 +595,7 @@ class RemoteIO:
             t0 = time.perf_counter()
             try:
                 if self.client is None:
-                    self.client = remotefmt.connect(self.url)
+                    self.client = resp.connect(self.url)
                 done = self._fetch(fetches, t0) if fetches else {}
                 t0 = time.perf_counter()
                 if writes:
@@ -612,24 +611,24 @@ class RemoteIO:
                 self.failures[job[0]] += 1
             self.results.put(Report(Op.REMOTE_FETCH if job[0] == "fetch" else Op.REMOTE_WRITE, job[1], ok))
         if fetches:
-            remotefmt.LANDINGS.landed()  # a scheduler side in this process waiting for them goes on
+            resp.LANDINGS.landed()  # a scheduler side in this process waiting for them goes on
 
     def _fetch(self, fetches: list, t0: float) -> dict:
         names = [self.prefix + block_dir.key_hex(key) for _, key, _ in fetches]
         outs = [self.side.pool[slot].numpy() for _, _, slot in fetches]
         keys = [key for _, key, _ in fetches]
         # a DirectClient reads straight into the slots, verified as the bytes land
-        results = remotefmt.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint,
+        results = resp.fetch_values(self.direct or self.client, names, keys, self.side.fingerprint,
                                          self.side.mac_key, outs)
         done, bad = {}, []
         for key, name, r in zip(keys, names, results):
-            if r == remotefmt.BAD:
+            if r == remote_value.BAD:
                 bad.append(name)
                 logger.warning("KVBMConnector: remote value %s does not verify; deleted (a miss)",
                                block_dir.key_hex(key))
-            done[("fetch", key)] = r == remotefmt.OK
+            done[("fetch", key)] = r == remote_value.OK
         if bad:
-            remotefmt.delete_values(self.client, bad)
+            resp.delete_values(self.client, bad)
         n = sum(done.values())
         if n:
             self.side._record("remote", "read", n, t0)
@@ -638,8 +637,8 @@ class RemoteIO:
     def _write(self, writes: list) -> None:
         pool, fp, mk = self.side.pool, self.side.fingerprint, self.side.mac_key
         names = [self.prefix + block_dir.key_hex(key) for _, key, _, _ in writes]
-        values = [remotefmt.value_parts(key, fp, mk, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
-        remotefmt.store_values(self.direct or self.client, names, values)
+        values = [remote_value.value_parts(key, fp, mk, pool[slot].numpy(), meta) for _, key, slot, meta in writes]
+        resp.store_values(self.direct or self.client, names, values)
 
 
 DIRECT_STAGING_BYTES = 64 << 20  # CUDA: pinned rows for direct disk loads, past the CPU tier's slots

@@ -4,7 +4,7 @@ instance, from the server's own view of its keys.
 Every instance of a fleet writes entries into one Redis / Valkey server, and the server evicts
 any of them when it likes; no instance sees all writes or any eviction. This process does: it
 subscribes to the server's keyspace notifications for our keys (`kvbm:<format>:<layout root>:
-r<rank>:<key>`, see tiers/remote.py) and publishes, in vLLM's wire format (its own
+r<rank>:<key>`, see tiers/remote_value.py) and publishes, in vLLM's wire format (its own
 ZmqEventPublisher: PUB socket, sequence numbers, ROUTER replay socket), BlockStored when an
 entry's values are in place and BlockRemoved when one is deleted, expired or evicted. The events
 are the ones the writing instance would have announced: each value's metadata carries them
@@ -34,8 +34,7 @@ import msgspec
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger, redact_url
-from vllm_kvbm_plugin.tiers import block_file
-from vllm_kvbm_plugin.tiers import remote
+from vllm_kvbm_plugin.tiers import block_file, remote_value, resp
 
 logger = get_logger("announcer")
 
@@ -64,11 +63,11 @@ class _Nodes:
         self.opts = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
                          health_check_interval=0)
         self.where, self.owner, self.topology, self.key_slot = redact_url(url), None, None, key_slot
-        if not url.startswith(remote.CLUSTER_SCHEMES):  # the URL's password, if any, wins
-            self.clients = [redis.Redis.from_url(url, password=remote.auth_password(None), **self.opts)]
+        if not url.startswith(resp.CLUSTER_SCHEMES):  # the URL's password, if any, wins
+            self.clients = [redis.Redis.from_url(url, password=resp.auth_password(None), **self.opts)]
             self.db = self.clients[0].connection_pool.connection_kwargs.get("db", 0)
             return
-        seeds, user, password = remote.cluster_seeds(url)
+        seeds, user, password = resp.cluster_seeds(url)
         self.opts.update(username=user, password=password, ssl=url.startswith("rediss"))
         self.db, self.clients = 0, []
         error: Exception | None = None
@@ -161,12 +160,12 @@ class _Entry:
 
 def entry_of(name: bytes) -> tuple[tuple[bytes, bytes], int] | None:
     """((layout root hex, key hex), rank) of one of our value names in the current format."""
-    parsed = remote.parse_value_name(name)
+    parsed = remote_value.parse_value_name(name)
     return None if parsed is None else ((parsed[0], parsed[2]), parsed[1])
 
 
 def value_name(eid: tuple[bytes, bytes], rank: int) -> bytes:
-    return remote.value_name(eid[0], rank, eid[1])
+    return remote_value.value_name(eid[0], rank, eid[1])
 
 
 class RemoteAnnouncer:

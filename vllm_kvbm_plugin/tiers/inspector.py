@@ -29,8 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from vllm_kvbm_plugin.tiers import block_dir, block_file
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
 from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.tiers import secret as tiersecret
 from vllm_kvbm_plugin.tiers.mac import mac_key
@@ -173,8 +172,8 @@ def _verify_files(base: str, mk: np.ndarray, keys: list) -> list[tuple[bytes | N
 
 def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
     """The report of the values under `kvbm:` on a Redis / Valkey server (or cluster)."""
-    remotefmt.check_url(url)
-    client = remotefmt.connect(url)
+    resp.check_url(url)
+    client = resp.connect(url)
     rep = Report(redact_url(url), "remote", "idle", verify, progress)
     names = []
     try:
@@ -198,10 +197,10 @@ def _remote_secret(client) -> bytes | None:
 
 
 def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
-    parsed = [remotefmt.parse_value_name(n) for n in names]
+    parsed = [remote_value.parse_value_name(n) for n in names]
     ours = [(n, p) for n, p in zip(names, parsed) if p is not None]
     rep.out["skipped"] += len(names) - len(ours)  # our other keys (announcer marker, secret), other versions
-    replies = remotefmt.run(client, [c for n, _ in ours for c in (("STRLEN", n), ("OBJECT", "IDLETIME", n))])
+    replies = resp.run(client, [c for n, _ in ours for c in (("STRLEN", n), ("OBJECT", "IDLETIME", n))])
     kept = []
     for j, (name, (root, rank, key_hex)) in enumerate(ours):
         size, idle = replies[2 * j], replies[2 * j + 1]
@@ -213,7 +212,7 @@ def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
         rep.add(root.decode(), rank, int(size), None if isinstance(idle, Exception) or idle is None else float(idle))
         kept.append((name, root, rank, key_hex))
     if verify and kept:
-        values = remotefmt.run(client, [("GET", n) for n, _, _, _ in kept])
+        values = resp.run(client, [("GET", n) for n, _, _, _ in kept])
         for v, (_, root, rank, key_hex) in zip(values, kept):
             rep.verified(root.decode(), rank, *_verify_value(v, key_hex, rep.mac_key))
 
@@ -228,12 +227,12 @@ def _verify_value(value, key_hex: bytes, mk: np.ndarray) -> tuple[bytes | None, 
         return None, False
     key = block_dir.parse_key_hex(key_hex.decode() + block_dir.SUFFIX)
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
-    return h.fingerprint, remotefmt.read_value(value, key, h.fingerprint, mk, out)
+    return h.fingerprint, remote_value.read_value(value, key, h.fingerprint, mk, out)
 
 
 def inspect(target: str, verify: bool = False, progress=None) -> dict:
     """A tier's report: `target` is a remote_url or a disk_path."""
-    if target.startswith(remotefmt.URL_SCHEMES + remotefmt.CLUSTER_SCHEMES):
+    if target.startswith(resp.URL_SCHEMES + resp.CLUSTER_SCHEMES):
         return inspect_remote(target, verify, progress)
     return inspect_disk(target, verify, progress)
 
