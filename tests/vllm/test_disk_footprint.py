@@ -7,7 +7,7 @@ WorkerSides writing real files; runs on vLLM 0.32 and 0.33."""
 import os
 import random
 
-from vllm_kvbm_plugin.connector.announce import NOTHING
+from vllm_kvbm_plugin.connector.block_events import NOTHING
 from vllm_kvbm_plugin.connector.disk_tier import DiskTier
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker

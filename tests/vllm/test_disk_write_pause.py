@@ -6,7 +6,7 @@ again for the rest of the engine's life."""
 import os
 import time
 
-from vllm_kvbm_plugin.connector.announce import NOTHING
+from vllm_kvbm_plugin.connector.block_events import NOTHING
 from vllm_kvbm_plugin.connector.disk_tier import DiskTier
 from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.connector.metadata import DiskWrite, KVBMMetadata, Op

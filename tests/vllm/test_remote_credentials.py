@@ -13,8 +13,8 @@ import pytest
 from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
 from vllm_kvbm_plugin.tiers import remote_value, resp
-from vllm_kvbm_plugin.tiers.breaker import Breaker
 from vllm_kvbm_plugin.tiers import secret as tiersecret
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 
 from .test_remote_tier import instance, prompt
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from typing import Protocol
 
-from vllm_kvbm_plugin.connector.announce import Announcer
+from vllm_kvbm_plugin.connector.block_events import Announcer
 from vllm_kvbm_plugin.events.types import Tier
 
 

@@ -1,6 +1,6 @@
 """The disk tier, scheduler side (EngineCore process): block files under
 `<disk_path>/<layout root>/r<rank>/`, one per entry and rank (tiers/block_dir.py), read and written by
-the workers (worker.py). Besides its index (cpu_tier.TierManager) it owns the restart index, the
+the workers (worker.py). Besides its index (tier_manager.TierManager) it owns the restart index, the
 keys being read into CPU slots, the files the workers hold open for direct loads, and unlinking
 what it evicts.
 """
@@ -15,11 +15,11 @@ import time
 import msgspec
 from vllm.distributed.kv_events import BlockStored
 
-from vllm_kvbm_plugin.connector.announce import Announce, Announcer, compact, renamed
 from vllm_kvbm_plugin.connector.base import TierOp, Verb
-from vllm_kvbm_plugin.connector.cpu_tier import TierManager
+from vllm_kvbm_plugin.connector.block_events import Announce, Announcer, compact, renamed
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.connector.metadata import DiskWrite, Prefetch
+from vllm_kvbm_plugin.connector.tier_manager import TierManager
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import block_dir, block_file

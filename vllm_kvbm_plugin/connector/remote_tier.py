@@ -15,8 +15,8 @@ import msgspec
 
 from vllm.distributed.kv_events import BlockRemoved
 
-from vllm_kvbm_plugin.connector.announce import Announcer
 from vllm_kvbm_plugin.connector.base import TierOp, Verb
+from vllm_kvbm_plugin.connector.block_events import Announcer
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.connector.metadata import RemoteFetch, RemoteWrite
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier

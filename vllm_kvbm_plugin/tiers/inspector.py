@@ -1,7 +1,7 @@
 """What a disk or remote tier holds (`vllm-kvbm tiers inspect`): entries, bytes, layouts, an age
 histogram and, on request, how many entries fail verification. Read-only: the disk tier's own
-readers (disk.scan without tidying, read_header, open_verified: lstat first, no link followed, only
-regular files opened) and, for a server, SCAN / STRLEN / OBJECT IDLETIME and GET.
+readers (block_dir.scan without tidying, block_file.read_header and open_verified: lstat first, no
+link followed, only regular files opened) and, for a server, SCAN / STRLEN / OBJECT IDLETIME and GET.
 
 A layout is a directory `<disk_path>/<fingerprint>/r<rank>/` or a key prefix
 `kvbm:<version>:<fingerprint>:r<rank>:`; the fingerprint hashes the model, dtype, KV cache spec and
@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
 from vllm_kvbm_plugin.log import redact_url
+from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
 from vllm_kvbm_plugin.tiers import secret as tiersecret
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.secret import FILE_NAME as SECRET_FILE
