@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from vllm_kvbm_plugin.testing.files import reference_mac, write_reference
-from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers import block_dir, block_file, mac
+from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers.index import TierIndex
 from vllm_kvbm_plugin.tiers.pinned import PinnedStores
 from vllm_kvbm_plugin.tiers.policies import LRU, Lineage, MultiLRU, make_policy

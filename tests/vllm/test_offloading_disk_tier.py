@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, Medium
 
-from vllm_kvbm_plugin.offloading import drive
 from vllm_kvbm_plugin.offloading.disk_tier import file_key
-from vllm_kvbm_plugin.offloading.drive import Request, chunk_key, payload
+from vllm_kvbm_plugin.testing import offloading_drive
+from vllm_kvbm_plugin.testing.offloading_drive import Request, chunk_key, payload
 from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 CHUNK = 4096
 
 
-def Tiered(path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru", **opts) -> drive.Tiered:
+def Tiered(path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru", **opts) -> offloading_drive.Tiered:
     """vLLM's tiering manager with our disk tier at `path`, and the calls the connector makes."""
-    return drive.Tiered({"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
+    return offloading_drive.Tiered({"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
                          "bytes_to_use": bytes_to_use, "eviction_policy": policy, **opts}, cpu_chunks, CHUNK, cpu_policy)
 
 

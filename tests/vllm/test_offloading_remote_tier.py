@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import Medium
 
-from vllm_kvbm_plugin.offloading import drive
-from vllm_kvbm_plugin.offloading.drive import chunk_key, payload
+from vllm_kvbm_plugin.testing import offloading_drive
+from vllm_kvbm_plugin.testing.offloading_drive import chunk_key, payload
 from vllm_kvbm_plugin.testing.redis_server import server_binary
 from vllm_kvbm_plugin.tiers import block_file
 
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skipif(server_binary() is None,
                                 reason="no redis-server on PATH: scripts/setup.sh installs Debian's as root")
 
 
-def Tiered(url) -> drive.Tiered:
+def Tiered(url) -> offloading_drive.Tiered:
     """vLLM's tiering manager with our remote tier on `url`, and the calls the connector makes."""
-    return drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": url})
+    return offloading_drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": url})
 
 
 def keys_of(name, n):

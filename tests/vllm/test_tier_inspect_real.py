@@ -5,16 +5,16 @@ inspector finds corrupt is one the tier will not serve."""
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.offloading import drive
-from vllm_kvbm_plugin.offloading.drive import chunk_key, payload
+from vllm_kvbm_plugin.testing import offloading_drive
+from vllm_kvbm_plugin.testing.offloading_drive import chunk_key, payload
 from vllm_kvbm_plugin.tiers import block_file
 from vllm_kvbm_plugin.tiers import inspector
 
 CHUNK = 4096
 
 
-def Tiered(kind, **opts) -> drive.Tiered:
-    return drive.Tiered({"type": kind, "module_path": "vllm_kvbm_plugin.offloading", **opts}, 8, CHUNK)
+def Tiered(kind, **opts) -> offloading_drive.Tiered:
+    return offloading_drive.Tiered({"type": kind, "module_path": "vllm_kvbm_plugin.offloading", **opts}, 8, CHUNK)
 
 
 def keys_of(name, n):
