@@ -7,7 +7,7 @@ Environment (read when used, so tests and subprocesses can set them late):
   KVBM_KEY_SECRET=<32 hex> the block-key secret every instance sharing a tier uses (else one kept
                         in the remote store or disk_path: tiers/secret.py)
   KVBM_REMOTE_PASSWORD  the remote tier's password when remote_url carries none (kept out of
-                        kv_transfer_config, which vLLM logs: tiers/remote.py)
+                        kv_transfer_config, which vLLM logs: tiers/resp.py)
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class KVBMConfig:
                 f"{', '.join(POLICIES)}"
             )
         if cfg.remote_url is not None:
-            from vllm_kvbm_plugin.tiers.remote import check_url
+            from vllm_kvbm_plugin.tiers.resp import check_url
 
             try:
                 check_url(cfg.remote_url)

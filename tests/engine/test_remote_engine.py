@@ -121,7 +121,7 @@ def test_damaged_and_foreign_values_are_misses_and_replaced(run_engine, baseline
     """Every value A stored damaged one of three ways (a payload byte flipped with SETRANGE,
     truncated, another layout's fingerprint): B computes the whole prompt with the tokens of a
     run without the connector, deletes each bad value and writes a good one in its place."""
-    from vllm_kvbm_plugin.tiers import disk as diskfmt
+    from vllm_kvbm_plugin.tiers import block_file
     from vllm_kvbm_plugin.tiers import inspector
 
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, remote_url=server.url))
@@ -133,7 +133,7 @@ def test_damaged_and_foreign_values_are_misses_and_replaced(run_engine, baseline
     good, damaged = {}, {}
     for i, name in enumerate(names):
         v = good[name] = c.get(name)
-        at = diskfmt.HEADER_SIZE + 100
+        at = block_file.HEADER_SIZE + 100
         damaged[name] = [v[:at] + bytes([v[at] ^ 0xFF]) + v[at + 1:], v[:-1], v[:24] + bytes(16) + v[40:]][i % 3]
         c.set(name, damaged[name])
     # flipped, truncated and re-labelled values all fail: the MAC covers the header's fingerprint,

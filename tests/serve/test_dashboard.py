@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "vllm-kvbm.json"
 SLOT = 16384  # one tier entry of the tiny Llama (2 layers x K,V x 32 tokens x 2 heads x 32 x bf16)
-FILE = 20480  # its block file on disk: SLOT + header + metadata room in 4 KiB blocks (disk.file_footprint)
+FILE = 20480  # its block file on disk: SLOT + header + metadata room in 4 KiB blocks (block_file.file_footprint)
 B = 32
 # Grafana's values for the dashboard's variables: this server's labels, $__rate_interval as Grafana
 # computes it for the default 15 s scrape interval (4 x 15 s), $__range of a 5-minute view.

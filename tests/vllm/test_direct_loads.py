@@ -12,7 +12,7 @@ from vllm_kvbm_plugin.connector.base import Report, TierJob
 from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
 from vllm_kvbm_plugin.connector.metadata import STORE, Copies, DirectLoad, KVBMMetadata
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 
 def test_direct_load_reads_the_verified_file_into_the_block(tmp_path):
@@ -20,8 +20,8 @@ def test_direct_load_reads_the_verified_file_into_the_block(tmp_path):
     w, buf = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, extra_slot_bytes=64, disk_path=str(tmp_path))
     key = (7, 9)
     w._copy([(KV, (3,), 0)], to_pool=True)  # block 3 -> slot 0 -> a block file
-    path = disk.block_path(w.tier("disk").base, key)
-    disk.write_block(path, key, w.fingerprint, w.mac_key, w.pool[0].numpy())
+    path = block_dir.block_path(w.tier("disk").base, key)
+    block_file.write_block(path, key, w.fingerprint, w.mac_key, w.pool[0].numpy())
     buf[:, 5].zero_()
 
     w.start_load_kv(KVBMMetadata(jobs=[TierJob(DiskTier.OPEN, key)]))
@@ -39,10 +39,10 @@ def test_direct_load_reads_the_verified_file_into_the_block(tmp_path):
 def test_a_file_that_fails_verification_is_not_held(tmp_path):
     w, _ = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_path=str(tmp_path))
     key = (1, 1)
-    path = disk.block_path(w.tier("disk").base, key)
-    disk.write_block(path, key, w.fingerprint, w.mac_key, np.zeros(w.slot_bytes, np.uint8))
+    path = block_dir.block_path(w.tier("disk").base, key)
+    block_file.write_block(path, key, w.fingerprint, w.mac_key, np.zeros(w.slot_bytes, np.uint8))
     data = bytearray(open(path, "rb").read())
-    data[disk.HEADER_SIZE + 5] ^= 1
+    data[block_file.HEADER_SIZE + 5] ^= 1
     open(path, "wb").write(data)
     w.start_load_kv(KVBMMetadata(jobs=[TierJob(DiskTier.OPEN, key), TierJob(DiskTier.OPEN, (2, 2))]))  # corrupt, missing
     assert w.build_worker_meta().reports == [Report(DiskTier.OPEN, key, False), Report(DiskTier.OPEN, (2, 2), False)]
@@ -56,14 +56,14 @@ def test_a_step_whose_load_failed_stores_and_writes_nothing(tmp_path):
     w, buf = cpu_layout_worker(2, 8, (2, 32, 16), slots=2, disk_path=str(tmp_path))
     key, other = (7, 9), (8, 8)
     w._copy([(KV, (3,), 0)], to_pool=True)
-    path = disk.block_path(w.tier("disk").base, key)
-    disk.write_block(path, key, w.fingerprint, w.mac_key, w.pool[0].numpy())
+    path = block_dir.block_path(w.tier("disk").base, key)
+    block_file.write_block(path, key, w.fingerprint, w.mac_key, w.pool[0].numpy())
     w.start_load_kv(KVBMMetadata(jobs=[TierJob(DiskTier.OPEN, key)]))
     w.build_worker_meta()
     with open(path, "r+b") as f:  # flipped in place after verification
-        f.seek(disk.HEADER_SIZE + 1)
+        f.seek(block_file.HEADER_SIZE + 1)
         b = f.read(1)
-        f.seek(disk.HEADER_SIZE + 1)
+        f.seek(block_file.HEADER_SIZE + 1)
         f.write(bytes([b[0] ^ 0x20]))
     pool_before = w.pool[1].clone()
     step = KVBMMetadata(direct_loads=[DirectLoad(KV, (5,), key, "disk")], stores={KV: Copies(KV, ([5],), [1])},
@@ -73,7 +73,7 @@ def test_a_step_whose_load_failed_stores_and_writes_nothing(tmp_path):
     wm = w.build_worker_meta()
     assert w.take_load_errors() == {5}
     assert wm.reports == [Report(STORE, 4, False), Report(DiskTier.WRITE, other, False)]
-    assert torch.equal(w.pool[1], pool_before) and not os.path.exists(disk.block_path(w.tier("disk").base, other))
+    assert torch.equal(w.pool[1], pool_before) and not os.path.exists(block_dir.block_path(w.tier("disk").base, other))
     step = KVBMMetadata(stores={KV: Copies(KV, ([5],), [1])}, store_batch=5)  # a step without failures
     w.start_load_kv(step)
     w.wait_for_save(step)
@@ -92,10 +92,10 @@ def test_staged_direct_loads_land_like_the_cpu_path(tmp_path):
     keys = [(1, k) for k in range(4)]
     for k, key in enumerate(keys):  # blocks 0-3 -> files
         w._copy([(KV, (k,), 0)], to_pool=True)
-        disk.write_block(disk.block_path(w.tier("disk").base, key), key, w.fingerprint, w.mac_key, w.pool[0].numpy())
+        block_file.write_block(block_dir.block_path(w.tier("disk").base, key), key, w.fingerprint, w.mac_key, w.pool[0].numpy())
     w.start_load_kv(KVBMMetadata(jobs=[TierJob(DiskTier.OPEN, key) for key in keys]))
-    with open(disk.block_path(w.tier("disk").base, keys[1]), "r+b") as f:  # flipped after verification
-        f.seek(disk.HEADER_SIZE + 3)
+    with open(block_dir.block_path(w.tier("disk").base, keys[1]), "r+b") as f:  # flipped after verification
+        f.seek(block_file.HEADER_SIZE + 3)
         f.write(b"\xff\x00")
     want = buf.clone()
     # the pool as register_kv_caches makes it on CUDA: staging rows past the CPU tier's slots

@@ -6,7 +6,7 @@ import types
 
 from vllm_kvbm_plugin.connector.remote_scheduler import RemoteCounters
 from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats
-from vllm_kvbm_plugin.tiers.remote import Breaker
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 
 
 def test_remote_totals_become_interval_stats_and_prometheus_counters(metric_types):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
-from vllm_kvbm_plugin.connector.announce import Announcer
+from vllm_kvbm_plugin.connector.block_events import Announcer
 from vllm_kvbm_plugin.events.types import Tier
 
 if TYPE_CHECKING:

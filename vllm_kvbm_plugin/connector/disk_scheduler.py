@@ -15,15 +15,15 @@ import time
 import msgspec
 from vllm.distributed.kv_events import BlockStored
 
-from vllm_kvbm_plugin.connector.announce import Announce, Announcer, compact, renamed
+from vllm_kvbm_plugin.connector.block_events import Announce, Announcer, compact, renamed
 from vllm_kvbm_plugin.connector.base import TierJob, TierOp, Verb
-from vllm_kvbm_plugin.connector.cpu_tier import TierManager
+from vllm_kvbm_plugin.connector.tier_manager import TierManager
 from vllm_kvbm_plugin.connector.layout import Layout, remove_v1_tier_dir
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers.index import Entry
 from vllm_kvbm_plugin.tiers.pinned import restore
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 logger = get_logger("connector")
 
@@ -136,7 +136,7 @@ class DiskTier(TierManager):
         if self.prepare_store(key, parent, announce) is None:
             return None
         events = self.events_of(key).events
-        blob = diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
+        blob = block_file.encode_meta(end, [_ENCODE(e) for e in events])
         if len(blob) > self.meta_bytes:  # the file would go beyond its share of disk_bytes_to_use
             self.complete_store(key, False)
             if not self.oversized:
@@ -152,8 +152,8 @@ class DiskTier(TierManager):
         store again after a pause (a full disk frees up)."""
         if time.monotonic() >= self.writes_resume:
             logger.warning("KVBMConnector: disk writes failed; the disk tier stops storing for %.0f s and "
-                           "keeps serving what it holds", diskfmt.WRITE_PAUSE_S)
-        self.writes_resume = time.monotonic() + diskfmt.WRITE_PAUSE_S
+                           "keeps serving what it holds", block_file.WRITE_PAUSE_S)
+        self.writes_resume = time.monotonic() + block_file.WRITE_PAUSE_S
 
     # ---- loads: prefetches into CPU slots, and direct loads from open files --------------
     def prefetch(self, key) -> None:
@@ -222,7 +222,7 @@ class DiskTier(TierManager):
 
     def lost(self, key) -> None:
         logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
-                       diskfmt.key_hex(key))
+                       block_dir.key_hex(key))
         self.remove(key)
 
     # ---- files ---------------------------------------------------------------------------
@@ -234,22 +234,22 @@ class DiskTier(TierManager):
     def _unlink(self, key) -> None:
         for base in self.bases:
             try:
-                os.unlink(diskfmt.block_path(base, key))
+                os.unlink(block_dir.block_path(base, key))
             except OSError:
                 pass
 
     def _load_index(self) -> None:
         """Index the block files of earlier runs and announce them (parents first) from the
         BlockStored events each file carries in its metadata."""
-        found = diskfmt.scan(self.bases[0])
+        found = block_dir.scan(self.bases[0])
         readable, unreadable = [], 0
         for key, _size in found:
-            meta = diskfmt.read_meta(diskfmt.block_path(self.bases[0], key))
+            meta = block_file.read_meta(block_dir.block_path(self.bases[0], key))
             if meta is None:  # unreadable, or another format version: it could never be a hit
                 self._unlink(key)
                 unreadable += 1
                 continue
-            info = diskfmt.decode_meta(meta)
+            info = block_file.decode_meta(meta)
             try:
                 events = renamed([compact(_DECODE_STORED(ev)) for ev in info[1]], self.name) if info else None
             except (msgspec.DecodeError, msgspec.ValidationError):

@@ -17,7 +17,7 @@ import numpy as np
 from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, Verb, WorkerContext
 from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 logger = get_logger("connector.worker")
 
@@ -64,13 +64,13 @@ class DiskWorker:
         self._resume = 0.0  # monotonic time writes resume after failing as a whole
         self._failed = False  # such a failure, not yet reported to the scheduler side
         try:  # 0700 whatever the umask; existing tier directories are tightened (logged)
-            diskfmt.prepare_block_dir(side.layout.disk_path, base)
+            block_dir.prepare_block_dir(side.layout.disk_path, base)
         except OSError as e:
             self._broken = True
             logger.warning("KVBMConnector: disk tier directory %s unusable (%s); no more disk writes", base, e)
 
     def _paths(self, keys: list[Key]) -> list[str]:
-        return [diskfmt.block_path(self.base, k) for k in keys]
+        return [block_dir.block_path(self.base, k) for k in keys]
 
     def _done(self, operation: str, ok: int, n: int, t0: float) -> None:
         """Stats of one batched call: `ok` of `n` blocks done, the rest failed."""
@@ -86,7 +86,7 @@ class DiskWorker:
         fetches = [j for j in jobs if j.op.verb is Verb.FETCH]
         if opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
-            opened = diskfmt.open_verified_blocks(self._paths(opens), opens, side.fingerprint, side.mac_key,
+            opened = block_file.open_verified_blocks(self._paths(opens), opens, side.fingerprint, side.mac_key,
                                                   side.slot_bytes)
             for key, o in zip(opens, opened):
                 if o is not None:
@@ -99,14 +99,14 @@ class DiskWorker:
         if fetches:  # read and verified straight into their (not yet ready) slots
             t0 = time.perf_counter()
             keys = [j.key for j in fetches]
-            metas = diskfmt.read_blocks(self._paths(keys), keys, side.fingerprint, side.mac_key,
+            metas = block_file.read_blocks(self._paths(keys), keys, side.fingerprint, side.mac_key,
                                         [side.pool[j.slot].numpy() for j in fetches])
             self.reports += [Report(DiskTier.FETCH, key, m is not None) for key, m in zip(keys, metas)]
             self._done("read", sum(m is not None for m in metas), len(keys), t0)
 
     def read_held(self, key: Key, parts: list[np.ndarray]) -> bool:
         fd = self.held.get(key)
-        return fd is not None and diskfmt.read_payload(fd, parts, self.side.mac_key)
+        return fd is not None and block_file.read_payload(fd, parts, self.side.mac_key)
 
     def close(self, keys: list[Key]) -> None:
         for key in keys:
@@ -143,7 +143,7 @@ class DiskWorker:
         if self._writes_on():
             keys = [j.key for j in jobs]
             try:
-                errors = diskfmt.write_blocks(self._paths(keys), keys, side.fingerprint, side.mac_key,
+                errors = block_file.write_blocks(self._paths(keys), keys, side.fingerprint, side.mac_key,
                                               [side.pool[j.slot].numpy() for j in jobs],
                                               [j.meta for j in jobs], fsync=side.cfg.disk_fsync)
             except OSError as e:
@@ -151,13 +151,13 @@ class DiskWorker:
             for i, (key, e) in enumerate(zip(keys, errors)):
                 if e is None:
                     ok[i] = True
-                elif isinstance(e, diskfmt.BlockRefused):
-                    logger.warning("KVBMConnector: disk block %s not stored (%s)", diskfmt.key_hex(key), e)
+                elif isinstance(e, block_file.BlockRefused):
+                    logger.warning("KVBMConnector: disk block %s not stored (%s)", block_dir.key_hex(key), e)
                 elif self._writes_on():
-                    self._resume = time.monotonic() + diskfmt.WRITE_PAUSE_S
+                    self._resume = time.monotonic() + block_file.WRITE_PAUSE_S
                     self._failed = True
                     logger.warning("KVBMConnector: disk tier write failed (%s); disk writes pause for %.0f s",
-                                   e, diskfmt.WRITE_PAUSE_S)
+                                   e, block_file.WRITE_PAUSE_S)
         self._done("write", sum(ok), len(jobs), t0)
         for j, good in zip(jobs, ok):
             self._results.put((j.key, good))

@@ -15,15 +15,15 @@ import msgspec
 
 from vllm.distributed.kv_events import BlockRemoved
 
-from vllm_kvbm_plugin.connector.announce import Announcer
+from vllm_kvbm_plugin.connector.block_events import Announcer
 from vllm_kvbm_plugin.connector.base import Series, TierJob, TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
 from vllm_kvbm_plugin.log import redact_url
-from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME as SECRET_NAME
 from vllm_kvbm_plugin.tiers.secret import tier_secret
+from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 
 _ENCODE = msgspec.msgpack.Encoder().encode
 
@@ -123,10 +123,10 @@ class RemoteTier:
         root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
         self.name = storage_tier(f"kvbm-remote:{root_hex}", LOCALITY_REMOTE)
         self.url = url
-        self.prefixes = [remotefmt.key_prefix(layout.root, r) for r in range(layout.world)]
+        self.prefixes = [remote_value.key_prefix(layout.root, r) for r in range(layout.world)]
         self.budget = budget_ms / 1000
         self.budget_left = self.budget
-        self.breaker = remotefmt.Breaker("scheduler", url)
+        self.breaker = Breaker("scheduler", url)
         secret = tier_secret(url, layout.disk_path)
         # A secret kept in the store is written back (SET NX) with lookups: the server may evict
         # it like any key, and an instance starting then would make a new one and share nothing.
@@ -138,7 +138,7 @@ class RemoteTier:
         self.confirming: _Lookup | None = None  # the confirmation in flight
         self.confirming_keys: set = set()
         self.fetching: set = set()
-        self.landed_seen = 0  # remotefmt.LANDINGS.count when last looked at
+        self.landed_seen = 0  # resp.LANDINGS.count when last looked at
         self.writing: dict = {}  # key -> (Announce, parent)
         self.announced: collections.OrderedDict = collections.OrderedDict()  # key -> Announce
         self.lookups: dict = {}  # request id -> _Lookup
@@ -156,7 +156,7 @@ class RemoteTier:
         return len(self.present)
 
     def names(self, key) -> list[str]:
-        h = diskfmt.key_hex(key)
+        h = block_dir.key_hex(key)
         return [p + h for p in self.prefixes]
 
     def busy(self) -> int:
@@ -295,7 +295,7 @@ class RemoteTier:
         go over a DirectClient where one can (`call`: a few times faster than redis-py)."""
         try:
             if self._client is None and self.breaker.allow():
-                self._client = remotefmt.connect_direct(self.url)
+                self._client = resp.connect_direct(self.url)
                 self.breaker.success()
         except Exception as e:  # the breaker logs it; lookups are misses until it is back
             self.breaker.failure(e)
@@ -334,8 +334,8 @@ class RemoteTier:
         if keep:
             commands.append(("SET", SECRET_NAME, self.secret_hex, "NX"))
         if self._client is None:
-            self._client = remotefmt.connect_direct(self.url)
-        found = remotefmt.run(self._client, commands)
+            self._client = resp.connect_direct(self.url)
+        found = resp.run(self._client, commands)
         n = len(self.prefixes)
         for r in found[: len(keys) * n]:
             if isinstance(r, Exception):
@@ -347,12 +347,12 @@ class RemoteTier:
     # ---- fetches into CPU slots ------------------------------------------------------------
     def prefetch(self, key) -> None:
         if not self.fetching:
-            self.landed_seen = remotefmt.LANDINGS.count  # what landed before this fetch was asked
+            self.landed_seen = resp.LANDINGS.count  # what landed before this fetch was asked
         self.fetching.add(key)
 
     def busy_loading(self, key) -> bool:
         """Being fetched. Then the request waits a step, and this step waits for up to
-        FETCH_YIELD of its budget for a fetch to land (remotefmt.Landings: the request then goes
+        FETCH_YIELD of its budget for a fetch to land (resp.Landings: the request then goes
         on at once where the workers share this process). The pause also yields the CPU: an idle
         engine polls waiting requests in a tight loop that would keep the GIL and a core from the
         threads doing the fetch (a GIL convoy)."""
@@ -360,7 +360,7 @@ class RemoteTier:
             return False
         if self.budget_left > 0:
             t0 = time.perf_counter()
-            seen = remotefmt.LANDINGS.wait(self.landed_seen, min(self.budget_left, self.FETCH_YIELD))
+            seen = resp.LANDINGS.wait(self.landed_seen, min(self.budget_left, self.FETCH_YIELD))
             self.budget_left -= time.perf_counter() - t0
             if seen != self.landed_seen:
                 self.landed_seen = seen
@@ -396,7 +396,7 @@ class RemoteTier:
             return None
         a = announce(self.name)
         self.writing[key] = (a, parent)
-        return diskfmt.encode_meta(end, [_ENCODE(e) for e in a.events])
+        return block_file.encode_meta(end, [_ENCODE(e) for e in a.events])
 
     def complete_store(self, key, ok: bool) -> None:
         a, parent = self.writing.pop(key, (None, None))
@@ -421,5 +421,5 @@ class RemoteTier:
     def close(self) -> None:
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join(2 * remotefmt.SOCKET_TIMEOUT + 1)
+            self._thread.join(2 * resp.SOCKET_TIMEOUT + 1)
             self._thread = None

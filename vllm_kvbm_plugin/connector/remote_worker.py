@@ -19,8 +19,8 @@ from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, Verb, WorkerCo
 from vllm_kvbm_plugin.connector.disk_worker import run_batches
 from vllm_kvbm_plugin.connector.remote_scheduler import RemoteCounters, RemoteTier
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers import block_dir, remote_value, resp
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 
 logger = get_logger("connector.worker")
 
@@ -41,14 +41,14 @@ class RemoteWorker:
 
     def __init__(self, side: WorkerContext, url: str):
         self.side, self.url = side, url
-        self.prefix = remotefmt.key_prefix(side.layout.root, side.rank)
-        self.breaker = remotefmt.Breaker(f"worker {side.rank}", url)
+        self.prefix = remote_value.key_prefix(side.layout.root, side.rank)
+        self.breaker = Breaker(f"worker {side.rank}", url)
         self.changes = RemoteCounters()  # the breaker's changes per stats interval
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.client = None
-        self.direct = remotefmt.DirectClient(url) if remotefmt.DirectClient.supports(url) else None
+        self.direct = resp.DirectClient(url) if resp.DirectClient.supports(url) else None
         self._start()
 
     def _start(self) -> None:
@@ -108,7 +108,7 @@ class RemoteWorker:
     def _loop(self) -> None:
         if self.client is None and self.breaker.allow():
             try:
-                self.client = remotefmt.connect_ready(self.url)
+                self.client = resp.connect_ready(self.url)
                 if self.direct is not None:
                     self.direct.connect()
                 self.breaker.success()
@@ -124,7 +124,7 @@ class RemoteWorker:
             t0 = time.perf_counter()
             try:
                 if self.client is None:
-                    self.client = remotefmt.connect(self.url)
+                    self.client = resp.connect(self.url)
                 if fetches:
                     done = self._fetch(fetches, t0)
                 t0 = time.perf_counter()
@@ -138,36 +138,36 @@ class RemoteWorker:
         for j in batch:
             self.results.put(Report(j.op, j.key, (j.op.verb, j.key) in done))
         if fetches:
-            remotefmt.LANDINGS.landed()  # a scheduler side in this process waiting for them goes on
+            resp.LANDINGS.landed()  # a scheduler side in this process waiting for them goes on
 
     def _fetch(self, fetches: list[TierJob], t0: float) -> set[tuple[Verb, Key]]:
         side = self.side
         keys = [j.key for j in fetches]
-        names = [self.prefix + diskfmt.key_hex(key) for key in keys]
+        names = [self.prefix + block_dir.key_hex(key) for key in keys]
         outs = [side.pool[j.slot].numpy() for j in fetches]
         # a DirectClient reads straight into the slots, verified as the bytes land
-        results = remotefmt.fetch_values(self.direct or self.client, names, keys, side.fingerprint,
+        results = resp.fetch_values(self.direct or self.client, names, keys, side.fingerprint,
                                          side.mac_key, outs)
         done, bad = set(), []
         for key, name, r in zip(keys, names, results):
-            if r == remotefmt.BAD:
+            if r == remote_value.BAD:
                 bad.append(name)
                 logger.warning("KVBMConnector: remote value %s does not verify; deleted (a miss)",
-                               diskfmt.key_hex(key))
-            if r == remotefmt.OK:
+                               block_dir.key_hex(key))
+            if r == remote_value.OK:
                 done.add((Verb.FETCH, key))
         if bad:
-            remotefmt.delete_values(self.client, bad)
+            resp.delete_values(self.client, bad)
         if done:
             side.record(self.label, "read", len(done), t0)
         return done
 
     def _write(self, writes: list[TierJob]) -> None:
         side = self.side
-        names = [self.prefix + diskfmt.key_hex(j.key) for j in writes]
-        values = [remotefmt.value_parts(j.key, side.fingerprint, side.mac_key, side.pool[j.slot].numpy(), j.meta)
+        names = [self.prefix + block_dir.key_hex(j.key) for j in writes]
+        values = [remote_value.value_parts(j.key, side.fingerprint, side.mac_key, side.pool[j.slot].numpy(), j.meta)
                   for j in writes]
-        remotefmt.store_values(self.direct or self.client, names, values)
+        resp.store_values(self.direct or self.client, names, values)
 
 
 def remote_peaks(cfg, slot_bytes: int) -> dict[str, float]:
@@ -177,7 +177,7 @@ def remote_peaks(cfg, slot_bytes: int) -> dict[str, float]:
 
     if not cfg.remote_url:
         return {}
-    client = remotefmt.connect(cfg.remote_url)
+    client = resp.connect(cfg.remote_url)
     try:
         return roofline.remote_peaks(client, slot_bytes)
     finally:

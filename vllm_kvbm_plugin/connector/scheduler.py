@@ -29,7 +29,7 @@ import itertools
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.announce import NOTHING, EventBuilder
+from vllm_kvbm_plugin.connector.block_events import NOTHING, EventBuilder
 from vllm_kvbm_plugin.connector.base import PrimaryTier, SecondaryTier, Verb
 from vllm_kvbm_plugin.connector.cpu_tier import cpu_tier
 from vllm_kvbm_plugin.connector.layout import KV, STATE, EntryKind, Layout, partial_key, state_key
@@ -533,7 +533,7 @@ class SchedulerSide:
         after the last one stored or found held."""
         cpu, lower = self.primary, self.lower
         held = cpu.entries
-        run = self.events.run(st.request, first)  # the events of the blocks stored here, built together once announced
+        run = self.events.step_events(st.request, first)  # the events of the blocks stored here, built together once announced
         n, m = len(keys), 0
         while m < n:
             j = m + 1

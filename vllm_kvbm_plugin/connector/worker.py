@@ -32,9 +32,9 @@ from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.connector.tier_modules import tier_modules
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import host_memory
-from vllm_kvbm_plugin.tiers.disk import key_hex
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
+from vllm_kvbm_plugin.tiers.block_dir import key_hex
 
 logger = get_logger("connector.worker")
 
