@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.announce import Announcer
+from vllm_kvbm_plugin.connector.block_events import Announcer
 from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, TierJobs, TierModule, TierOp, Verb, WorkerContext
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import storage_tier
