@@ -30,7 +30,8 @@ package), the index learns `(parent, tokens, extra keys) -> hash` from the strea
 walks the prompt through it.
 
 Exact bookkeeping: a hash is held by a (worker, tier, group) while its store count is positive
-(the plugin's coarse and unit events announce one hash at two block sizes), `AllBlocksCleared`
+(the plugin's coarse and unit events announce one hash at two block sizes), kept in numba tables
+with no Python object per hash (events/held_table.py; the serving rules: events/hit_rules.py), `AllBlocksCleared`
 empties the worker's GPU tier, and a batch lost in transit (a sequence gap) marks the instance
 stale: later batches wait until the missing ones are applied (the subscriber's replay) or the
 instance is reset.
@@ -38,13 +39,16 @@ instance is reset.
 
 from __future__ import annotations
 
-import bisect
+import array
 import dataclasses
 import itertools
-import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from vllm_kvbm_plugin.events.held_table import REMOVE, STORE, HeldTable, hash_key, hash_keys
+from vllm_kvbm_plugin.events.hit_rules import gpu_hit_units, tier_hit
 from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher, event_extra_keys, unit_extra_keys
 from vllm_kvbm_plugin.events.types import (
     LOCALITY_REMOTE,
@@ -111,19 +115,48 @@ class WorkerMatch(NamedTuple):
     stale: bool  # events were lost: the numbers may be wrong until replay recovers them
 
 
-class _Looked(NamedTuple):
-    kv_masks: list  # per unit: bits of the attention holders of its hash
-    state_masks: list  # per unit: bits of the state holders of its hash
-    acc: list  # running AND of kv_masks: who holds every unit so far
-    checkpoints: list  # units (1-based) some state holder holds, ascending
-
-
 @dataclasses.dataclass
 class _Holder:
-    """One (worker, tier, group): the hashes it holds, with store counts."""
-    bit: int
+    """One (worker, tier, group): its number in the table of held hashes (HeldTable), and its kind."""
+    id: int
     kind: str | None
-    counts: dict = dataclasses.field(default_factory=dict)
+
+
+class _ServeBits(NamedTuple):
+    """What a worker serves from, as holder bits (rows of HeldTable words), cached per worker."""
+    hybrid: bool  # it or a shared tier it reads announced states
+    gpu_kv: np.ndarray | None  # its GPU attention groups' bits (None: no GPU attention event yet)
+    gpu_st: np.ndarray
+    others: tuple  # its offload tiers (own and shared)
+    single: dict  # tier -> [[attention bits, state bits]]
+    mid: dict  # tier -> the same, or none: the tiers a state inside a block may come from
+    all_tiers: np.ndarray  # every offload tier's [attention bits, state bits]
+    all_mid: np.ndarray
+
+
+class _Ops:
+    """A batch's stores and removals, gathered for one HeldTable.apply: runs of hashes."""
+
+    def __init__(self):
+        self.hashes = array.array("Q")
+        self.ends: list[int] = []
+        self.holders: list[int] = []
+        self.ops: list[int] = []
+
+    def add(self, hashes: Sequence, holder: int, op: int) -> None:
+        try:
+            self.hashes.extend(hashes)
+        except (TypeError, OverflowError):  # digests as bytes, or ints past 64 bits
+            self.hashes.extend(hash_key(h) for h in hashes)
+        self.ends.append(len(self.hashes))
+        self.holders.append(holder)
+        self.ops.append(op)
+
+    def flush(self, table: HeldTable) -> None:
+        if self.ends:
+            table.apply(np.frombuffer(self.hashes, np.uint64), np.array(self.ends, np.int64),
+                        np.array(self.holders, np.int64), np.array(self.ops, np.int8))
+            self.__init__()
 
 
 class _Worker:
@@ -137,9 +170,9 @@ class _Worker:
         self.holders: dict[tuple, _Holder] = {}  # (tier, group) -> holder
         self.hybrid = False
         self.group_kinds: dict = {}  # group -> kind, from GPU events (tier events may lack it)
-        self.bits = 0  # every holder bit of this worker (its own tiers)
+        self.holder_ids: list[int] = []  # its own tiers' holders
         self.remote_tiers = remote_tiers  # shared REMOTE tiers its stream announced blocks in (kept over resets)
-        self._tier_bits: tuple | None = None  # (KVIndex.shared_gen, tier -> bits), see KVIndex._tier_bits
+        self._serve_bits: tuple | None = None  # (KVIndex.shared_gen, words, _ServeBits), see KVIndex._serve_bits
         # learned (parent, tokens, extra keys) -> hash, for workers whose hashes cannot be computed
         self.learned: dict[tuple, Any] = {}
         self.learned_key: dict[Any, tuple] = {}
@@ -160,9 +193,9 @@ class KVIndex:
         self.default = default or WorkerConfig()
         self.configs: dict[Any, WorkerConfig] = {}  # instance -> config
         self.workers: dict[tuple, _Worker] = {}
-        # hash -> bits of the (worker, tier, group)s holding it; attention and state holders have
-        # bits of their own, so one lookup per unit serves both
-        self.held_by: dict[Any, int] = {}
+        # hash -> bits of the (worker, tier, group)s holding it, and store counts; attention and
+        # state holders have bits of their own, so one lookup per unit serves both
+        self.table = HeldTable()
         # shared REMOTE tiers: (tier, group) -> holder, one for every stream (module docstring);
         # shared_gen changes whenever one is added or learns its kind (workers' tier bits then)
         self.shared: dict[tuple, _Holder] = {}
@@ -170,13 +203,13 @@ class KVIndex:
         self.as_int: bool | None = None  # the hash form of the first hash any stream announced
         # worker -> the shared tiers it announced into: it still reads them after a restart
         self.remote_reads: dict[tuple, set] = {}
-        self._next_bit = 1
-        self._state_bits = 0  # bits of every state holder
+        self._next_holder = 0
         # per instance: next expected seq, missing seqs, batches waiting behind a gap
         self.next_seq: dict[Any, int] = {}
         self.missing: dict[Any, set] = {}
         self.pending: dict[Any, dict[int, KVEventBatch]] = {}
         self.stats = {"batches": 0, "stored": 0, "removed": 0, "unknown_removals": 0, "gaps": 0}
+        self._unknown = 0  # removals from holders never announced (the table counts the others)
 
     # ---- configuration ----
     def add_instance(self, instance, config: WorkerConfig | None = None, ranks=()) -> None:
@@ -244,7 +277,7 @@ class KVIndex:
         for key in [k for k in self.workers if k[0] == instance]:
             w = self.workers.pop(key)
             for holder in w.holders.values():
-                self._clear(holder)
+                self.table.clear(holder.id)
             if instance in self.configs:  # a configured instance stays matched (add_instance)
                 self._worker(*key)
         self.next_seq.pop(instance, None)
@@ -254,80 +287,93 @@ class KVIndex:
     def _apply(self, instance, batch: KVEventBatch) -> None:
         self.stats["batches"] += 1
         w = self._worker(instance, batch.data_parallel_rank)
+        ops = _Ops()
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self._stored(w, ev)
+                self._stored(w, ev, ops)
             elif isinstance(ev, BlockRemoved):
-                self._removed(w, ev)
+                self._removed(w, ev, ops)
             elif isinstance(ev, AllBlocksCleared):
+                ops.flush(self.table)
                 if w.remote_tiers and not w.holders:  # the remote tier's announcer: the store was flushed
                     for (tier, _), holder in self.shared.items():
                         if tier in w.remote_tiers:
-                            self._clear(holder)
+                            self.table.clear(holder.id)
                 for (tier, _), holder in w.holders.items():
                     if tier == TIER_GPU:
-                        self._clear(holder)
+                        self.table.clear(holder.id)
+        ops.flush(self.table)
+        self.stats["unknown_removals"] = self._unknown + self.table.unknown_removals
+
+    def _new_holder(self, kind) -> _Holder:
+        holder = _Holder(self._next_holder, kind)
+        self._next_holder += 1
+        self.table.add_holder(holder.id)
+        return holder
 
     def _holder(self, w: _Worker, tier: Tier, group, kind) -> _Holder:
         if tier.locality == LOCALITY_REMOTE:
             return self._shared_holder(w, tier, group, kind)
         holder = w.holders.get((tier, group))
         if holder is None:
-            holder = w.holders[(tier, group)] = _Holder(self._next_bit, kind)
-            self._next_bit <<= 1
-            w.bits |= holder.bit
-            if kind in STATE_KINDS:
-                self._state_bits |= holder.bit
-            w._tier_bits = None
+            holder = w.holders[(tier, group)] = self._new_holder(kind)
+            w.holder_ids.append(holder.id)
+            w._serve_bits = None
             if kind in STATE_KINDS:
                 w.hybrid = True
         elif holder.kind is None and kind is not None:
             holder.kind = kind
-            w._tier_bits = None
+            w._serve_bits = None
             w.hybrid = w.hybrid or kind in STATE_KINDS
-            if kind in STATE_KINDS:
-                self._state_bits |= holder.bit
         return holder
 
     def _shared_holder(self, w: _Worker, tier: Tier, group, kind) -> _Holder:
         """The fleet's holder of a shared REMOTE tier's group; `w` announced into it."""
         if tier not in w.remote_tiers:
             w.remote_tiers.add(tier)
-            w._tier_bits = None
+            w._serve_bits = None
         holder = self.shared.get((tier, group))
         if holder is None:
-            holder = self.shared[(tier, group)] = _Holder(self._next_bit, kind)
-            self._next_bit <<= 1
+            holder = self.shared[(tier, group)] = self._new_holder(kind)
             self.shared_gen += 1
         elif holder.kind is None and kind is not None:
             holder.kind = kind
             self.shared_gen += 1
-        else:
-            return holder
-        if kind in STATE_KINDS:
-            self._state_bits |= holder.bit
         return holder
 
-    def _tier_bits(self, w: _Worker) -> dict:
-        """Tier -> (attention holder bits, state holder bits) of what `w` serves from: its own
-        tiers and the shared REMOTE tiers it reads (`WorkerConfig.remote`)."""
-        if w._tier_bits is not None and w._tier_bits[0] == self.shared_gen:
-            return w._tier_bits[1]
-        out: dict[Tier, tuple[int, int]] = {}
+    def _serve_bits(self, w: _Worker) -> _ServeBits:
+        """What `w` serves from, as holder bits: its own tiers and the shared REMOTE tiers it
+        reads (`WorkerConfig.remote`)."""
+        words = self.table.words
+        cached = w._serve_bits
+        if cached is not None and cached[0] == self.shared_gen and cached[1] == words:
+            return cached[2]
+        ids: dict[Tier, tuple[list, list]] = {}
         reads = w.config.remote
         shared = [(k, h) for k, h in self.shared.items()
                   if reads == "all" or (reads == "announced" and k[0] in w.remote_tiers)]
         for (tier, _), holder in itertools.chain(w.holders.items(), shared):
-            kv_bits, st_bits = out.get(tier, (0, 0))
-            if holder.kind in STATE_KINDS:
-                st_bits |= holder.bit
-            else:
-                kv_bits |= holder.bit
-            out[tier] = (kv_bits, st_bits)
-        w._tier_bits = (self.shared_gen, out)
-        return out
+            kv, st = ids.setdefault(tier, ([], []))
+            (st if holder.kind in STATE_KINDS else kv).append(holder.id)
+        bits = {t: np.stack([self.table.bits(kv), self.table.bits(st)]) for t, (kv, st) in ids.items()}
+        others = tuple(t for t in bits if t != TIER_GPU)
+        native = w.config.connector == "OffloadingConnector"
+        mid_tiers = [t for t in others if not native or t.medium == MEDIUM_CPU]
+        empty = np.zeros((0, 2, words), np.uint64)
+        gpu = ids.get(TIER_GPU)
+        sb = _ServeBits(
+            hybrid=w.hybrid or any(st for _, st in ids.values()),
+            gpu_kv=bits[TIER_GPU][0] if gpu and gpu[0] else None,
+            gpu_st=bits[TIER_GPU][1] if gpu else np.zeros(words, np.uint64),
+            others=others,
+            single={t: bits[t][None] for t in others},
+            mid={t: bits[t][None] if t in mid_tiers else empty for t in others},
+            all_tiers=np.stack([bits[t] for t in others]) if others else empty,
+            all_mid=np.stack([bits[t] for t in mid_tiers]) if mid_tiers else empty)
+        w._serve_bits = (self.shared_gen, words, sb)
+        return sb
 
-    def _stored(self, w: _Worker, ev: BlockStored) -> None:
+    def _stored(self, w: _Worker, ev: BlockStored, ops: _Ops) -> None:
         hashes = ev.block_hashes
         if not hashes:
             return  # vLLM's Mamba events sometimes carry token ids only
@@ -351,13 +397,7 @@ class KVIndex:
                 w.unit = bs
         if w.config.block_size is None and (w.block_size is None or ev.block_size > w.block_size):
             w.block_size = ev.block_size
-        table = self.held_by
-        counts, bit = holder.counts, holder.bit
-        for h in hashes:
-            c = counts.get(h, 0)
-            counts[h] = c + 1
-            if not c:
-                table[h] = table.get(h, 0) | bit
+        ops.add(hashes, holder.id, STORE)
         self.stats["stored"] += len(hashes)
         if w.learns and not is_state and ev.token_ids and ev.block_size == w.unit:
             self._learn(w, ev)
@@ -382,46 +422,29 @@ class KVIndex:
             w.learned_key[h] = k
             parent = h
 
-    def _removed(self, w: _Worker, ev: BlockRemoved) -> None:
+    def _removed(self, w: _Worker, ev: BlockRemoved, ops: _Ops) -> None:
         tier = _tier(ev)
         holder = (self.shared if tier.locality == LOCALITY_REMOTE else w.holders).get((tier, ev.group_idx))
         if holder is None:
-            self.stats["unknown_removals"] += len(ev.block_hashes)
+            self._unknown += len(ev.block_hashes)
             return
-        table = self.held_by
-        counts, bit = holder.counts, holder.bit
-        for h in ev.block_hashes:
-            c = counts.get(h, 0)
-            if c > 1:
-                counts[h] = c - 1
-            elif c == 1:
-                del counts[h]
-                self._drop_bit(table, h, bit, w)
-            else:
-                self.stats["unknown_removals"] += 1
+        ops.add(ev.block_hashes, holder.id, REMOVE)
         self.stats["removed"] += len(ev.block_hashes)
+        if w.learns:  # forget what the worker no longer holds anywhere (one event at a time)
+            ops.flush(self.table)
+            gone = set(ev.block_hashes) - self._held_keys(w.holder_ids, ev.block_hashes)
+            for h in gone:
+                k = w.learned_key.pop(h, None)
+                if k is not None and w.learned.get(k) == h:
+                    del w.learned[k]
 
-    def _drop_bit(self, table: dict, h, bit: int, w: _Worker) -> None:
-        m = table.get(h, 0) & ~bit
-        if m:
-            table[h] = m
-        else:
-            table.pop(h, None)
-        if w.learns and not (table.get(h, 0) & w.bits):
-            k = w.learned_key.pop(h, None)
-            if k is not None and w.learned.get(k) == h:
-                del w.learned[k]
-
-    def _clear(self, holder: _Holder) -> None:
-        table = self.held_by
-        bit = holder.bit
-        for h in holder.counts:
-            m = table.get(h, 0) & ~bit
-            if m:
-                table[h] = m
-            else:
-                table.pop(h, None)
-        holder.counts = {}
+    def _held_keys(self, holder_ids: list, hashes: Sequence) -> set:
+        """Those of `hashes` any of `holder_ids` holds."""
+        keys = hash_keys(hashes)
+        masks = np.zeros((len(keys), self.table.words), np.uint64)
+        self.table.lookup(keys, masks)
+        held = (masks & self.table.bits(holder_ids)).any(axis=1)
+        return {h for h, y in zip(hashes, held) if y}
 
     # ---- queries ----
     def match(self, token_ids: Sequence[int], extra_keys: Sequence[tuple | None] | None = None,
@@ -433,34 +456,49 @@ class KVIndex:
         (name, path) of the request's adapter; `cache_salt`: the request's salt."""
         n = len(token_ids)
         out: dict[tuple, WorkerMatch] = {}
-        hashed: dict[tuple, _Looked] = {}  # (algo, seed, unit, form) -> the prompt's masks
+        looked: dict[tuple, np.ndarray] = {}  # (algo, seed, unit) -> the prompt's holder bits per unit
         unit_keys: dict[int, list | None] = {}  # unit -> extra keys per unit
         for key, w in self.workers.items():
             unit = w.unit or self._fleet_unit(w)
-            as_int = w.as_int if w.as_int is not None else self.as_int
             stale = self.is_stale(key[0])
-            if unit is None or n <= 1 or as_int is None:
+            if unit is None or n <= 1 or (w.as_int is None and self.as_int is None):
                 out[key] = WorkerMatch(0, {}, stale)
                 continue
-            n_units = n // unit  # a GPU hit never covers the last token, a tier hit's last block may (_tier_hit)
+            n_units = n // unit  # a GPU hit never covers the last token, a tier hit's last block may (tier_hit)
             if unit not in unit_keys:
                 unit_keys[unit] = _merge_keys(n_units, unit, extra_keys, lora, cache_salt)
             keys = unit_keys[unit]
             if w.learns:
-                looked = self._lookup(self._walk_learned(w, token_ids, unit, n_units, keys))
+                masks = self._masks(hash_keys(self._walk_learned(w, token_ids, unit, n_units, keys)), n_units)
             else:
-                hk = (w.hasher.algo, w.hasher.seed, unit, as_int)
-                looked = hashed.get(hk)
-                if looked is None:
+                hk = (w.hasher.algo, w.hasher.seed, unit)
+                masks = looked.get(hk)
+                if masks is None:
                     if keys:
-                        hs = w.hasher.event_hashes(token_ids, unit, n_units, keys, as_int)
-                        looked = self._lookup(hs)
+                        hs = w.hasher.event_hashes(token_ids, unit, n_units, keys)
+                        masks = self._masks(hash_keys(hs), n_units)
                     else:
-                        looked = self._lookup_chunks(w.hasher.event_hash_chunks(token_ids, unit, n_units, as_int),
-                                                     self._widest_block(hk))
-                    hashed[hk] = looked
-            out[key] = self._serve(w, looked, n, stale, unit)
+                        masks = self._masks_chunks(w.hasher.event_hash_chunks(token_ids, unit, n_units),
+                                                   n_units, self._widest_block(hk))
+                    looked[hk] = masks
+            out[key] = self._serve(w, masks, n, stale, unit)
         return out
+
+    def match_keys(self, keys: np.ndarray, n: int, unit: int) -> dict[tuple, WorkerMatch]:
+        """`match` of a prompt hashed by the caller: `keys`, its units' event hashes as uint64
+        (vLLM's int form: the digest's last 8 bytes), in hash unit `unit`; `n`, its tokens. Only
+        the workers matched in that unit are answered."""
+        workers = [(k, w) for k, w in self.workers.items() if (w.unit or self._fleet_unit(w)) == unit]
+        if not workers or n <= 1:
+            return {k: WorkerMatch(0, {}, self.is_stale(k[0])) for k, _ in workers}
+        n_units = min(len(keys), n // unit)
+        masks = np.zeros((n_units, self.table.words), np.uint64)
+        self.table.lookup(keys[:n_units], masks, run=self._widest_block((None, None, unit)))
+        return {k: self._serve(w, masks, n, self.is_stale(k[0]), unit) for k, w in workers}
+
+    def n_held(self) -> int:
+        """How many distinct hashes some worker or shared tier holds."""
+        return len(self.table)
 
     def unit(self, instance, dp=0) -> int | None:
         """The hash unit `instance` is matched in (None: not known yet)."""
@@ -490,76 +528,54 @@ class KVIndex:
             parent = h
         return hs
 
-    def _lookup(self, hs: list) -> "_Looked":
-        """The holder masks of a prompt's hashes, shared by every worker hashing alike."""
-        get = self.held_by.get
-        masks = [get(h, 0) for h in hs]
-        acc = list(itertools.accumulate(masks, operator.and_))
-        state_bits = self._state_bits
-        checkpoints = [u + 1 for u, m in enumerate(masks) if m & state_bits]  # X = that * unit
-        return _Looked(masks, masks, acc, checkpoints)
+    def _masks(self, keys: np.ndarray, n_units: int) -> np.ndarray:
+        """The holder bits of a prompt's hash keys per unit (zero past `keys`), shared by every
+        worker hashing alike."""
+        masks = np.zeros((n_units, self.table.words), np.uint64)
+        self.table.lookup(keys[:n_units], masks)
+        return masks
 
-    def _lookup_chunks(self, chunks, run: int) -> "_Looked":
-        """`_lookup` over hashes computed chunk by chunk, stopping after `run` consecutive units
+    def _masks_chunks(self, chunks, n_units: int, run: int) -> np.ndarray:
+        """`_masks` over hashes computed chunk by chunk, stopping after `run` consecutive units
         nobody holds: that run holds a block end of every worker, so no hit reaches past it."""
-        get, masks, zeros = self.held_by.get, [], 0
+        masks = np.zeros((n_units, self.table.words), np.uint64)
+        start = zeros = 0
         for hs in chunks:
-            part = [get(h, 0) for h in hs]
-            masks += part
-            for m in part:
-                zeros = 0 if m else zeros + 1
-                if zeros >= run:
-                    break
+            zeros = self.table.lookup(hash_keys(hs), masks, start, zeros, run)
+            start += len(hs)
             if zeros >= run:
                 break
-        acc = list(itertools.accumulate(masks, operator.and_))
-        state_bits = self._state_bits
-        checkpoints = [u + 1 for u, m in enumerate(masks) if m & state_bits]
-        return _Looked(masks, masks, acc, checkpoints)
+        return masks
 
     def _widest_block(self, hk) -> int:
-        """The most units per block among the workers hashing as `hk` (algo, seed, unit, form)."""
-        unit = hk[2]
+        """The most units per block among the workers hashing as `hk` (algo, seed, unit; None
+        algo and seed: any)."""
+        algo, seed, unit = hk
         return max(((w.block_size or unit) // unit for w in self.workers.values()
-                    if (w.hasher.algo, w.hasher.seed, w.unit or unit,
-                        self.as_int if w.as_int is None else w.as_int) == hk), default=1) or 1
+                    if (w.unit or unit) == unit and (algo is None or (w.hasher.algo, w.hasher.seed) == (algo, seed))),
+                   default=1) or 1
 
-    def _serve(self, w: _Worker, looked: "_Looked", n: int, stale: bool, unit: int) -> WorkerMatch:
-        tiers_bits = self._tier_bits(w)
-        # a worker that announced no state yet is hybrid if a shared tier it reads holds states
-        hybrid = w.hybrid or any(st for _, st in tiers_bits.values())
-        gpu_kv, gpu_st = tiers_bits.get(TIER_GPU, (0, 0))
+    def _serve(self, w: _Worker, masks: np.ndarray, n: int, stale: bool, unit: int) -> WorkerMatch:
+        sb = self._serve_bits(w)
         gpu = 0
-        if gpu_kv:
-            k = min(bisect.bisect_left(looked.acc, True, key=lambda m: (m & gpu_kv) != gpu_kv), (n - 1) // unit)
-            if not hybrid:
-                gpu = k * unit
-            elif gpu_st:
-                gpu = _last_checkpoint(looked.checkpoints, looked.state_masks, gpu_st, k) * unit
+        if sb.gpu_kv is not None:
+            gpu = gpu_hit_units(masks, sb.gpu_kv, sb.gpu_st, sb.hybrid, (n - 1) // unit) * unit
         result = {TIER_GPU: gpu}
-        others = [t for t in tiers_bits if t != TIER_GPU]
         total = gpu
-        if others:
+        if sb.others:
             B = w.block_size or self._fleet_block_size(w) or unit
-            args = (gpu, n, unit, B, hybrid, looked.kv_masks, looked.state_masks, looked.checkpoints)
-            native = w.config.connector == "OffloadingConnector"
-            for t in others:
-                mid = [tiers_bits[t]] if not native or t.medium == MEDIUM_CPU else []
-                result[t] = max(gpu, _tier_hit(*args, [tiers_bits[t]], mid))
-            mid = [tiers_bits[t] for t in others if not native or t.medium == MEDIUM_CPU]
-            total = max(gpu, _tier_hit(*args, [tiers_bits[t] for t in others], mid))
+            for t in sb.others:
+                result[t] = max(gpu, tier_hit(gpu, n, unit, B, sb.hybrid, masks, sb.single[t], sb.mid[t]))
+            total = max(gpu, tier_hit(gpu, n, unit, B, sb.hybrid, masks, sb.all_tiers, sb.all_mid))
         return WorkerMatch(total, result, stale)
 
     def held(self, instance, dp=None, tier: Tier = TIER_GPU, group=None) -> set:
-        """The hashes a worker holds in a tier (and group), a shared REMOTE tier's for any
-        worker: for tests and inspection."""
+        """The hashes (as 64-bit keys, `hash_key`) a worker holds in a tier (and group), a shared
+        REMOTE tier's for any worker: for tests and inspection."""
         w = self.workers.get((instance, dp))
-        out: set = set()
         holders = self.shared if tier.locality == LOCALITY_REMOTE else (w.holders if w else {})
-        for (t, g), holder in holders.items():
-            if t == tier and (group is None or g == group):
-                out |= holder.counts.keys()
-        return out
+        return self.table.held_by([h.id for (t, g), h in holders.items()
+                                   if t == tier and (group is None or g == group)])
 
 
 def _tier(ev) -> Tier:
@@ -580,51 +596,3 @@ def _merge_keys(n_units, unit, extra_keys, lora, cache_salt):
             keys.append(("cache_salt", cache_salt))
         out.append(tuple(keys) if keys else None)
     return out if any(out) else None
-
-
-def _last_checkpoint(checkpoints: list[int], state_masks: list[int], bits: int, limit: int) -> int:
-    """The largest checkpoint u <= limit held by every state group in `bits` (0 if none)."""
-    i = bisect.bisect_right(checkpoints, limit)
-    while i > 0:
-        i -= 1
-        u = checkpoints[i]
-        if state_masks[u - 1] & bits == bits:
-            return u
-    return 0
-
-
-def _tier_hit(gpu, n, unit, B, hybrid, kv_masks, state_masks, checkpoints, tiers, mid_tiers) -> int:
-    """KVBMConnector's hit after a GPU hit of `gpu` tokens (connector/scheduler.py `_plan`) with
-    entries in any of `tiers` [(kv bits, state bits)]: blocks from the GPU hit's block on, and for
-    hybrid models the largest X with a tier state at X. 0 when the tiers add nothing. The partial
-    KV entry a mid-block state needs is never announced: it is taken to be held with the state."""
-
-    def held(masks, u, which, tiers=tiers):  # unit u (1-based) held in one tier by all its groups of a kind
-        if u < 1 or u > len(masks):
-            return False
-        m = masks[u - 1]
-        return any(bits[which] and m & bits[which] == bits[which] for bits in tiers)
-
-    limit = n - 1
-    r = max(B // unit, 1)
-    start = gpu // B
-    full = start
-    while (full + 1) * B <= limit and held(kv_masks, (full + 1) * r, 0):
-        full += 1
-    if not hybrid:
-        hit = full * B
-        if (full + 1) * B == limit + 1 and held(kv_masks, (full + 1) * r, 0):
-            full, hit = full + 1, limit  # a block-aligned prompt's last block, loaded whole
-        return hit if full > start else 0
-    lo = start * r
-    for u in reversed(checkpoints):
-        if u > limit // unit or u <= lo:
-            if u <= lo:
-                break
-            continue
-        if u // r > full or not held(state_masks, u, 1, tiers if u % r == 0 else mid_tiers):
-            continue
-        # X inside a block: the connector also needs the block's KV up to X, which it stores with
-        # the state as an entry it never announces; a state event stands for both
-        return u * unit
-    return 0
