@@ -23,6 +23,7 @@ import numpy as np
 STORE, REMOVE = 1, 0
 _MASK64 = (1 << 64) - 1
 _MIN_CAPACITY = 1 << 12
+_GROUP = 16  # hashes whose rows are loaded together (_warm)
 _LOAD = 0.5  # grow a table past this fill
 
 
@@ -42,189 +43,208 @@ def hash_key(h) -> int:
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
-def _slot(k0, k1, mask):
-    x = k0 ^ (k1 * np.uint64(0x9E3779B97F4A7C15))
+def _slot(k0, tag, mask):
+    x = k0 ^ (tag * np.uint64(0x9E3779B97F4A7C15))
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
     return np.int64(x & mask)
 
 
-@numba.njit(cache=True, nogil=True)
-def _find(keys, used, k0, k1):
-    """Row of (k0, k1), or -(empty row) - 1 where it would go."""
-    m = np.uint64(len(used) - 1)
-    i = _slot(k0, k1, m)
-    while used[i]:
-        if keys[i, 0] == k0 and keys[i, 1] == k1:
+@numba.njit(cache=True, nogil=True, inline="always")
+def _find(rows, k0, tag):
+    """Row of (k0, tag), or -(empty row) - 1 where it would go. A row: k0, tag (0: empty), values."""
+    m = len(rows) - 1
+    i = _slot(k0, tag, np.uint64(m))
+    while rows[i, 1]:
+        if rows[i, 0] == k0 and rows[i, 1] == tag:
             return i
-        i = (i + 1) & np.int64(m)
+        i = (i + 1) & m
     return -i - 1
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _warm(rows, hashes, start, tag):
+    """Load the home rows of hashes[start:start + _GROUP] at once: their cache misses overlap,
+    where a probe at a time waits for each. Returns a value to keep (the loads are not dropped)."""
+    m = np.uint64(len(rows) - 1)
+    acc = np.uint64(0)
+    for u in range(start, min(start + _GROUP, len(hashes))):
+        acc ^= rows[_slot(hashes[u], tag, m), 1]
+    return acc
+
+
 @numba.njit(cache=True, nogil=True)
-def _delete(keys, used, vals, i):
+def _delete(rows, i):
     """Empty row i, shifting back the rows of its probe run that may not stay behind a hole."""
-    m = np.int64(len(used) - 1)
+    m = len(rows) - 1
     j = i
     while True:
-        used[i] = 0
+        rows[i, 1] = 0
         while True:
             j = (j + 1) & m
-            if not used[j]:
+            if not rows[j, 1]:
                 return
-            k = _slot(keys[j, 0], keys[j, 1], np.uint64(m))
+            k = _slot(rows[j, 0], rows[j, 1], np.uint64(m))
             if (i <= j and i < k <= j) or (i > j and (k > i or k <= j)):
                 continue  # its home lies between the hole and it: it stays
             break
-        keys[i, 0], keys[i, 1] = keys[j, 0], keys[j, 1]
-        vals[i, :] = vals[j, :]
-        used[i] = 1
+        rows[i, :] = rows[j, :]
         i = j
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _empty(row):
+    for w in range(2, len(row)):
+        if row[w]:
+            return False
+    return True
+
+
 @numba.njit(cache=True, nogil=True)
-def _apply(hk, hu, hv, hn, xk, xu, xv, xn, hashes, ends, holders, ops, pos, h_limit, x_limit, stats):
+def _apply(held, hn, extra, xn, hashes, ends, holders, ops, pos, h_limit, x_limit, stats):
     """Stores and removals of `hashes[pos:]` (run s: hashes up to ends[s], holder holders[s],
     ops[s] STORE or REMOVE), until done or a table reaches its limit; returns where it stopped.
-    stats[0]: removals of hashes the holder did not hold."""
+    stats[0]: removals of hashes the holder did not hold; stats[1]: a sink for `_warm`."""
     s = 0
     n = len(hashes)
+    one = np.uint64(1)
+    warm = np.uint64(0)
     while pos < n:
         while ends[s] <= pos:
             s += 1
         if hn[0] >= h_limit or xn[0] >= x_limit:
-            return pos
+            break
+        if pos % _GROUP == 0:
+            warm ^= _warm(held, hashes, pos, one)
         h = hashes[pos]
         hid = holders[s]
-        w = hid // 64
-        bit = np.uint64(1) << np.uint64(hid % 64)
-        i = _find(hk, hu, h, np.uint64(0))
+        w = 2 + hid // 64
+        bit = one << np.uint64(hid % 64)
+        tag = np.uint64(hid) + one
+        i = _find(held, h, one)
         if ops[s] == 1:
             if i < 0:
                 i = -i - 1
-                hk[i, 0], hk[i, 1] = h, np.uint64(0)
-                hv[i, :] = 0
-                hv[i, w] = bit
-                hu[i] = 1
+                for c in range(2, held.shape[1]):
+                    held[i, c] = 0
+                held[i, 0], held[i, 1] = h, one
+                held[i, w] = bit
                 hn[0] += 1
-            elif hv[i, w] & bit:
-                x = _find(xk, xu, h, np.uint64(hid))
+            elif held[i, w] & bit:
+                x = _find(extra, h, tag)
                 if x < 0:
                     x = -x - 1
-                    xk[x, 0], xk[x, 1] = h, np.uint64(hid)
-                    xv[x, 0] = 1
-                    xu[x] = 1
+                    extra[x, 0], extra[x, 1], extra[x, 2] = h, tag, one
                     xn[0] += 1
                 else:
-                    xv[x, 0] += 1
+                    extra[x, 2] += one
             else:
-                hv[i, w] |= bit
-        elif i < 0 or not hv[i, w] & bit:
+                held[i, w] |= bit
+        elif i < 0 or not held[i, w] & bit:
             stats[0] += 1
         else:
-            x = _find(xk, xu, h, np.uint64(hid)) if xn[0] else -1
+            x = _find(extra, h, tag) if xn[0] else -1
             if x >= 0:
-                xv[x, 0] -= 1
-                if xv[x, 0] == 0:
-                    _delete(xk, xu, xv, x)
+                extra[x, 2] -= one
+                if extra[x, 2] == 0:
+                    _delete(extra, x)
                     xn[0] -= 1
             else:
-                hv[i, w] &= ~bit
-                if not hv[i].any():
-                    _delete(hk, hu, hv, i)
+                held[i, w] &= ~bit
+                if _empty(held[i]):
+                    _delete(held, i)
                     hn[0] -= 1
         pos += 1
+    stats[1] ^= np.int64(warm & np.uint64(1))
     return pos
 
 
 @numba.njit(cache=True, nogil=True)
-def _clear(hk, hu, hv, hn, xk, xu, xv, xn, hid):
+def _clear(held, hn, extra, xn, hid):
     """Drop every hash of holder `hid`."""
-    w = hid // 64
+    w = 2 + hid // 64
     bit = np.uint64(1) << np.uint64(hid % 64)
     i = 0
-    while i < len(hu):  # a deletion shifts a later row back into i: look at i again
-        if hu[i] and hv[i, w] & bit:
-            hv[i, w] &= ~bit
-            if not hv[i].any():
-                _delete(hk, hu, hv, i)
+    while i < len(held):  # a deletion shifts a later row back into i: look at i again
+        if held[i, 1] and held[i, w] & bit:
+            held[i, w] &= ~bit
+            if _empty(held[i]):
+                _delete(held, i)
                 hn[0] -= 1
                 continue
         i += 1
     i = 0
-    tag = np.uint64(hid)
-    while i < len(xu):
-        if xu[i] and xk[i, 1] == tag:
-            _delete(xk, xu, xv, i)
+    tag = np.uint64(hid) + np.uint64(1)
+    while i < len(extra):
+        if extra[i, 1] == tag:
+            _delete(extra, i)
             xn[0] -= 1
             continue
         i += 1
 
 
 @numba.njit(cache=True, nogil=True)
-def _held(hk, hu, hv, words, bits, out):
+def _held(held, bits, out):
     """Keys of the rows holding any of `bits`; returns how many were written to out."""
     n = 0
-    for i in range(len(hu)):
-        if hu[i]:
-            for w in range(words):
-                if hv[i, w] & bits[w]:
-                    out[n] = hk[i, 0]
+    for i in range(len(held)):
+        if held[i, 1]:
+            for w in range(len(bits)):
+                if held[i, 2 + w] & bits[w]:
+                    out[n] = held[i, 0]
                     n += 1
                     break
     return n
 
 
 @numba.njit(cache=True, nogil=True)
-def _lookup(hk, hu, hv, hashes, out, start, zeros, run):
+def _lookup(held, hashes, out, start, zeros, run, stats):
     """Holder bits of `hashes` into out[start:]; stops after `run` consecutive units nobody
     holds (counting `zeros` already seen). Returns the zeros run at the end."""
+    one = np.uint64(1)
+    warm = np.uint64(0)
     for u in range(len(hashes)):
-        i = _find(hk, hu, hashes[u], np.uint64(0))
+        if u % _GROUP == 0:
+            warm ^= _warm(held, hashes, u, one)
+        i = _find(held, hashes[u], one)
         if i >= 0:
-            out[start + u, :] = hv[i, :]
+            out[start + u, :] = held[i, 2:]
             zeros = 0
         else:
             zeros += 1
             if zeros >= run:
-                return zeros
+                break
+    stats[1] ^= np.int64(warm & np.uint64(1))
     return zeros
 
 
 @numba.njit(cache=True, nogil=True)
-def _rehash(ok, ou, ov, nk, nu, nv):
-    for i in range(len(ou)):
-        if ou[i]:
-            j = _find(nk, nu, ok[i, 0], ok[i, 1])
-            j = -j - 1
-            nk[j, 0], nk[j, 1] = ok[i, 0], ok[i, 1]
-            nv[j, :ov.shape[1]] = ov[i, :]
-            nu[j] = 1
+def _rehash(old, new):
+    for i in range(len(old)):
+        if old[i, 1]:
+            j = -_find(new, old[i, 0], old[i, 1]) - 1
+            new[j, :old.shape[1]] = old[i, :]
 
 
 class _Table:
-    """One open-addressing table's arrays: keys (k0, k1), used flags, values, and its size."""
+    """One open-addressing table: rows of (key, tag, values), tag 0 for an empty row; its size."""
 
     def __init__(self, width: int, capacity: int = _MIN_CAPACITY):
-        self.keys = np.zeros((capacity, 2), np.uint64)
-        self.used = np.zeros(capacity, np.uint8)
-        self.vals = np.zeros((capacity, width), np.uint64)
+        self.rows = np.zeros((capacity, 2 + width), np.uint64)
         self.n = np.zeros(1, np.int64)
 
     @property
     def limit(self) -> int:
-        return int(len(self.used) * _LOAD)
+        return int(len(self.rows) * _LOAD)
 
     def resize(self, capacity: int, width: int) -> None:
-        keys = np.zeros((capacity, 2), np.uint64)
-        used = np.zeros(capacity, np.uint8)
-        vals = np.zeros((capacity, width), np.uint64)
-        _rehash(self.keys, self.used, self.vals, keys, used, vals)
-        self.keys, self.used, self.vals = keys, used, vals
+        rows = np.zeros((capacity, 2 + width), np.uint64)
+        _rehash(self.rows, rows)
+        self.rows = rows
 
     def grow(self) -> None:
-        self.resize(len(self.used) * 2, self.vals.shape[1])
+        self.resize(len(self.rows) * 2, self.rows.shape[1] - 2)
 
 
 class HeldTable:
@@ -235,7 +255,7 @@ class HeldTable:
         self.words = 1
         self.held = _Table(1)
         self.extra = _Table(1)
-        self._stats = np.zeros(1, np.int64)
+        self._stats = np.zeros(2, np.int64)  # removals of hashes not held; a sink (_warm)
 
     def __len__(self) -> int:
         return int(self.held.n[0])
@@ -248,7 +268,7 @@ class HeldTable:
         """Make room for holder `hid`'s bit."""
         if hid // 64 + 1 > self.words:
             self.words = hid // 64 + 1
-            self.held.resize(len(self.held.used), self.words)
+            self.held.resize(len(self.held.rows), self.words)
 
     def apply(self, hashes: np.ndarray, ends: np.ndarray, holders: np.ndarray, ops: np.ndarray) -> None:
         """Runs of stores and removals, in order: run s is hashes[ends[s-1]:ends[s]] of holder
@@ -256,8 +276,8 @@ class HeldTable:
         pos = 0
         held, extra = self.held, self.extra
         while True:
-            pos = _apply(held.keys, held.used, held.vals, held.n, extra.keys, extra.used, extra.vals, extra.n,
-                         hashes, ends, holders, ops, pos, held.limit, extra.limit, self._stats)
+            pos = _apply(held.rows, held.n, extra.rows, extra.n, hashes, ends, holders, ops, pos,
+                         held.limit, extra.limit, self._stats)
             if pos >= len(hashes):
                 return
             if held.n[0] >= held.limit:
@@ -268,13 +288,13 @@ class HeldTable:
     def clear(self, hid: int) -> None:
         """Forget every hash of holder `hid`."""
         held, extra = self.held, self.extra
-        _clear(held.keys, held.used, held.vals, held.n, extra.keys, extra.used, extra.vals, extra.n, hid)
+        _clear(held.rows, held.n, extra.rows, extra.n, hid)
 
     def held_by(self, holder_ids: Sequence[int]) -> set[int]:
         """The keys any of `holder_ids` holds (a scan: for tests and inspection)."""
         bits = self.bits(holder_ids)
         out = np.empty(len(self), np.uint64)
-        n = _held(self.held.keys, self.held.used, self.held.vals, self.words, bits, out)
+        n = _held(self.held.rows, bits, out)
         return set(out[:n].tolist())
 
     def bits(self, holder_ids: Sequence[int]) -> np.ndarray:
@@ -287,5 +307,4 @@ class HeldTable:
     def lookup(self, keys: np.ndarray, out: np.ndarray, start: int = 0, zeros: int = 0, run: int = 1 << 62) -> int:
         """Holder bits of `keys` into out[start:] (rows of `words`, zeroed by the caller); stops
         after `run` consecutive units nobody holds. Returns the zeros run at the end."""
-        held = self.held
-        return _lookup(held.keys, held.used, held.vals, keys, out, start, zeros, run)
+        return _lookup(self.held.rows, keys, out, start, zeros, run, self._stats)

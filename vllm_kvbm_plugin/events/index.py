@@ -39,7 +39,6 @@ instance is reset.
 
 from __future__ import annotations
 
-import array
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vllm_kvbm_plugin.events.held_table import REMOVE, STORE, HeldTable, hash_key, hash_keys
+from vllm_kvbm_plugin.events.held_table import REMOVE, STORE, HeldTable, hash_keys
 from vllm_kvbm_plugin.events.hit_rules import gpu_hit_units, tier_hit
 from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher, event_extra_keys, unit_extra_keys
 from vllm_kvbm_plugin.events.types import (
@@ -71,6 +70,7 @@ TIER_GPU = Tier(MEDIUM_GPU)
 CONNECTORS = ("KVBMConnector", "OffloadingConnector")  # WorkerConfig.connector: whose tier rule
 REMOTE_READS = ("announced", "all", "none")  # WorkerConfig.remote
 _MAX_PENDING = 10_000  # batches kept per stale instance while waiting for the missing ones
+_FLUSH_AT = 1 << 16  # buffered hashes applied to the table in one kernel call
 
 
 def _frozen(x):
@@ -135,26 +135,27 @@ class _ServeBits(NamedTuple):
 
 
 class _Ops:
-    """A batch's stores and removals, gathered for one HeldTable.apply: runs of hashes."""
+    """Stores and removals gathered for one HeldTable.apply: runs of hashes, in stream order."""
 
     def __init__(self):
-        self.hashes = array.array("Q")
+        self.hashes: list = []  # the event hashes as they came (a list grows ~5x faster than an array)
+        self.counts = [0, 0]  # hashes removed, stored (by op)
         self.ends: list[int] = []
         self.holders: list[int] = []
         self.ops: list[int] = []
 
     def add(self, hashes: Sequence, holder: int, op: int) -> None:
-        try:
-            self.hashes.extend(hashes)
-        except (TypeError, OverflowError):  # digests as bytes, or ints past 64 bits
-            self.hashes.extend(hash_key(h) for h in hashes)
+        self.hashes += hashes
         self.ends.append(len(self.hashes))
+        self.counts[op] += len(hashes)
         self.holders.append(holder)
         self.ops.append(op)
 
-    def flush(self, table: HeldTable) -> None:
+    def flush(self, table: HeldTable, stats: dict) -> None:
         if self.ends:
-            table.apply(np.frombuffer(self.hashes, np.uint64), np.array(self.ends, np.int64),
+            stats["removed"] += self.counts[REMOVE]
+            stats["stored"] += self.counts[STORE]
+            table.apply(hash_keys(self.hashes), np.array(self.ends, np.int64),
                         np.array(self.holders, np.int64), np.array(self.ops, np.int8))
             self.__init__()
 
@@ -164,6 +165,7 @@ class _Worker:
         self.key = key
         self.config = config
         self.hasher = PromptHasher(config.hash_algo, config.seed)
+        self.learns = not self.hasher.computable  # its hashes are learned from its events
         self.unit = config.hash_block_size
         self.block_size = config.block_size
         self.as_int: bool | None = None  # event hash form, seen on the first hash
@@ -171,15 +173,13 @@ class _Worker:
         self.hybrid = False
         self.group_kinds: dict = {}  # group -> kind, from GPU events (tier events may lack it)
         self.holder_ids: list[int] = []  # its own tiers' holders
+        # (medium, locality, ownership, group, kind, block size) of its events -> their holder
+        self.seen: dict[tuple, int] = {}
         self.remote_tiers = remote_tiers  # shared REMOTE tiers its stream announced blocks in (kept over resets)
         self._serve_bits: tuple | None = None  # (KVIndex.shared_gen, words, _ServeBits), see KVIndex._serve_bits
         # learned (parent, tokens, extra keys) -> hash, for workers whose hashes cannot be computed
         self.learned: dict[tuple, Any] = {}
         self.learned_key: dict[Any, tuple] = {}
-
-    @property
-    def learns(self) -> bool:
-        return not self.hasher.computable
 
 
 class KVIndex:
@@ -208,8 +208,21 @@ class KVIndex:
         self.next_seq: dict[Any, int] = {}
         self.missing: dict[Any, set] = {}
         self.pending: dict[Any, dict[int, KVEventBatch]] = {}
-        self.stats = {"batches": 0, "stored": 0, "removed": 0, "unknown_removals": 0, "gaps": 0}
+        self._stats = {"batches": 0, "stored": 0, "removed": 0, "unknown_removals": 0, "gaps": 0}
+        # stores and removals not applied to the table yet: applied in one kernel call per
+        # _FLUSH_AT hashes, and before anything reads the table (_flush)
+        self._ops = _Ops()
         self._unknown = 0  # removals from holders never announced (the table counts the others)
+
+    @property
+    def stats(self) -> dict:
+        """Batches, hashes stored and removed, removals of hashes not held, sequence gaps."""
+        self._flush()
+        return self._stats
+
+    def _flush(self) -> None:
+        self._ops.flush(self.table, self._stats)
+        self._stats["unknown_removals"] = self._unknown + self.table.unknown_removals
 
     # ---- configuration ----
     def add_instance(self, instance, config: WorkerConfig | None = None, ranks=()) -> None:
@@ -248,7 +261,7 @@ class KVIndex:
             else:
                 return  # a duplicate
         if expected is not None and seq > expected:
-            self.stats["gaps"] += 1
+            self._stats["gaps"] += 1
             self.missing.setdefault(instance, set()).update(range(expected, seq))
             logger.warning("KV index: instance %s lost batches %d..%d: stale until they are replayed",
                            instance, expected, seq - 1)
@@ -274,6 +287,7 @@ class KVIndex:
 
     def reset(self, instance) -> None:
         """Forget everything `instance` announced (it restarted, or a gap will never be recovered)."""
+        self._flush()
         for key in [k for k in self.workers if k[0] == instance]:
             w = self.workers.pop(key)
             for holder in w.holders.values():
@@ -285,16 +299,16 @@ class KVIndex:
         self.pending.pop(instance, None)
 
     def _apply(self, instance, batch: KVEventBatch) -> None:
-        self.stats["batches"] += 1
+        self._stats["batches"] += 1
         w = self._worker(instance, batch.data_parallel_rank)
-        ops = _Ops()
+        ops = self._ops
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self._stored(w, ev, ops)
             elif isinstance(ev, BlockRemoved):
                 self._removed(w, ev, ops)
             elif isinstance(ev, AllBlocksCleared):
-                ops.flush(self.table)
+                self._flush()
                 if w.remote_tiers and not w.holders:  # the remote tier's announcer: the store was flushed
                     for (tier, _), holder in self.shared.items():
                         if tier in w.remote_tiers:
@@ -302,8 +316,8 @@ class KVIndex:
                 for (tier, _), holder in w.holders.items():
                     if tier == TIER_GPU:
                         self.table.clear(holder.id)
-        ops.flush(self.table)
-        self.stats["unknown_removals"] = self._unknown + self.table.unknown_removals
+        if len(ops.hashes) >= _FLUSH_AT:
+            self._flush()
 
     def _new_holder(self, kind) -> _Holder:
         holder = _Holder(self._next_holder, kind)
@@ -377,6 +391,11 @@ class KVIndex:
         hashes = ev.block_hashes
         if not hashes:
             return  # vLLM's Mamba events sometimes carry token ids only
+        seen = (ev.medium, ev.locality, ev.ownership, ev.group_idx, ev.kv_cache_spec_kind, ev.block_size)
+        hid = w.seen.get(seen)
+        if hid is not None and not w.learns:  # an event like one before: nothing new to learn
+            ops.add(hashes, hid, STORE)
+            return
         if w.as_int is None:
             w.as_int = isinstance(hashes[0], int)
             if self.as_int is None:
@@ -398,7 +417,7 @@ class KVIndex:
         if w.config.block_size is None and (w.block_size is None or ev.block_size > w.block_size):
             w.block_size = ev.block_size
         ops.add(hashes, holder.id, STORE)
-        self.stats["stored"] += len(hashes)
+        w.seen[seen] = holder.id
         if w.learns and not is_state and ev.token_ids and ev.block_size == w.unit:
             self._learn(w, ev)
 
@@ -429,9 +448,8 @@ class KVIndex:
             self._unknown += len(ev.block_hashes)
             return
         ops.add(ev.block_hashes, holder.id, REMOVE)
-        self.stats["removed"] += len(ev.block_hashes)
         if w.learns:  # forget what the worker no longer holds anywhere (one event at a time)
-            ops.flush(self.table)
+            self._flush()
             gone = set(ev.block_hashes) - self._held_keys(w.holder_ids, ev.block_hashes)
             for h in gone:
                 k = w.learned_key.pop(h, None)
@@ -454,6 +472,7 @@ class KVIndex:
         `extra_keys`: per hash unit, vLLM's multimodal keys `("mm", identifier, offset)` (or any
         keys vLLM hashes besides LoRA and cache salt), as `unit_extra_keys` builds them; `lora`:
         (name, path) of the request's adapter; `cache_salt`: the request's salt."""
+        self._flush()
         n = len(token_ids)
         out: dict[tuple, WorkerMatch] = {}
         looked: dict[tuple, np.ndarray] = {}  # (algo, seed, unit) -> the prompt's holder bits per unit
@@ -488,6 +507,7 @@ class KVIndex:
         """`match` of a prompt hashed by the caller: `keys`, its units' event hashes as uint64
         (vLLM's int form: the digest's last 8 bytes), in hash unit `unit`; `n`, its tokens. Only
         the workers matched in that unit are answered."""
+        self._flush()
         workers = [(k, w) for k, w in self.workers.items() if (w.unit or self._fleet_unit(w)) == unit]
         if not workers or n <= 1:
             return {k: WorkerMatch(0, {}, self.is_stale(k[0])) for k, _ in workers}
@@ -498,6 +518,7 @@ class KVIndex:
 
     def n_held(self) -> int:
         """How many distinct hashes some worker or shared tier holds."""
+        self._flush()
         return len(self.table)
 
     def unit(self, instance, dp=0) -> int | None:
@@ -572,6 +593,7 @@ class KVIndex:
     def held(self, instance, dp=None, tier: Tier = TIER_GPU, group=None) -> set:
         """The hashes (as 64-bit keys, `hash_key`) a worker holds in a tier (and group), a shared
         REMOTE tier's for any worker: for tests and inspection."""
+        self._flush()
         w = self.workers.get((instance, dp))
         holders = self.shared if tier.locality == LOCALITY_REMOTE else (w.holders if w else {})
         return self.table.held_by([h.id for (t, g), h in holders.items()
