@@ -39,20 +39,32 @@ instance is reset.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from vllm_kvbm_plugin.events.held_table import REMOVE, STORE, HeldTable, hash_keys
 from vllm_kvbm_plugin.events.hit_rules import gpu_hit_units, tier_hit
-from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher, event_extra_keys, unit_extra_keys
+from vllm_kvbm_plugin.events.index_workers import (
+    IGNORED_KINDS,
+    STATE_KINDS,
+    TIER_GPU,
+    Holder,
+    PendingOps,
+    ServeBits,
+    Worker,
+    WorkerConfig,
+    WorkerMatch,
+    event_tier,
+    frozen_keys,
+    merge_keys,
+)
+from vllm_kvbm_plugin.events.prompt_hashes import event_extra_keys
 from vllm_kvbm_plugin.events.types import (
     LOCALITY_REMOTE,
     MEDIUM_CPU,
-    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -61,125 +73,12 @@ from vllm_kvbm_plugin.events.types import (
 )
 from vllm_kvbm_plugin.log import get_logger
 
+__all__ = ["TIER_GPU", "KVIndex", "WorkerConfig", "WorkerMatch"]
+
 logger = get_logger("index")
 
-STATE_KINDS = frozenset({"mamba"})
-# groups that keep only some blocks (sliding windows): not modelled, never block a match
-IGNORED_KINDS = frozenset({"sliding_window", "sliding_window_mla", "chunked_local_attention"})
-TIER_GPU = Tier(MEDIUM_GPU)
-CONNECTORS = ("KVBMConnector", "OffloadingConnector")  # WorkerConfig.connector: whose tier rule
-REMOTE_READS = ("announced", "all", "none")  # WorkerConfig.remote
 _MAX_PENDING = 10_000  # batches kept per stale instance while waiting for the missing ones
 _FLUSH_AT = 1 << 16  # buffered hashes applied to the table in one kernel call
-
-
-def _frozen(x):
-    """Decoded event extra keys (lists) as hashable tuples."""
-    if isinstance(x, list):
-        return tuple(_frozen(v) for v in x)
-    return x
-
-
-# ---- the index -----------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class WorkerConfig:
-    """What the index must know about a worker to hash prompts as it does. Sizes left None are
-    learned from its events: the hash unit is the smallest block size of its GPU attention events,
-    the block size the largest of all its events."""
-    hash_algo: str = "sha256"  # --prefix-caching-hash-algo
-    seed: str | None = None  # the worker's PYTHONHASHSEED, if set
-    hash_block_size: int | None = None
-    block_size: int | None = None
-    # whose rule serves the offload tiers: "KVBMConnector", or "OffloadingConnector" (vLLM's, with
-    # any tiers): a hybrid's state inside a block (a partial tail) then comes from the CPU tier
-    # only, since vLLM loads it only when it is there at the lookup (module docstring)
-    connector: str = "KVBMConnector"
-    # which shared REMOTE tiers the worker reads: "announced" (those its own stream announced a
-    # block in: a worker that never wrote there is not known to read them), "all" (every one any
-    # stream announced: a fleet on one Redis and one model), "none"
-    remote: str = "announced"
-
-    def __post_init__(self):
-        if self.connector not in CONNECTORS:
-            raise ValueError(f"WorkerConfig.connector: {self.connector!r}; valid: {', '.join(CONNECTORS)}")
-        if self.remote not in REMOTE_READS:
-            raise ValueError(f"WorkerConfig.remote: {self.remote!r}; valid: {', '.join(REMOTE_READS)}")
-
-
-class WorkerMatch(NamedTuple):
-    """What `KVIndex.match` predicts for one worker (a router's process reads it)."""
-
-    tokens: int  # what the worker will serve: its GPU prefix cache, then its own offload tiers
-    tiers: dict  # Tier -> tokens with that tier alone (GPU: the prefix-cache hit; others: after it)
-    stale: bool  # events were lost: the numbers may be wrong until replay recovers them
-
-
-@dataclasses.dataclass
-class _Holder:
-    """One (worker, tier, group): its number in the table of held hashes (HeldTable), and its kind."""
-    id: int
-    kind: str | None
-
-
-class _ServeBits(NamedTuple):
-    """What a worker serves from, as holder bits (rows of HeldTable words), cached per worker."""
-    hybrid: bool  # it or a shared tier it reads announced states
-    gpu_kv: np.ndarray | None  # its GPU attention groups' bits (None: no GPU attention event yet)
-    gpu_st: np.ndarray
-    others: tuple  # its offload tiers (own and shared)
-    single: dict  # tier -> [[attention bits, state bits]]
-    mid: dict  # tier -> the same, or none: the tiers a state inside a block may come from
-    all_tiers: np.ndarray  # every offload tier's [attention bits, state bits]
-    all_mid: np.ndarray
-
-
-class _Ops:
-    """Stores and removals gathered for one HeldTable.apply: runs of hashes, in stream order."""
-
-    def __init__(self):
-        self.hashes: list = []  # the event hashes as they came (a list grows ~5x faster than an array)
-        self.counts = [0, 0]  # hashes removed, stored (by op)
-        self.ends: list[int] = []
-        self.holders: list[int] = []
-        self.ops: list[int] = []
-
-    def add(self, hashes: Sequence, holder: int, op: int) -> None:
-        self.hashes += hashes
-        self.ends.append(len(self.hashes))
-        self.counts[op] += len(hashes)
-        self.holders.append(holder)
-        self.ops.append(op)
-
-    def flush(self, table: HeldTable, stats: dict) -> None:
-        if self.ends:
-            stats["removed"] += self.counts[REMOVE]
-            stats["stored"] += self.counts[STORE]
-            table.apply(hash_keys(self.hashes), np.array(self.ends, np.int64),
-                        np.array(self.holders, np.int64), np.array(self.ops, np.int8))
-            self.__init__()
-
-
-class _Worker:
-    def __init__(self, key, config: WorkerConfig, remote_tiers: set):
-        self.key = key
-        self.config = config
-        self.hasher = PromptHasher(config.hash_algo, config.seed)
-        self.learns = not self.hasher.computable  # its hashes are learned from its events
-        self.unit = config.hash_block_size
-        self.block_size = config.block_size
-        self.as_int: bool | None = None  # event hash form, seen on the first hash
-        self.holders: dict[tuple, _Holder] = {}  # (tier, group) -> holder
-        self.hybrid = False
-        self.group_kinds: dict = {}  # group -> kind, from GPU events (tier events may lack it)
-        self.holder_ids: list[int] = []  # its own tiers' holders
-        # (medium, locality, ownership, group, kind, block size) of its events -> their holder
-        self.seen: dict[tuple, int] = {}
-        self.remote_tiers = remote_tiers  # shared REMOTE tiers its stream announced blocks in (kept over resets)
-        self._serve_bits: tuple | None = None  # (KVIndex.shared_gen, words, _ServeBits), see KVIndex._serve_bits
-        # learned (parent, tokens, extra keys) -> hash, for workers whose hashes cannot be computed
-        self.learned: dict[tuple, Any] = {}
-        self.learned_key: dict[Any, tuple] = {}
 
 
 class KVIndex:
@@ -192,13 +91,13 @@ class KVIndex:
     def __init__(self, default: WorkerConfig | None = None):
         self.default = default or WorkerConfig()
         self.configs: dict[Any, WorkerConfig] = {}  # instance -> config
-        self.workers: dict[tuple, _Worker] = {}
+        self.workers: dict[tuple, Worker] = {}
         # hash -> bits of the (worker, tier, group)s holding it, and store counts; attention and
         # state holders have bits of their own, so one lookup per unit serves both
         self.table = HeldTable()
         # shared REMOTE tiers: (tier, group) -> holder, one for every stream (module docstring);
         # shared_gen changes whenever one is added or learns its kind (workers' tier bits then)
-        self.shared: dict[tuple, _Holder] = {}
+        self.shared: dict[tuple, Holder] = {}
         self.shared_gen = 0
         self.as_int: bool | None = None  # the hash form of the first hash any stream announced
         # worker -> the shared tiers it announced into: it still reads them after a restart
@@ -211,7 +110,7 @@ class KVIndex:
         self._stats = {"batches": 0, "stored": 0, "removed": 0, "unknown_removals": 0, "gaps": 0}
         # stores and removals not applied to the table yet: applied in one kernel call per
         # _FLUSH_AT hashes, and before anything reads the table (_flush)
-        self._ops = _Ops()
+        self._ops = PendingOps()
         self._unknown = 0  # removals from holders never announced (the table counts the others)
 
     @property
@@ -232,11 +131,11 @@ class KVIndex:
         for dp in ranks:
             self._worker(instance, dp)
 
-    def _worker(self, instance, dp) -> _Worker:
+    def _worker(self, instance, dp) -> Worker:
         key = (instance, dp)
         w = self.workers.get(key)
         if w is None:
-            w = self.workers[key] = _Worker(key, self.configs.get(instance, self.default),
+            w = self.workers[key] = Worker(key, self.configs.get(instance, self.default),
                                             self.remote_reads.setdefault(key, set()))
         return w
 
@@ -316,16 +215,16 @@ class KVIndex:
                 for (tier, _), holder in w.holders.items():
                     if tier == TIER_GPU:
                         self.table.clear(holder.id)
-        if len(ops.hashes) >= _FLUSH_AT:
+        if len(ops) >= _FLUSH_AT:
             self._flush()
 
-    def _new_holder(self, kind) -> _Holder:
-        holder = _Holder(self._next_holder, kind)
+    def _new_holder(self, kind) -> Holder:
+        holder = Holder(self._next_holder, kind)
         self._next_holder += 1
         self.table.add_holder(holder.id)
         return holder
 
-    def _holder(self, w: _Worker, tier: Tier, group, kind) -> _Holder:
+    def _holder(self, w: Worker, tier: Tier, group, kind) -> Holder:
         if tier.locality == LOCALITY_REMOTE:
             return self._shared_holder(w, tier, group, kind)
         holder = w.holders.get((tier, group))
@@ -341,7 +240,7 @@ class KVIndex:
             w.hybrid = w.hybrid or kind in STATE_KINDS
         return holder
 
-    def _shared_holder(self, w: _Worker, tier: Tier, group, kind) -> _Holder:
+    def _shared_holder(self, w: Worker, tier: Tier, group, kind) -> Holder:
         """The fleet's holder of a shared REMOTE tier's group; `w` announced into it."""
         if tier not in w.remote_tiers:
             w.remote_tiers.add(tier)
@@ -355,7 +254,7 @@ class KVIndex:
             self.shared_gen += 1
         return holder
 
-    def _serve_bits(self, w: _Worker) -> _ServeBits:
+    def _serve_bits(self, w: Worker) -> ServeBits:
         """What `w` serves from, as holder bits: its own tiers and the shared REMOTE tiers it
         reads (`WorkerConfig.remote`)."""
         words = self.table.words
@@ -375,7 +274,7 @@ class KVIndex:
         mid_tiers = [t for t in others if not native or t.medium == MEDIUM_CPU]
         empty = np.zeros((0, 2, words), np.uint64)
         gpu = ids.get(TIER_GPU)
-        sb = _ServeBits(
+        sb = ServeBits(
             hybrid=w.hybrid or any(st for _, st in ids.values()),
             gpu_kv=bits[TIER_GPU][0] if gpu and gpu[0] else None,
             gpu_st=bits[TIER_GPU][1] if gpu else np.zeros(words, np.uint64),
@@ -387,7 +286,7 @@ class KVIndex:
         w._serve_bits = (self.shared_gen, words, sb)
         return sb
 
-    def _stored(self, w: _Worker, ev: BlockStored, ops: _Ops) -> None:
+    def _stored(self, w: Worker, ev: BlockStored, ops: PendingOps) -> None:
         hashes = ev.block_hashes
         if not hashes:
             return  # vLLM's Mamba events sometimes carry token ids only
@@ -403,7 +302,7 @@ class KVIndex:
         kind = ev.kv_cache_spec_kind
         if kind in IGNORED_KINDS:
             return
-        tier = _tier(ev)
+        tier = event_tier(ev)
         if kind is None and tier != TIER_GPU:  # a bare tier event (vLLM's offloading placeholders)
             kind = w.group_kinds.get(ev.group_idx)
         elif kind is not None and tier == TIER_GPU and ev.group_idx not in w.group_kinds:
@@ -421,7 +320,7 @@ class KVIndex:
         if w.learns and not is_state and ev.token_ids and ev.block_size == w.unit:
             self._learn(w, ev)
 
-    def _learn_group_kind(self, w: _Worker, group, kind: str) -> None:
+    def _learn_group_kind(self, w: Worker, group, kind: str) -> None:
         """A group's kind, from its GPU events: also the kind of its tier holders that were
         announced without one (vLLM 0.32's offloading placeholders, a disk tier's restart index)."""
         w.group_kinds[group] = kind
@@ -430,19 +329,19 @@ class KVIndex:
             if g == group and holder.kind is None and tier != TIER_GPU:
                 self._holder(w, tier, g, kind)
 
-    def _learn(self, w: _Worker, ev: BlockStored) -> None:
+    def _learn(self, w: Worker, ev: BlockStored) -> None:
         bs, parent, keys = ev.block_size, ev.parent_block_hash, ev.extra_keys
         for i, h in enumerate(ev.block_hashes):
             toks = ev.token_ids[i * bs:(i + 1) * bs]
             if len(toks) < bs:
                 break
-            k = (parent, tuple(toks), _frozen(keys[i]) if keys and i < len(keys) else None)
+            k = (parent, tuple(toks), frozen_keys(keys[i]) if keys and i < len(keys) else None)
             w.learned[k] = h
             w.learned_key[h] = k
             parent = h
 
-    def _removed(self, w: _Worker, ev: BlockRemoved, ops: _Ops) -> None:
-        tier = _tier(ev)
+    def _removed(self, w: Worker, ev: BlockRemoved, ops: PendingOps) -> None:
+        tier = event_tier(ev)
         holder = (self.shared if tier.locality == LOCALITY_REMOTE else w.holders).get((tier, ev.group_idx))
         if holder is None:
             self._unknown += len(ev.block_hashes)
@@ -485,14 +384,13 @@ class KVIndex:
                 continue
             n_units = n // unit  # a GPU hit never covers the last token, a tier hit's last block may (tier_hit)
             if unit not in unit_keys:
-                unit_keys[unit] = _merge_keys(n_units, unit, extra_keys, lora, cache_salt)
+                unit_keys[unit] = merge_keys(n_units, unit, extra_keys, lora, cache_salt)
             keys = unit_keys[unit]
             if w.learns:
                 masks = self._masks(hash_keys(self._walk_learned(w, token_ids, unit, n_units, keys)), n_units)
             else:
                 hk = (w.hasher.algo, w.hasher.seed, unit)
-                masks = looked.get(hk)
-                if masks is None:
+                if hk not in looked:
                     if keys:
                         hs = w.hasher.event_hashes(token_ids, unit, n_units, keys)
                         masks = self._masks(hash_keys(hs), n_units)
@@ -500,6 +398,7 @@ class KVIndex:
                         masks = self._masks_chunks(w.hasher.event_hash_chunks(token_ids, unit, n_units),
                                                    n_units, self._widest_block(hk))
                     looked[hk] = masks
+                masks = looked[hk]
             out[key] = self._serve(w, masks, n, stale, unit)
         return out
 
@@ -526,19 +425,19 @@ class KVIndex:
         w = self.workers.get((instance, dp))
         return None if w is None else (w.unit or self._fleet_unit(w))
 
-    def _fleet_unit(self, w: _Worker) -> int | None:
+    def _fleet_unit(self, w: Worker) -> int | None:
         """A worker that announced no GPU block yet (a new instance reading a shared tier) hashes
         as the fleet's workers of its algorithm and seed do: their smallest unit."""
         return min((o.unit for o in self._alike(w) if o.unit), default=None)
 
-    def _fleet_block_size(self, w: _Worker) -> int | None:
+    def _fleet_block_size(self, w: Worker) -> int | None:
         """As `_fleet_unit`, the block size: the largest of the alike workers'."""
         return max((o.block_size for o in self._alike(w) if o.block_size), default=None)
 
-    def _alike(self, w: _Worker):
+    def _alike(self, w: Worker):
         return (o for o in self.workers.values() if (o.hasher.algo, o.hasher.seed) == (w.hasher.algo, w.hasher.seed))
 
-    def _walk_learned(self, w: _Worker, token_ids, unit, n_units, keys) -> list:
+    def _walk_learned(self, w: Worker, token_ids, unit, n_units, keys) -> list:
         learned, parent, hs = w.learned, None, []
         for u in range(n_units):
             k = (parent, tuple(token_ids[u * unit:(u + 1) * unit]), event_extra_keys(keys[u]) if keys else None)
@@ -576,7 +475,7 @@ class KVIndex:
                     if (w.unit or unit) == unit and (algo is None or (w.hasher.algo, w.hasher.seed) == (algo, seed))),
                    default=1) or 1
 
-    def _serve(self, w: _Worker, masks: np.ndarray, n: int, stale: bool, unit: int) -> WorkerMatch:
+    def _serve(self, w: Worker, masks: np.ndarray, n: int, stale: bool, unit: int) -> WorkerMatch:
         sb = self._serve_bits(w)
         gpu = 0
         if sb.gpu_kv is not None:
@@ -598,23 +497,3 @@ class KVIndex:
         holders = self.shared if tier.locality == LOCALITY_REMOTE else (w.holders if w else {})
         return self.table.held_by([h.id for (t, g), h in holders.items()
                                    if t == tier and (group is None or g == group)])
-
-
-def _tier(ev) -> Tier:
-    medium = ev.medium or MEDIUM_GPU
-    return Tier(medium, ev.locality, ev.ownership) if medium != MEDIUM_GPU else TIER_GPU
-
-
-def _merge_keys(n_units, unit, extra_keys, lora, cache_salt):
-    if extra_keys is None and lora is None and not cache_salt:
-        return None
-    base = unit_extra_keys(n_units, unit, (), lora, None) or [None] * n_units
-    out = []
-    for u in range(n_units):
-        keys = list(base[u] or ())
-        if extra_keys is not None and u < len(extra_keys) and extra_keys[u]:
-            keys += list(extra_keys[u])
-        if cache_salt and u == 0:
-            keys.append(("cache_salt", cache_salt))
-        out.append(tuple(keys) if keys else None)
-    return out if any(out) else None
