@@ -200,8 +200,8 @@ def dynamo(args, streams, removed, queries, keys, ours, n_units, t_apply, t_matc
         return tree
 
     t = best(args.repeat, apply_all)
-    print(f"Dynamo apply:     {n_attn / t / 1e6:6.2f} M hashes/s ({t:.2f}s, JSON bytes, attention events only); "
-          f"index / Dynamo {n_units / t_apply / (n_attn / t):.2f}x (hashes/s)")
+    print(f"Dynamo apply:     {n_attn / t / 1e6:6.2f} M hashes/s ({t:.3f}s CPU, JSON bytes without token ids, "
+          f"attention events only); index (decoded batches) / Dynamo {n_units / t_apply / (n_attn / t):.2f}x (hashes/s)")
     tree = apply_all()
     lists = [k.tolist() for k in keys]
     td = best(args.repeat, lambda: [tree.find_matches(h) for h in lists])
