@@ -1,6 +1,7 @@
 """The router index's table of held hashes (events/index.py), in numba: no Python object per hash.
 
-Two open-addressing tables (linear probing, deletion by backward shift, so no tombstones):
+Two open-addressing tables (linear probing, deletion by backward shift, so no tombstones), each a
+numpy array of rows (key, tag, values; tag 0: an empty row), one cache line or so per probe:
 - `held`: hash -> holder bits, in words of 64 (a holder is a (worker, tier, group); bit i of word
   i // 64). A hash is in it while some holder holds it.
 - `extra`: (hash, holder) -> store count beyond the first, for the hashes a holder was announced
@@ -8,8 +9,8 @@ Two open-addressing tables (linear probing, deletion by backward shift, so no to
 
 Hashes are keys of 64 bits: vLLM's int form of a block hash (the digest's last 8 bytes, big
 endian); a digest carried as bytes is keyed by the same 8 bytes (`hash_keys`), so a prompt hashed
-either way finds it. A batch's stores and removals are one kernel call (`apply`): a run of
-hashes per event, in order.
+either way finds it. Stores and removals come as runs of hashes (one per event), many events'
+worth applied in order by one kernel call (`apply`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def hash_keys(hashes: Sequence) -> np.ndarray:
         return np.array([hash_key(h) for h in hashes], np.uint64)
 
 
-def hash_key(h) -> int:
+def hash_key(h: int | bytes) -> int:
     """One event hash as its 64-bit key: an int's low 64 bits, a digest's last 8 bytes."""
     if isinstance(h, (bytes, bytearray, memoryview)):
         return int.from_bytes(bytes(h)[-8:], "big")
@@ -251,7 +252,7 @@ class HeldTable:
     """Which holders hold each hash, with store counts (module docstring). Holders are numbered
     from 0 by the index; `words` grows as they pass multiples of 64."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.words = 1
         self.held = _Table(1)
         self.extra = _Table(1)
@@ -262,6 +263,7 @@ class HeldTable:
 
     @property
     def unknown_removals(self) -> int:
+        """Removals of hashes their holder did not hold (so far)."""
         return int(self._stats[0])
 
     def add_holder(self, hid: int) -> None:
