@@ -272,7 +272,7 @@ class WorkerSide:
     def _report(self, op: Op, key, ok: bool) -> None:
         self.reports.append(Report(op, key, ok))
 
-    def start_load_kv(self, meta: KVBMMetadata) -> None:
+    def start_load_kv(self, meta: KVBMMetadata, forward_context=None) -> None:
         if meta.decision is not None:
             self.follow(meta.decision)
         elif self.layout.root is None:
@@ -328,7 +328,7 @@ class WorkerSide:
             from vllm_kvbm_plugin.connector import pic_load
 
             pic_load.load(meta.pic_loads, self.cfg.pic_model, self.layout.block_size, self.layers[KV], self.pool,
-                          self.cfg.pic_recompute_ratio, self._blocks_failed, self._count)
+                          self.cfg.pic_recompute_ratio, self._blocks_failed, self._count, forward_context)
         for key in meta.closes:
             fd = self.held.pop(key, None)
             if fd is not None:
