@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -26,6 +27,9 @@ from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, BlendPlan, attach, tp_group
 from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 from vllm_kvbm_plugin.reuse.rope import RopeSpec, rerotate
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
 
 logger = get_logger("connector.pic")
 
@@ -39,7 +43,7 @@ def _cos_sin(rope: RopeSpec, max_positions: int, dtype: torch.dtype) -> torch.Te
 
 def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, pool: torch.Tensor,
          recompute_ratio: float, failed: Callable[[Iterable[int]], None],
-         count: Callable[[dict], None], forward_context: object | None = None) -> None:
+         count: Callable[[dict], None], forward_context: ForwardContext | None = None) -> None:
     """Run position-independent loads: per attention layer, K of the slot tokens re-rotated from
     their old to their new positions in float32, V copied (`kv_views`); a layer of another shape
     fails the loads (their block ids go to `failed`, reported as load errors, so vLLM recomputes

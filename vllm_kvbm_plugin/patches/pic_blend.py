@@ -26,11 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_kvbm_plugin.patches.wrapping import is_wrapped, logger, wrap_method
 from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
 
 NAME = "pic_blend"
 ATTR = "kvbm_pic_blend"  # the plan's attribute on vLLM's ForwardContext (one per step)
@@ -221,7 +225,7 @@ def _request_of(rows: torch.Tensor, layer_name: str) -> torch.Tensor:
     return torch.searchsorted(starts.long().cpu(), rows, right=True) - 1
 
 
-def attach(forward_context, plan: BlendPlan) -> None:
+def attach(forward_context: ForwardContext, plan: BlendPlan) -> None:
     """Hand `plan` to the attention layers of the step `forward_context` (vLLM's ForwardContext,
     which vLLM gives the connector's `start_load_kv`) describes. Where the decoder layers drop rows
     (`compute_saving_applied`), the step also leaves the compiled graph: vLLM's
@@ -231,7 +235,7 @@ def attach(forward_context, plan: BlendPlan) -> None:
         forward_context.skip_compiled = True
 
 
-def plan_of(forward_context) -> BlendPlan | None:
+def plan_of(forward_context: ForwardContext) -> BlendPlan | None:
     """The plan `attach` gave this step's forward context, if any."""
     return getattr(forward_context, ATTR, None)
 
@@ -321,6 +325,8 @@ def _wrap_layer(orig):
         from vllm.model_executor.models.utils import extract_layer_index
 
         layer = extract_layer_index(self.self_attn.attn.layer_name)
+        if layer == 0:
+            _rotary_kernel(getattr(self.self_attn, "rotary_emb", None))
         if layer < SELECTION_LAYER or (layer > SELECTION_LAYER and plan.kept is None):
             return orig(self, positions, hidden_states, residual, *args, **kwargs)
         if layer == SELECTION_LAYER:
@@ -349,3 +355,13 @@ def _wrap_layer(orig):
         return out, res
 
     return forward
+
+
+def _rotary_kernel(rotary) -> None:
+    """Blended steps of a compiled model run its modules eagerly, and there its custom ops were set
+    up to run their PyTorch-native code (for inductor to fuse): the rotary embedding's is ~15 small
+    ops per layer where vLLM's CPU kernel, what an eager model runs, is one. Set once on the module,
+    after the graph was traced (the graph does not call it)."""
+    fast = getattr(rotary, "forward_cpu", None)
+    if fast is not None and rotary._forward_method != fast:
+        rotary._forward_method = fast
