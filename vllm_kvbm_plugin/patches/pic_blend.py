@@ -297,7 +297,8 @@ DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
 
 def apply_compute_saving(vllm_config) -> bool:
     """Patch the dense decoder layers to run only the kept rows after the selection layer, if the
-    attention patch is applied. Before the model is first traced: the trace sees the plain layers."""
+    attention patch is applied. A compiled model's graph is the plain layers' either way (vLLM traces
+    it before the worker's connector exists; under dynamo `_wrap_layer` calls the plain layer)."""
     import importlib
 
     from vllm_kvbm_plugin import compat
