@@ -46,7 +46,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm_kvbm_plugin.connector.worker import WorkerSide
 
             self._worker = WorkerSide(layout, cfg, _tensor_parallel_rank())
-            if getattr(cfg, "pic_recompute_ratio", 0):  # eager models: layers after the selection run fewer rows
+            if getattr(cfg, "pic_recompute_ratio", 0):  # layers after the selection run fewer rows
                 from vllm_kvbm_plugin.patches import pic_blend
 
                 pic_blend.apply_compute_saving(vllm_config)
@@ -62,7 +62,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if meta:
-            self._worker.start_load_kv(meta)
+            self._worker.start_load_kv(meta, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv before the forward

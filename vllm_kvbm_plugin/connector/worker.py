@@ -266,7 +266,7 @@ class WorkerSide:
                                f"does not have (it has {sorted(self._by_label)}); the sides disagree on the tiers")
         return tier
 
-    def start_load_kv(self, meta: KVBMMetadata) -> None:
+    def start_load_kv(self, meta: KVBMMetadata, forward_context=None) -> None:
         if meta.decision is not None:
             self.follow(meta.decision)
         elif self.layout.root is None:
@@ -303,7 +303,7 @@ class WorkerSide:
             from vllm_kvbm_plugin.connector import pic_load
 
             pic_load.load(meta.pic_loads, self.cfg.pic_model, self.layout.block_size, self.layers[KV], self.pool,
-                          self.cfg.pic_recompute_ratio, self._blocks_failed, self._count)
+                          self.cfg.pic_recompute_ratio, self._blocks_failed, self._count, forward_context)
         if meta.jobs:
             for label, jobs in self._by_tier(meta.jobs, (Verb.CLOSE,)).items():
                 self._tier_of(label).close([j.key for j in jobs])
