@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import math
 import time
 from typing import NamedTuple
 
@@ -239,8 +240,9 @@ class TransferEngine:
         # path copies
         self._tables: dict = {}
         self._torch_layers: dict = {}
-        for kind, groups in layers.items() if not self.cuda else ():
-            paged = [(g, ly) for g, ls in enumerate(groups) for ly in ls if ly.pages is not None and ly.offset % 8 == 0]
+        for kind, groups in layers.items() if not self.cuda else ():  # (page copies address slots in words)
+            paged = [(g, ly) for g, ls in enumerate(groups) for ly in ls
+                     if ly.pages is not None and ly.offset % 8 == 0 and self.slot_bytes % 8 == 0]
             self._tables[kind] = np.array([table_row(ly.pages, ly.nbytes // 8, ly.offset // 8, g, len(groups))
                                            for g, ly in paged], np.int64).reshape(-1, 7)
             self._torch_layers[kind] = [(g, ly) for g, ls in enumerate(groups) for ly in ls
@@ -414,12 +416,13 @@ def layer_to_slots(layer: Layer, block_ids: list[int], slots: list[int], pool: t
     ids = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
     data = layer.tensor.index_select(layer.dim, ids).movedim(layer.dim, 0)
     data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
-    pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes] = data
+    pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + data.shape[1]] = data
 
 
 def slots_to_layer(layer: Layer, block_ids: list[int], slots: list[int], pool: torch.Tensor) -> None:
     t = layer.tensor
-    data = pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes]
+    n = math.prod(layer.block_shape) * t.element_size()  # a block's data (a padded page's padding stays)
+    data = pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + n]
     data = data.view(t.dtype).reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
     t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device), data.movedim(0, layer.dim))
 
