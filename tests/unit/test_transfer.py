@@ -143,6 +143,24 @@ def test_an_out_of_range_piece_anywhere_in_a_job_copies_nothing(bad):
     assert eng.pool[:2].any() and not eng.pool[2:].any()
 
 
+def test_copy_jobs_of_the_wrong_shape_or_type_are_refused():
+    pages, pool = np.zeros(4 * 8, np.uint64), np.zeros(2 * 8, np.uint64)
+    table = np.array([tcopy.table_row(pages, 8, 0, 0, 1)], np.int64)
+    cols = np.array([[1, 1]], np.int64)
+    for t, c, p in [(table[:, :6], cols, pool), (table, cols.astype(np.int32), pool), (table, cols[0], pool),
+                    (table, cols, pool.view(np.int64))]:
+        with pytest.raises(TypeError):
+            tcopy.copy_rows(np.ascontiguousarray(t), c, p, 8, True)
+    with pytest.raises(TypeError):
+        tcopy.table_row(pages.view(np.float64), 8, 0, 0, 1)
+    with pytest.raises(IndexError):  # a part past the slot's end
+        tcopy.copy_rows(np.array([tcopy.table_row(pages, 8, 4, 0, 1)], np.int64), cols, pool, 8, True)
+    assert not pool.any()
+    pages[8:16] = 7
+    tcopy.copy_rows(table, cols, pool, 8, True)  # block 1 -> slot 1
+    assert (pool[8:] == 7).all() and not pool[:8].any()
+
+
 # ---- the CUDA path's pieces, run on CPU addresses ------------------------------------------------
 
 @pytest.mark.parametrize("name", ["cpu_attn", "kv_split", "heads_outer", "mamba_state"])

@@ -89,7 +89,7 @@ def _fence(typingctx):
 
 
 @numba.njit(cache=True, nogil=True)
-def _copy_at(dst, src, nbytes, stream):
+def _copy_at(dst: int, src: int, nbytes: int, stream: bool) -> None:
     """nbytes (a multiple of 8) from address src to address dst, both 8-byte aligned; streaming:
     memcpy up to dst's next 64-byte line, whole lines non-temporal, memcpy for the tail."""
     if not stream:
@@ -106,7 +106,7 @@ def _copy_at(dst, src, nbytes, stream):
 
 
 @numba.njit(cache=True, nogil=True)
-def _copy_words(dst, a, src, b, w, stream):
+def _copy_words(dst: np.ndarray, a: int, src: np.ndarray, b: int, w: int, stream: bool) -> None:
     """dst[a:a+w] = src[b:b+w], bounds checked."""
     if a < 0 or b < 0 or a + w > dst.shape[0] or b + w > src.shape[0]:
         raise IndexError("block id or slot out of range")
@@ -115,7 +115,8 @@ def _copy_words(dst, a, src, b, w, stream):
 
 
 @numba.njit(cache=True, nogil=True)
-def rows_to_slots(src, w, block_ids, dst, total, slots, offset, stream=False):
+def rows_to_slots(src: np.ndarray, w: int, block_ids: np.ndarray, dst: np.ndarray, total: int, slots: np.ndarray,
+                  offset: int, stream: bool = False) -> None:
     """Slot slots[i] words [offset, offset+w) <- block block_ids[i] of the layer."""
     for i in range(block_ids.shape[0]):
         _copy_words(dst, slots[i] * total + offset, src, block_ids[i] * w, w, stream)
@@ -124,7 +125,8 @@ def rows_to_slots(src, w, block_ids, dst, total, slots, offset, stream=False):
 
 
 @numba.njit(cache=True, nogil=True)
-def slots_to_rows(src, total, slots, offset, dst, w, block_ids, stream=False):
+def slots_to_rows(src: np.ndarray, total: int, slots: np.ndarray, offset: int, dst: np.ndarray, w: int,
+                  block_ids: np.ndarray, stream: bool = False) -> None:
     """Block block_ids[i] of the layer <- slot slots[i] words [offset, offset+w)."""
     for i in range(block_ids.shape[0]):
         _copy_words(dst, block_ids[i] * w, src, slots[i] * total + offset, w, stream)
@@ -133,12 +135,12 @@ def slots_to_rows(src, total, slots, offset, dst, w, block_ids, stream=False):
 
 
 @numba.njit(cache=True, nogil=True)
-def _count(table, r, cols):
+def _count(table: np.ndarray, r: int, cols: np.ndarray) -> int:
     return cols.shape[0] if table[r, COUNT] < 0 else table[r, COUNT]
 
 
 @numba.njit(cache=True, nogil=True)
-def check_table(table, cols, pool, total):
+def check_table(table: np.ndarray, cols: np.ndarray, pool: np.ndarray, total: int) -> tuple[int, int]:
     """IndexError unless every row fits a slot and every piece names a block of its layer and a
     slot of the pool: run before any byte of the job moves. (pieces, bytes) of the job."""
     n_slots = pool.shape[0] // total
@@ -161,7 +163,8 @@ def check_table(table, cols, pool, total):
 
 
 @numba.njit(cache=True, nogil=True)
-def copy_table(table, cols, pool, total, lo, hi, to_pool, stream):
+def copy_table(table: np.ndarray, cols: np.ndarray, pool: np.ndarray, total: int, lo: int, hi: int, to_pool: bool,
+               stream: bool) -> None:
     """Pieces lo..hi (rows in order, piece k of a row: the row's block cols[k, ID_COL] and slot
     cols[k, SLOT_COL]) of a checked job: the layer's block <-> the row's part of the slot."""
     base = np.int64(pool.ctypes.data)
@@ -237,7 +240,8 @@ def table_row(pages: np.ndarray, w: int, offset: int, id_col: int, slot_col: int
     return [pages.ctypes.data, w, offset, pages.shape[0] // w, id_col, slot_col, count]
 
 
-def _run_part(table, cols, pool_words, total, to_pool, stream, part, parts, pieces) -> None:
+def _run_part(table: np.ndarray, cols: np.ndarray, pool_words: np.ndarray, total: int, to_pool: bool, stream: bool,
+              part: int, parts: int, pieces: int) -> None:
     """Part `part` of `parts` of the job: a contiguous share of its pieces."""
     copy_table(table, cols, pool_words, total, pieces * part // parts, pieces * (part + 1) // parts, to_pool, stream)
 
@@ -252,6 +256,9 @@ def copy_rows(table: np.ndarray, cols: np.ndarray, pool_words: np.ndarray, total
     OpenMP threads still spin after the forward) just takes fewer. Returns only when every chunk
     is done, also when one failed (then raises)."""
     words_of(pool_words, "the pool")
+    if not (isinstance(table, np.ndarray) and isinstance(cols, np.ndarray) and table.dtype == cols.dtype == np.int64
+            and table.ndim == cols.ndim == 2 and table.shape[1] == COUNT + 1):
+        raise TypeError(f"a copy job needs an int64 table of {COUNT + 1} columns and int64 [pieces, columns] ids")
     pieces, nbytes = check_table(table, cols, pool_words, total)
     if not pieces:
         return
