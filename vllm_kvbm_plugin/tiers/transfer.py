@@ -5,8 +5,8 @@ A slot holds one entry: the block's bytes of every layer of its kind, one layer 
 (`Layer.offset`). Jobs are lists of (kind, block id per group, slot); `submit` returns a job id and
 `get_finished` reports finished jobs in submission order (vLLM's get_finished contract).
 
-- CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, torch index ops for any other;
-  a job is done when `submit` returns.
+- CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, every layer of a kind in one
+  kernel call (per thread), torch index ops for any other; a job is done when `submit` returns.
 - CUDA: a job runs on the side stream (`stream`) with an end event (and a start event for its
   time); `get_finished` polls them. Each block of a layer is a few equal contiguous pieces (one
   for blocks on dim 0, K and V for blocks on dim 1, ...), and one Triton launch copies every
