@@ -2,19 +2,19 @@
 
 - copies, per block size (one layer's block: --block-kib): the connector's store (KV blocks ->
   pool slots, every other block of the KV cache, so scattered) and load (slots -> other KV
-  blocks) of jobs of --job-mib each (a step's copies), against memcpy of the same number of bytes
-  in one contiguous piece: the machine's memcpy peak, the faster of libc's memcpy on one thread
-  (numpy) and torch's copy on its threads. Each timed job and memcpy uses bytes no recent one
-  touched (jobs rotate over --span-mib of KV cache and pool, beyond the last-level cache), as a
-  step's copies find the pool cold. Targets: >= 50 % of memcpy at 16 KiB blocks, >= 80 % at
-  256 KiB.
+  blocks) of jobs of --job-mib each (a step's copies; 0: one block), against memcpy of the same
+  number of bytes in one piece: the machine's memcpy peak, the faster of libc's memcpy on one
+  thread (numpy) and torch's copy on its threads. Each timed job and memcpy uses bytes no recent
+  one touched (they rotate over --span-mib of pool and twice that of KV cache, beyond the
+  last-level cache), as a step's copies find the pool cold. Targets: >= 50 % of memcpy at 16 KiB
+  blocks, >= 80 % at 256 KiB.
 - disk: block files written (header, MAC, temp file + rename) and read back verified, against
   raw per-block file writes and reads of the same bytes with the same durability (no fsync by
   default, --fsync for both). Target >= 0.8 of it. Also the same files in one batch call
   (write_blocks / read_blocks, as KVBMDiskTier does them). And the block MAC alone on the same
   blocks, against format 2's checksum it replaced, as a share of a verified read.
 
-    python benchmarks/bench_tier_io.py [--layers 8] [--block-kib 16,64,256] [--job-mib 16] [--span-mib 256]
+    python benchmarks/bench_tier_io.py [--layers 8] [--block-kib 16,64,256] [--job-mib 0,16] [--span-mib 256]
         [--disk-blocks 64] [--fsync] [--rewrite] [--rounds 7]
 """
 
@@ -99,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--block-kib", default="16,64,256", help="bytes of one layer's block, KiB (comma list)")
-    ap.add_argument("--job-mib", default="16", help="bytes per copy job, MiB (comma list)")
+    ap.add_argument("--job-mib", default="0,16", help="bytes per copy job, MiB (comma list; 0: one block per layer)")
     ap.add_argument("--span-mib", type=int, default=256, help="pool bytes the jobs rotate over (KV cache: twice)")
     ap.add_argument("--disk-blocks", type=int, default=64)
     ap.add_argument("--fsync", action="store_true")
