@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers import transfer
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, block_pieces, piece_descriptors
 
@@ -85,6 +86,81 @@ def test_out_of_range_blocks_or_slots_raise_and_leave_the_engine_usable():
         assert len(eng.get_finished()) == 1
 
 
+def _two_group_engine(slots: int, pad: int = 4) -> tuple:
+    """Page layers in two groups of one kind (their own block ids) and a state kind; between them
+    layers the torch path copies (blocks on dim 1; 12-byte blocks, last) and a Mamba-like padded page."""
+    g = torch.Generator().manual_seed(1)
+    attn = [torch.randn(NB, 2, 16, 64, generator=g).to(torch.bfloat16) for _ in range(3)]
+    split = torch.randn(2, NB, 16, 2, 32, generator=g).to(torch.bfloat16)
+    odd = torch.randint(0, 256, (NB, 12), dtype=torch.uint8, generator=g)  # 12-byte blocks
+    page = torch.randint(0, 256, (NB, 1280), dtype=torch.uint8, generator=g)
+    kv_layers = [[Layer(attn[0], 0), Layer(split, 1), Layer(attn[1], 0)], [Layer(attn[2], 0), Layer(odd, 0)]]
+    state = [[Layer(page.view(torch.float32)[:, :256].view(NB, 4, 64), 0)]]
+    for groups in (kv_layers, state):
+        offset = 0
+        for layer in (ly for ls in groups for ly in ls):
+            layer.offset, offset = offset, offset + layer.nbytes
+    width = max(sum(ly.nbytes for ls in gs for ly in ls) for gs in (kv_layers, state))
+    pool = torch.zeros(slots, width + pad, dtype=torch.uint8)  # pad 4: 8-byte words
+    return TransferEngine({"kv": kv_layers, "state": state}, pool), kv_layers, state
+
+
+@pytest.mark.parametrize("pad", [4, 8])
+def test_a_job_is_one_kernel_call_per_kind_and_bit_exact_across_groups(monkeypatch, pad):
+    calls = []
+    kernel = tcopy.copy_table
+    monkeypatch.setattr(tcopy, "copy_table", lambda *a: (calls.append(a[0].shape[0]), kernel(*a)))
+    monkeypatch.setattr(tcopy, "MIN_SPLIT_BYTES", 1 << 40)  # one chunk: count calls, not threads
+    eng, kv_layers, state = _two_group_engine(slots=8, pad=pad)
+    ids = [(3, 9), (0, 4), (11, 1)]  # a block id per group
+    ops = [("kv", b, s) for b, s in zip(ids, (5, 1, 6))] + [("state", (7,), 2), ("state", (2,), 0)]
+    want = {id(ly): _blocks(ly.tensor, ly.dim, [b[gi] for b in ids]).clone()
+            for gi, ls in enumerate(kv_layers) for ly in ls}
+    want_state = _blocks(state[0][0].tensor, 0, [7, 2]).clone()
+    eng.submit(ops, to_pool=True)
+    # the kv kind's three page layers (two groups) in one call, the state's in one; slots that are
+    # not whole words: every layer on the torch path
+    assert calls == ([3, 1] if pad == 4 else [])
+    back = [((b[0] + 1) % NB, (b[1] + 2) % NB) for b in ids]
+    eng.submit([("kv", b, s) for b, s in zip(back, (5, 1, 6))] + [("state", (8,), 2), ("state", (5,), 0)],
+               to_pool=False)
+    for gi, ls in enumerate(kv_layers):
+        for ly in ls:  # every layer, the unaligned one on the torch path too
+            got = _blocks(ly.tensor, ly.dim, [b[gi] for b in back])
+            assert torch.equal(got.view(torch.uint8), want[id(ly)].view(torch.uint8))
+    got = _blocks(state[0][0].tensor, 0, [8, 5])
+    assert torch.equal(got.view(torch.uint8), want_state.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad", ["block", "slot"])
+def test_an_out_of_range_piece_anywhere_in_a_job_copies_nothing(bad):
+    eng, _, _ = _two_group_engine(slots=4)
+    ops = [("kv", (1, 2), 0), ("kv", (3, 4), 1), ("kv", (5, NB) if bad == "block" else (5, 6), 2 if bad == "block" else 4)]
+    with pytest.raises(IndexError):
+        eng.submit(ops, to_pool=True)
+    assert not eng.pool.any()  # checked before the first byte moved (the second group's last block)
+    eng.submit(ops[:2], to_pool=True)
+    assert eng.pool[:2].any() and not eng.pool[2:].any()
+
+
+def test_copy_jobs_of_the_wrong_shape_or_type_are_refused():
+    pages, pool = np.zeros(4 * 8, np.uint64), np.zeros(2 * 8, np.uint64)
+    table = np.array([tcopy.table_row(pages, 8, 0, 0, 1)], np.int64)
+    cols = np.array([[1, 1]], np.int64)
+    for t, c, p in [(table[:, :6], cols, pool), (table, cols.astype(np.int32), pool), (table, cols[0], pool),
+                    (table, cols, pool.view(np.int64))]:
+        with pytest.raises(TypeError):
+            tcopy.copy_rows(np.ascontiguousarray(t), c, p, 8, True)
+    with pytest.raises(TypeError):
+        tcopy.table_row(pages.view(np.float64), 8, 0, 0, 1)
+    with pytest.raises(IndexError):  # a part past the slot's end
+        tcopy.copy_rows(np.array([tcopy.table_row(pages, 8, 4, 0, 1)], np.int64), cols, pool, 8, True)
+    assert not pool.any()
+    pages[8:16] = 7
+    tcopy.copy_rows(table, cols, pool, 8, True)  # block 1 -> slot 1
+    assert (pool[8:] == 7).all() and not pool[:8].any()
+
+
 # ---- the CUDA path's pieces, run on CPU addresses ------------------------------------------------
 
 @pytest.mark.parametrize("name", ["cpu_attn", "kv_split", "heads_outer", "mamba_state"])
@@ -135,6 +211,7 @@ def test_piece_descriptors_copy_what_the_torch_path_copies(name):
 
 _TRITON_SCRIPT = """
 import numpy as np, torch
+from vllm_kvbm_plugin.tiers import copy as tcopy
 from vllm_kvbm_plugin.tiers import transfer
 from tests.unit.test_transfer import _pieced, _reference_pool, _blocks
 assert transfer.triton is not None

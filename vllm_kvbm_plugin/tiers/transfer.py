@@ -5,8 +5,8 @@ A slot holds one entry: the block's bytes of every layer of its kind, one layer 
 (`Layer.offset`). Jobs are lists of (kind, block id per group, slot); `submit` returns a job id and
 `get_finished` reports finished jobs in submission order (vLLM's get_finished contract).
 
-- CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, torch index ops for any other;
-  a job is done when `submit` returns.
+- CPU: numba page copies (tiers/copy.py) for vLLM's CPU layout, every layer of a kind in one
+  kernel call (per thread), torch index ops for any other; a job is done when `submit` returns.
 - CUDA: a job runs on the side stream (`stream`) with an end event (and a start event for its
   time); `get_finished` polls them. Each block of a layer is a few equal contiguous pieces (one
   for blocks on dim 0, K and V for blocks on dim 1, ...), and one Triton launch copies every
@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import math
 import time
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from vllm_kvbm_plugin.tiers.copy import copy_pages
+from vllm_kvbm_plugin.tiers.copy import copy_rows, table_row
 from vllm_kvbm_plugin.tiers.host_memory import cudart
 
 try:
@@ -234,6 +235,18 @@ class TransferEngine:
         self._stages: list[_Stage] = []
         self._uses = 0
         self._pool_words = pool.numpy().reshape(-1).view(np.uint64) if not self.cuda else None
+        # CPU, per kind: the copy table of its page layers (tiers/copy.py: a job's ids and slots
+        # are one matrix, a column per group, then the slots), and the (group, layer) the torch
+        # path copies
+        self._tables: dict = {}
+        self._torch_layers: dict = {}
+        for kind, groups in layers.items() if not self.cuda else ():  # (page copies address slots in words)
+            paged = [(g, ly) for g, ls in enumerate(groups) for ly in ls
+                     if ly.pages is not None and ly.offset % 8 == 0 and self.slot_bytes % 8 == 0]
+            self._tables[kind] = np.array([table_row(ly.pages, ly.nbytes // 8, ly.offset // 8, g, len(groups))
+                                           for g, ly in paged], np.int64).reshape(-1, 7)
+            self._torch_layers[kind] = [(g, ly) for g, ls in enumerate(groups) for ly in ls
+                                        if all(ly is not p for _, p in paged)]
 
     # ---- the contract ----------------------------------------------------------------------
     def submit(self, ops, to_pool: bool) -> int:
@@ -293,24 +306,18 @@ class TransferEngine:
 
     # ---- CPU -------------------------------------------------------------------------------
     def _cpu_copy(self, by_kind: dict, to_pool: bool) -> None:
-        """Page copies (vLLM's CPU layout) are collected and run together, split over threads;
-        torch copies stay on this thread (torch ops from a helper thread would start a second
-        OpenMP team)."""
-        jobs = []
+        """Per kind, its page layers in one `copy_rows` job (one kernel call per thread: a small
+        block costs a memcpy), checked before a byte moves; then the torch copies, on this thread
+        (torch ops from a helper thread would start a second OpenMP team)."""
         for kind, items in by_kind.items():
+            table = self._tables[kind]
+            if len(table):
+                cols = np.array([(*ids, slot) for ids, slot in items], np.int64)
+                copy_rows(table, cols, self._pool_words, self.slot_bytes // 8, to_pool)
             slots = [s for _, s in items]
-            sl = np.asarray(slots, np.int64)
-            for gi, layers in enumerate(self.layers[kind]):
+            for gi, layer in self._torch_layers[kind]:
                 block_ids = [ids[gi] for ids, _ in items]
-                ids = np.asarray(block_ids, np.int64)
-                for layer in layers:
-                    if layer.pages is not None:
-                        jobs.append((layer.pages, layer.nbytes // 8, layer.offset // 8, ids, sl))
-                    elif to_pool:
-                        layer_to_slots(layer, block_ids, slots, self.pool)
-                    else:
-                        slots_to_layer(layer, block_ids, slots, self.pool)
-        copy_pages(jobs, self._pool_words, self.slot_bytes // 8, to_pool)
+                (layer_to_slots if to_pool else slots_to_layer)(layer, block_ids, slots, self.pool)
 
     # ---- CUDA ------------------------------------------------------------------------------
     def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list) -> None:
@@ -409,12 +416,13 @@ def layer_to_slots(layer: Layer, block_ids: list[int], slots: list[int], pool: t
     ids = torch.tensor(block_ids, dtype=torch.long, device=layer.tensor.device)
     data = layer.tensor.index_select(layer.dim, ids).movedim(layer.dim, 0)
     data = data.reshape(len(block_ids), -1).view(torch.uint8).cpu()
-    pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes] = data
+    pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + data.shape[1]] = data
 
 
 def slots_to_layer(layer: Layer, block_ids: list[int], slots: list[int], pool: torch.Tensor) -> None:
     t = layer.tensor
-    data = pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + layer.nbytes]
+    n = math.prod(layer.block_shape) * t.element_size()  # a block's data (a padded page's padding stays)
+    data = pool[torch.tensor(slots, dtype=torch.long), layer.offset:layer.offset + n]
     data = data.view(t.dtype).reshape(len(block_ids), *layer.block_shape).to(t.device, non_blocking=True)
     t.index_copy_(layer.dim, torch.tensor(block_ids, dtype=torch.long, device=t.device), data.movedim(0, layer.dim))
 
