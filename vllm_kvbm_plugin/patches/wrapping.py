@@ -35,7 +35,7 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> b
     return True
 
 
-def add_class_default(cls: type, name: str, value) -> bool:
+def add_class_default(cls: type, name: str, value: object) -> bool:
     """Give `cls` a class attribute `name`, once: the default of per-instance state that our
     wrappers then read as `self.name`. Never read a vLLM object's `__dict__` instead: on CPython
     3.11 that turns the instance's inline attribute values into a dict for good, and every
