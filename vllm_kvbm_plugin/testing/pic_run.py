@@ -21,25 +21,32 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.inputs import TokensPrompt
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def _layer0_blocks(worker, block_ids):
+def _layer0_blocks(worker: Any, block_ids: list[int]) -> torch.Tensor:
     """The first attention layer's KV of `block_ids` (runs in the worker, in-process)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from vllm_kvbm_plugin.connector import KVBMConnector
     from vllm_kvbm_plugin.connector.layout import KV
 
-    side = get_kv_transfer_group()._worker
+    side = cast(KVBMConnector, get_kv_transfer_group())._worker
+    assert side is not None  # a worker process
     g = side.layout.groups[KV][0]
     names = side.layout.layer_names[g]
     (i,) = [i for i, n in enumerate(names) if ".layers.0." in n]
     return side.layers[KV][0][i].tensor[list(block_ids)].clone()
 
 
-def _record_kept(worker) -> None:
+def _record_kept(worker: Any) -> None:
     """Record each blended step's kept rows (after the compute saving's gather) on this worker
     (`worker.kvbm_kept`: RPC'd functions of a `python -m` module travel by value, their globals too)."""
     from vllm_kvbm_plugin.patches.pic_blend import BlendPlan
@@ -47,14 +54,15 @@ def _record_kept(worker) -> None:
     kept = worker.kvbm_kept = []
     gather = BlendPlan.gather
 
-    def recording(self, *args, **kwargs):
+    def recording(self: BlendPlan, *args: Any, **kwargs: Any) -> None:
         gather(self, *args, **kwargs)
+        assert self.kept is not None  # gather sets it
         kept.append(self.kept.tolist())
 
-    BlendPlan.gather = recording
+    BlendPlan.gather = recording  # type: ignore[method-assign]  # recorded in this worker only
 
 
-def _blend_stats(worker) -> dict:
+def _blend_stats(worker: Any) -> dict[str, Any]:
     """patches.pic_blend.STATS of a worker process (each tensor-parallel rank has its own) and the
     rows `_record_kept` recorded."""
     from vllm_kvbm_plugin.patches import pic_blend
@@ -62,27 +70,35 @@ def _blend_stats(worker) -> dict:
     return {**pic_blend.STATS, "kept": worker.kvbm_kept}
 
 
-def _margin(logprobs: dict) -> float:
+def _margin(logprobs: dict[int, Any]) -> float:
     """A generated token's top-2 margin (log-probability of the best minus the second best)."""
     top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
     return top[0] - top[1]
 
 
-def run(spec: dict, out_dir: str) -> dict:
+def _prompt(ids: list[int], salt: str | None) -> TokensPrompt:
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=ids)
+    if salt:
+        prompt["cache_salt"] = salt
+    return prompt
+
+
+def run(spec: dict[str, Any], out_dir: str) -> dict[str, Any]:
     import torch
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from vllm_kvbm_plugin.testing.engine_run import metric_totals, start_engine
 
     llm, _ = start_engine({**spec, "events": False})
     sched = llm.llm_engine.engine_core.engine_core.scheduler
     connector = sched.connector
-    finished: list = []
+    finished: list[Any] = []
     if connector is not None:  # the block ids of each finished request, as vLLM hands them over
         original = connector.request_finished_all_groups
 
-        def request_finished_all_groups(request, block_ids):
+        def request_finished_all_groups(request: Any, block_ids: Any) -> Any:
             finished.append(block_ids)
             return original(request, block_ids)
 
@@ -92,21 +108,18 @@ def run(spec: dict, out_dir: str) -> dict:
     from vllm_kvbm_plugin.patches import pic_blend, pic_segments
 
     llm.collective_rpc(_record_kept)
-    steps = []
+    steps: list[dict[str, Any]] = []
     for step in spec["steps"]:
         if step.get("reset"):
             steps.append({"reset": llm.reset_prefix_cache()})
             continue
         if step.get("batch"):  # several requests in one generate call (scheduled together)
-            prompts = [TokensPrompt(prompt_token_ids=b["prompt"], **({"cache_salt": b["salt"]} if b.get("salt") else {}))
-                       for b in step["batch"]]
+            prompts = [_prompt(b["prompt"], b.get("salt")) for b in step["batch"]]
             outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
             steps.append({"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
                           "pic": dict(pic.stats) if pic is not None else None, "segments": dict(pic_segments.STATS)})
             continue
-        prompt = TokensPrompt(prompt_token_ids=step["prompt"])
-        if step.get("salt"):
-            prompt["cache_salt"] = step["salt"]
+        prompt = _prompt(step["prompt"], step.get("salt"))
         if pic is not None:  # false: one step per loaded run past a gap, as without patches/pic_segments.py
             pic.one_forward = step.get("one_forward", one_forward)
         sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
