@@ -92,7 +92,8 @@ def run(spec: dict[str, Any], out_dir: str) -> dict[str, Any]:
     from vllm_kvbm_plugin.testing.engine_run import metric_totals, start_engine
 
     llm, _ = start_engine({**spec, "events": False})
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    core: Any = llm.llm_engine.engine_core  # in-process (InprocClient): its engine_core is the EngineCore
+    sched = core.engine_core.scheduler
     connector = sched.connector
     finished: list[Any] = []
     if connector is not None:  # the block ids of each finished request, as vLLM hands them over
@@ -129,9 +130,10 @@ def run(spec: dict[str, Any], out_dir: str) -> dict[str, Any]:
                       "pic": dict(pic.stats) if pic is not None else None,  # the planner's totals so far
                       "segments": dict(pic_segments.STATS)})  # split forwards so far (worker: this process)
         if step.get("logprobs"):
-            first = o.outputs[0].logprobs[0]
+            logprobs: Any = o.outputs[0].logprobs  # per generated token: {token id: Logprob}
+            first = logprobs[0]
             steps[-1]["logprobs"] = [first[t].logprob for t in range(len(first))]
-            steps[-1]["margins"] = [_margin(lps) for lps in o.outputs[0].logprobs]
+            steps[-1]["margins"] = [_margin(lps) for lps in logprobs]
         if step.get("capture"):
             (kv,) = llm.collective_rpc(_layer0_blocks, args=(finished[-1][0],))
             torch.save(kv, os.path.join(out_dir, f"{step['capture']}.pt"))

@@ -128,7 +128,7 @@ class SchedulerHarness:
     a connector configured the SimulatedWorkers that run the connector's plans. Tests and
     benchmarks drive it: `add` requests, `step` / `run` / `serve`, read `batches`."""
 
-    def __init__(self, cfg: HarnessConfig):
+    def __init__(self, cfg: HarnessConfig) -> None:
         self.cfg = cfg
         self.vllm_config = vllm_config_of(cfg, self._kv_transfer_config())
         kv_cache_config, sched_bs, hbs = self._kv_cache_config()
