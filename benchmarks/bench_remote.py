@@ -147,8 +147,7 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int, float, fl
     import redis
 
     from mac_cost import mac_and_checksum_seconds
-    from vllm_kvbm_plugin.tiers import disk as diskfmt
-    from vllm_kvbm_plugin.tiers import remote as remotefmt
+    from vllm_kvbm_plugin.tiers import block_dir, remote_value, resp
     from vllm_kvbm_plugin.tiers import secret as tiersecret
     from vllm_kvbm_plugin.tiers.mac import mac_key
 
@@ -157,7 +156,7 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int, float, fl
     first = c.get(names[0])
     plen = int.from_bytes(first[40:48], "little")
     fp = first[24:40]
-    keys = [diskfmt.parse_key_hex(n.decode().rsplit(":", 1)[1] + ".kvb") for n in names]
+    keys = [block_dir.parse_key_hex(n.decode().rsplit(":", 1)[1] + ".kvb") for n in names]
     mk = mac_key(tiersecret.parse(c.get(tiersecret.REMOTE_NAME).decode(), tiersecret.REMOTE_NAME))
     total = sum(len(v) for v in c.mget(names))
 
@@ -168,13 +167,13 @@ def read_throughput(url: str, reps: int = 7) -> tuple[list, list, int, float, fl
                 pipe.get(n)
             pipe.execute()
 
-    reader = remotefmt.DirectClient(url)  # the workers' read path
+    reader = resp.DirectClient(url)  # the workers' read path
     outs = [np.empty(plen, dtype=np.uint8) for _ in range(64)]
 
     def ours():
         for a in range(0, len(names), 64):
             got = reader.fetch(names[a:a + 64], keys[a:a + 64], fp, mk, outs)
-            assert got == [remotefmt.OK] * len(got)
+            assert got == [remote_value.OK] * len(got)
 
     ours()  # numba compiles
     rates = {"ours": [], "raw": []}

@@ -245,7 +245,7 @@ def run(fleet: Fleet, args) -> None:
           f"{pct(beyond, 99) / pct(base[:, 0], 99):.2f}x; late decisions {fleet.router.late}")
     stats = fleet.router.stats()
     print(f"streams: {[s['batches'] for s in stats['streams']]} batches; "
-          f"index holds {len(fleet.router.index.held_by):,} hashes")
+          f"index holds {fleet.router.index.n_held():,} hashes")
 
     for traced in (False, True):  # RSS without tracemalloc (its own tables grow RSS), then traced Python memory
         memory(fleet, args.requests, traced)
@@ -264,7 +264,7 @@ def memory(fleet: Fleet, requests: int, traced: bool) -> None:
             fleet.drain()
             gc.collect()  # live memory, not garbage awaiting the cycle collector
             marks[n] = (tracemalloc.get_traced_memory()[0] if traced else rss_bytes(),
-                        len(json.dumps(fleet.router.stats())), len(fleet.router.index.held_by),
+                        len(json.dumps(fleet.router.stats())), fleet.router.index.n_held(),
                         None if traced else rss_bytes(trim=True))
             fleet.send(["steady", True])
     took = time.perf_counter() - t0

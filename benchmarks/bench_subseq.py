@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from vllm_kvbm_plugin.hashing import Keyer
-from vllm_kvbm_plugin.reuse.subseq import SubseqIndex
+from vllm_kvbm_plugin.reuse.subseq_index import SubseqIndex
 
 from timing import best
 

@@ -20,7 +20,7 @@ import torch
 
 from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers.mac import mac_key
 
 from mac_cost import mac_and_checksum_seconds
@@ -87,24 +87,24 @@ def main() -> None:
 
         def write_ours():
             gen["ours"] += 1
-            base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
+            base = block_dir.block_dir(where("ours", gen["ours"]), fp, 0)
             for i, k in enumerate(keys):
-                disk.write_block(disk.block_path(base, k), k, fp, MK, pool[i % n], fsync=args.fsync)
+                block_file.write_block(block_dir.block_path(base, k), k, fp, MK, pool[i % n], fsync=args.fsync)
 
         def read_ours():
-            base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
+            base = block_dir.block_dir(where("ours", gen["ours"]), fp, 0)
             for i, k in enumerate(keys):
-                assert disk.read_into(disk.block_path(base, k), k, fp, MK, pool[i % n]) is not None
+                assert block_file.read_into(block_dir.block_path(base, k), k, fp, MK, pool[i % n]) is not None
 
         def write_batch():  # the same files in one write_blocks call (KVBMDiskTier's way)
             gen["ours"] += 1
-            base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
-            assert not any(disk.write_blocks([disk.block_path(base, k) for k in keys], keys, fp, MK,
+            base = block_dir.block_dir(where("ours", gen["ours"]), fp, 0)
+            assert not any(block_file.write_blocks([block_dir.block_path(base, k) for k in keys], keys, fp, MK,
                                              [pool[i % n] for i in range(m)], [b""] * m, fsync=args.fsync))
 
         def read_batch():
-            base = disk.block_dir(where("ours", gen["ours"]), fp, 0)
-            metas = disk.read_blocks([disk.block_path(base, k) for k in keys], keys, fp, MK, [pool[i % n] for i in range(m)])
+            base = block_dir.block_dir(where("ours", gen["ours"]), fp, 0)
+            metas = block_file.read_blocks([block_dir.block_path(base, k) for k in keys], keys, fp, MK, [pool[i % n] for i in range(m)])
             assert None not in metas
 
         def write_raw():

@@ -121,7 +121,7 @@ def _announce(args: argparse.Namespace) -> int:
     import threading
 
     from vllm_kvbm_plugin.events.announcer import RemoteAnnouncer, ServerRefused, publish_to, zmq_publisher
-    from vllm_kvbm_plugin.tiers.remote import check_url
+    from vllm_kvbm_plugin.tiers.resp import check_url
 
     try:
         check_url(args.remote_url)
@@ -155,7 +155,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
 
 def _match(args: argparse.Namespace) -> int:
-    from vllm_kvbm_plugin.reuse.subseq import match_recording
+    from vllm_kvbm_plugin.reuse.subseq_feed import match_recording
 
     prompts = [[int(t) for t in args.prompt.replace(",", " ").split()]] if args.prompt else []
     if args.prompts:

@@ -7,7 +7,7 @@ Environment (read when used, so tests and subprocesses can set them late):
   KVBM_KEY_SECRET=<32 hex> the block-key secret every instance sharing a tier uses (else one kept
                         in the remote store or disk_path: tiers/secret.py)
   KVBM_REMOTE_PASSWORD  the remote tier's password when remote_url carries none (kept out of
-                        kv_transfer_config, which vLLM logs: tiers/remote.py)
+                        kv_transfer_config, which vLLM logs: tiers/resp.py)
 """
 
 from __future__ import annotations
@@ -59,6 +59,9 @@ class KVBMConfig:
     # measure this machine's peak per transfer kind when the worker starts (tiers/roofline.py, a few
     # seconds): the log line and vllm:kvbm_transfer_peak_bytes_per_second then show the share reached
     measure_roofline: bool = False
+    # modules that each add a tier below the built-in ones, in lookup order: each defines
+    # `TIER`, a connector.base.TierModule (its scheduler and worker halves; docs/architecture.md)
+    tier_module_paths: tuple[str, ...] = ()
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "KVBMConfig":
@@ -83,7 +86,7 @@ class KVBMConfig:
                 f"{', '.join(POLICIES)}"
             )
         if cfg.remote_url is not None:
-            from vllm_kvbm_plugin.tiers.remote import check_url
+            from vllm_kvbm_plugin.tiers.resp import check_url
 
             try:
                 check_url(cfg.remote_url)
@@ -102,6 +105,10 @@ class KVBMConfig:
         for name in ("offload_prompt_only", "disk_fsync", "measure_roofline", "pic_index_always"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"{CONNECTOR_NAME}: {name} must be true or false, got {getattr(cfg, name)!r}")
+        paths = cfg.tier_module_paths
+        if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p for p in paths):
+            raise ValueError(f"{CONNECTOR_NAME}: tier_module_paths must be a list of module paths, got {paths!r}")
+        cfg = dataclasses.replace(cfg, tier_module_paths=tuple(paths))
         if cfg.disk_path is not None and not isinstance(cfg.disk_path, str):
             raise ValueError(f"{CONNECTOR_NAME}: disk_path must be a string path")
         if os.environ.get("KVBM_KEY_SECRET"):  # a malformed one fails here, before the engine starts

@@ -94,7 +94,7 @@ def run(spec: dict) -> dict:
         return sum(1 for _ in server.client().scan_iter(match="kvbm:*"))
 
     def breakers_ready() -> bool:
-        return side.tier("remote").breaker.allow_soon() and worker.remote.breaker.allow_soon()
+        return side.tier("remote").breaker.allow_soon() and worker.tier("remote").breaker.allow_soon()
 
     try:
         # 1. a request stores; the server is SIGKILLed between requests; the next is a miss
@@ -151,7 +151,7 @@ def run(spec: dict) -> dict:
             gen("after_pause")
             facts["counters"] = dict(side.tier("remote").counters)
             facts["breakers"] = {"scheduler": [side.tier("remote").breaker.opened, side.tier("remote").breaker.closed],
-                                 "worker": [worker.remote.breaker.opened, worker.remote.breaker.closed]}
+                                 "worker": [worker.tier("remote").breaker.opened, worker.tier("remote").breaker.closed]}
             from vllm_kvbm_plugin.testing.engine_run import metric_totals
 
             facts["metrics"] = metric_totals()

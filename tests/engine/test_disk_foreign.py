@@ -11,7 +11,7 @@ import time
 import pytest
 
 from vllm_kvbm_plugin.testing.files import locked_writer
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 from .helpers import outputs
 
@@ -31,7 +31,7 @@ def spec(**extra):
 
 
 def foreign_name(prefix: str) -> str:
-    return prefix + "".join(rng.choice("0123456789abcdef") for _ in range(30)) + disk.SUFFIX
+    return prefix + "".join(rng.choice("0123456789abcdef") for _ in range(30)) + block_dir.SUFFIX
 
 
 def populate(rank: str, outside: str, work: str) -> dict:
@@ -149,7 +149,7 @@ def test_foreign_content_never_hangs_crashes_or_fools_the_engine(foreign_run):
     c = r["content"]
     for kind, p in c["keep"].items():
         assert os.path.lexists(p), f"{kind} was removed"
-    assert open(c["passwd"]).read().startswith("root:") and disk.read_meta(r["outside"]) is not None
+    assert open(c["passwd"]).read().startswith("root:") and block_file.read_meta(r["outside"]) is not None
     assert r["live_kept"], "a live writer's temporary file stays"
     assert not os.path.exists(r["abandoned"]), "a crash's leftover is removed"
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from vllm_kvbm_plugin import cli
-from vllm_kvbm_plugin.tiers import disk, inspector
+from vllm_kvbm_plugin.tiers import block_file, inspector
 
 from .helpers import outputs, validate
 
@@ -71,12 +71,12 @@ def test_cpu_hit_disk_hit_after_restart_and_corrupt_files_never_served(run_engin
     # the operator's check of what the engine wrote: healthy, then with one file's payload flipped
     assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 0
     assert inspector.inspect(str(tmp_path), verify=True)["verify"] == HEALTHY
-    flip_high_bytes(str(files[0]), disk.HEADER_SIZE)
+    flip_high_bytes(str(files[0]), block_file.HEADER_SIZE)
     assert inspector.inspect(str(tmp_path), verify=True)["verify"] == ONE_BAD
     assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 1
     # sign/exponent bytes flipped in every file: all misses, recomputed, identical tokens
     for f in files[1:]:
-        flip_high_bytes(str(f), disk.HEADER_SIZE)
+        flip_high_bytes(str(f), block_file.HEADER_SIZE)
     r3 = run_engine(spec(ONCE, disk_path=str(tmp_path)))
     (o,) = outputs(r3)
     assert o["num_cached_tokens"] == 0 and o["tokens"] == baseline
@@ -139,7 +139,7 @@ def test_remote_tier_second_process_hits_and_bad_values_are_misses(run_engine, b
     damaged = {}
     for i, name in enumerate(names):
         v = c.get(name)
-        at = disk.HEADER_SIZE + 101  # a high (sign and exponent) byte of a bf16 value
+        at = block_file.HEADER_SIZE + 101  # a high (sign and exponent) byte of a bf16 value
         damaged[name] = [v[:at] + bytes([v[at] ^ 0xC0]) + v[at + 1:], v[:-1], v[:24] + bytes(16) + v[40:]][i % 3]
         c.set(name, damaged[name])
     r3 = run_engine(spec(ONCE, secondary_tiers=remote))

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from vllm_kvbm_plugin.events.index import KVIndex, WorkerConfig
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_file
 
 from .helpers import index_predictions, outputs, validate
 from .test_hybrid_prefix_oracle import TOL, logprob_gap
@@ -93,7 +93,7 @@ def test_cpu_then_disk_in_a_new_process(run_engine, model, reference, tmp_path):
     assert files
     for i, f in enumerate(files):
         if i % 3 == 0:
-            flip_high_bytes(str(f), disk.HEADER_SIZE)
+            flip_high_bytes(str(f), block_file.HEADER_SIZE)
         elif i % 3 == 1:
             f.write_bytes(f.read_bytes()[:-7])
         else:

@@ -90,11 +90,38 @@ def test_second_engine_hits_what_the_first_stored(run_engine, baseline, server):
     assert "Traceback" not in a["log"] + b["log"]
 
 
+def test_a_tier_from_a_module_after_remote_hits_once_the_others_are_gone(run_engine, baseline, server, tmp_path):
+    """A fourth tier added through the contracts alone (testing/fake_tier.py, named in
+    tier_module_paths) below the disk and remote tiers: A writes the prompt through to all three;
+    with the disk tier's files and the server's values gone (the secret kept), B's hit comes from the
+    fourth tier alone, with the cold run's tokens."""
+    import shutil
+
+    extra = dict(cpu_bytes_to_use=4 << 20, disk_path=str(tmp_path), remote_url=server.url,
+                 tier_module_paths=["vllm_kvbm_plugin.testing.fake_tier"])
+    a = run_engine(spec([{"prompts": [PROMPT]}], **extra))
+    assert outputs(a)[0]["num_cached_tokens"] == 0
+    assert len(list((tmp_path / "fake-tier").iterdir())) == HIT // 32
+    assert a["connector"]["fake"] == {"fetching": 0, "writing": 0}
+    c = server.client()
+    values = [n for n in c.scan_iter(match="kvbm:*") if b"key-secret" not in n]
+    assert len(values) == HIT // 32 and list(tmp_path.rglob("*.kvb"))  # the tiers above stored it too
+    c.delete(*values)
+    for d in tmp_path.iterdir():  # the disk tier's directory; its secret and the fourth tier's files stay
+        if d.is_dir() and d.name != "fake-tier":
+            shutil.rmtree(d)
+    b = run_engine(spec([{"prompts": [PROMPT]}], **extra))
+    (o,) = outputs(b)
+    assert o["num_cached_tokens"] == HIT and o["tokens"] == baseline["first"][0]["tokens"]
+    assert b["connector"]["fake"] == {"fetching": 0, "writing": 0} and "Traceback" not in a["log"] + b["log"]
+    assert "fake tier under" in b["log"]
+
+
 def test_damaged_and_foreign_values_are_misses_and_replaced(run_engine, baseline, server):
     """Every value A stored damaged one of three ways (a payload byte flipped with SETRANGE,
     truncated, another layout's fingerprint): B computes the whole prompt with the tokens of a
     run without the connector, deletes each bad value and writes a good one in its place."""
-    from vllm_kvbm_plugin.tiers import disk as diskfmt
+    from vllm_kvbm_plugin.tiers import block_file
     from vllm_kvbm_plugin.tiers import inspector
 
     run_engine(spec([{"prompts": [PROMPT]}], cpu_bytes_to_use=4 << 20, remote_url=server.url))
@@ -106,7 +133,7 @@ def test_damaged_and_foreign_values_are_misses_and_replaced(run_engine, baseline
     good, damaged = {}, {}
     for i, name in enumerate(names):
         v = good[name] = c.get(name)
-        at = diskfmt.HEADER_SIZE + 100
+        at = block_file.HEADER_SIZE + 100
         damaged[name] = [v[:at] + bytes([v[at] ^ 0xFF]) + v[at + 1:], v[:-1], v[:24] + bytes(16) + v[40:]][i % 3]
         c.set(name, damaged[name])
     # flipped, truncated and re-labelled values all fail: the MAC covers the header's fingerprint,

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_GPU, BlockRemoved, BlockStored
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
-from vllm_kvbm_plugin.tiers.disk import VERSION
+from vllm_kvbm_plugin.tiers.block_file import VERSION
 
 from .helpers import batches, outputs
 from .test_tiers_engine import HIT, PROMPT, spec

@@ -9,7 +9,7 @@ import pytest
 import msgspec
 
 from vllm_kvbm_plugin import cli
-from vllm_kvbm_plugin.tiers import disk, inspector
+from vllm_kvbm_plugin.tiers import block_file, inspector
 
 from .helpers import outputs, validate
 
@@ -37,7 +37,7 @@ REPEAT = [{"prompts": [PROMPT]}, {"reset": True}, {"prompts": [PROMPT]}]
 
 
 def block_index(path) -> int:
-    return msgspec.msgpack.decode(disk.read_meta(str(path)))["end"] // 32 - 1
+    return msgspec.msgpack.decode(block_file.read_meta(str(path)))["end"] // 32 - 1
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_corrupt_truncated_or_missing_disk_blocks_are_misses(run_engine, baselin
     assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 0
     assert inspector.inspect(str(tmp_path), verify=True)["verify"] == HEALTHY
     data = bytearray(files[3].read_bytes())
-    data[disk.HEADER_SIZE + 100] ^= 0xFF  # block 3: one flipped payload byte
+    data[block_file.HEADER_SIZE + 100] ^= 0xFF  # block 3: one flipped payload byte
     files[3].write_bytes(bytes(data))
     assert inspector.inspect(str(tmp_path), verify=True)["verify"] == ONE_BAD
     assert cli.main(["tiers", "inspect", str(tmp_path), "--verify"]) == 1

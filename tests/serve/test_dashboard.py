@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "vllm-kvbm.json"
 SLOT = 16384  # one tier entry of the tiny Llama (2 layers x K,V x 32 tokens x 2 heads x 32 x bf16)
-FILE = 20480  # its block file on disk: SLOT + header + metadata room in 4 KiB blocks (disk.file_footprint)
+FILE = 20480  # its block file on disk: SLOT + header + metadata room in 4 KiB blocks (block_file.file_footprint)
 B = 32
 # Grafana's values for the dashboard's variables: this server's labels, $__rate_interval as Grafana
 # computes it for the default 15 s scrape interval (4 x 15 s), $__range of a 5-minute view.
@@ -257,7 +257,7 @@ def test_every_panel_returns_series(tmp_path, prometheus_binary):
         moved = labels("Blocks per second by tier and direction", "tier", "direction")
         assert {("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"), ("remote", "write"),
                 ("remote", "read")} <= moved, moved
-        assert ("read",) in labels("Disk failures by operation", "operation")
+        assert ("disk", "read") in labels("Tier failures by tier and operation", "tier", "operation")
         # the scheduler's breaker opened and closed again: the state panel says closed (0)
         state = {r["metric"]["side"]: r["value"][1] for r in results["Remote circuit breaker state"]}
         assert state.get("scheduler") == "0", state

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 
 from vllm_kvbm_plugin.testing.files import write_reference
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers.mac import mac_key
 
 FP, KEY = bytes(range(16)), (0x1234, 0x5678)
@@ -36,7 +36,7 @@ def old_checksum64(data: bytes) -> int:
 
 def old_header(payload: bytes, meta: bytes) -> bytes:
     total = (old_checksum64(payload) * G + (old_checksum64(meta) if meta else 0)) & M64
-    return disk._HEADER.pack(disk.MAGIC, 2, 0, disk.key_bytes(KEY), FP, len(payload), len(meta), total, 0)
+    return block_file._HEADER.pack(block_file.MAGIC, 2, 0, block_file.key_bytes(KEY), FP, len(payload), len(meta), total, 0)
 
 
 def forged(payload: bytes) -> bytes:
@@ -49,8 +49,8 @@ def forged(payload: bytes) -> bytes:
 
 def read(path: str, size: int):
     out = np.empty(size, dtype=np.uint8)
-    meta = disk.read_into(path, KEY, FP, MK, out)
-    opened = disk.open_verified(path, KEY, FP, MK, size)
+    meta = block_file.read_into(path, KEY, FP, MK, out)
+    opened = block_file.open_verified(path, KEY, FP, MK, size)
     if opened is not None:
         os.close(opened[0])
     assert (meta is None) == (opened is None)
@@ -58,18 +58,18 @@ def read(path: str, size: int):
 
 
 def test_write_access_without_the_secret_cannot_plant_a_block(tmp_path):
-    path = disk.block_path(str(tmp_path), KEY)
+    path = block_dir.block_path(str(tmp_path), KEY)
     payload = os.urandom(4096)
-    disk.write_block(path, KEY, FP, MK, np.frombuffer(payload, np.uint8), b"meta")
+    block_file.write_block(path, KEY, FP, MK, np.frombuffer(payload, np.uint8), b"meta")
     assert read(path, 4096)[0] == b"meta"  # the genuine file
     genuine = open(path, "rb").read()
     fake = forged(payload)
     assert fake != payload and old_checksum64(fake) == old_checksum64(payload)
     # 1. the payload replaced, the header (and its MAC) kept
-    write_reference(path, [genuine[:disk.HEADER_SIZE], fake, b"meta"])
+    write_reference(path, [genuine[:block_file.HEADER_SIZE], fake, b"meta"])
     assert read(path, 4096)[0] is None
     # 2. a complete file of the current format, its MAC made under another secret
-    write_reference(path, disk.encode(KEY, FP, ATTACKER, np.frombuffer(fake, np.uint8), b"meta"))
+    write_reference(path, block_file.encode(KEY, FP, ATTACKER, np.frombuffer(fake, np.uint8), b"meta"))
     assert read(path, 4096)[0] is None
     # 3. a valid file of format 2 (checksum, no MAC): old files are misses
     write_reference(path, [old_header(payload, b"meta"), payload, b"meta"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vllm_kvbm_plugin.testing.files import locked_writer, reference_mac, write_reference
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers.mac import mac_key
 
 FP = bytes(range(16))
@@ -51,17 +51,17 @@ def payload(seed: int) -> np.ndarray:
 
 
 def store(base, key, seed=0, meta=b"meta"):
-    path = disk.block_path(str(base), key)
-    disk.write_block(path, key, FP, MK, payload(seed), meta)
+    path = block_dir.block_path(str(base), key)
+    block_file.write_block(path, key, FP, MK, payload(seed), meta)
     return path
 
 
 def is_miss(path, key):
     """Every read of `path` as the block `key` is a miss, and none of them hangs."""
     out = np.zeros(SIZE, dtype=np.uint8)
-    assert finishes(disk.read_meta, path) is None
-    assert finishes(disk.open_verified, path, key, FP, MK, SIZE) is None
-    assert finishes(disk.read_into, path, key, FP, MK, out) is None
+    assert finishes(block_file.read_meta, path) is None
+    assert finishes(block_file.open_verified, path, key, FP, MK, SIZE) is None
+    assert finishes(block_file.read_into, path, key, FP, MK, out) is None
     return True
 
 
@@ -82,7 +82,7 @@ def populated(tmp_path, monkeypatch):
     kinds = {}
 
     def named(kind, i):
-        kinds[kind] = (ab / (disk.key_hex(key_of(i)) + disk.SUFFIX), key_of(i))
+        kinds[kind] = (ab / (block_dir.key_hex(key_of(i)) + block_dir.SUFFIX), key_of(i))
         return kinds[kind][0]
 
     os.mkfifo(named("fifo", 1))
@@ -106,17 +106,17 @@ def populated(tmp_path, monkeypatch):
     data[4:6] = (1).to_bytes(2, "little")
     old.write_bytes(bytes(data))
     # a valid block file copied under another key's name
-    named("wrong_key", 10).write_bytes(open(disk.block_path(str(base), GOOD), "rb").read())
+    named("wrong_key", 10).write_bytes(open(block_dir.block_path(str(base), GOOD), "rb").read())
     # a header that claims huge metadata, with a file size to match: never read
     huge = named("huge_meta", 11)
     with open(huge, "wb") as f:
-        f.write(disk._HEADER.pack(disk.MAGIC, disk.VERSION, 0, disk.key_bytes(key_of(11)), FP, 0,
+        f.write(block_file._HEADER.pack(block_file.MAGIC, block_file.VERSION, 0, block_file.key_bytes(key_of(11)), FP, 0,
                                   1 << 31, 0, 0))
-        f.truncate(disk.HEADER_SIZE + (1 << 31))
-    foreign = [ab / "README", ab / (disk.key_hex(key_of(12)).upper() + disk.SUFFIX),
-               ab / ("0x" + disk.key_hex(key_of(13))[2:] + disk.SUFFIX), ab / "notes.tmp",
-               base / "cd" / (disk.key_hex(key_of(14)) + disk.SUFFIX),  # the wrong prefix directory
-               base / "zz", base / (disk.key_hex(key_of(15)) + disk.SUFFIX)]  # not in a prefix directory
+        f.truncate(block_file.HEADER_SIZE + (1 << 31))
+    foreign = [ab / "README", ab / (block_dir.key_hex(key_of(12)).upper() + block_dir.SUFFIX),
+               ab / ("0x" + block_dir.key_hex(key_of(13))[2:] + block_dir.SUFFIX), ab / "notes.tmp",
+               base / "cd" / (block_dir.key_hex(key_of(14)) + block_dir.SUFFIX),  # the wrong prefix directory
+               base / "zz", base / (block_dir.key_hex(key_of(15)) + block_dir.SUFFIX)]  # not in a prefix directory
     (base / "cd").mkdir()
     for p in foreign:
         p.write_bytes(b"not ours")
@@ -128,7 +128,7 @@ def populated(tmp_path, monkeypatch):
 
 def test_scan_lists_only_regular_block_files_and_never_hangs(populated):
     base, kinds, foreign, outside, secret = populated
-    found = dict(finishes(disk.scan, str(base)))
+    found = dict(finishes(block_dir.scan, str(base)))
     regular = {k for kind, (p, k) in kinds.items() if p.is_file() and not p.is_symlink()}
     assert set(found) == {GOOD, OTHER} | regular
     assert {kind for kind, (_, k) in kinds.items() if k in regular} == {
@@ -148,25 +148,25 @@ def test_every_read_of_foreign_content_is_a_miss(populated):
     for kind, (path, key) in kinds.items():
         assert is_miss(str(path), key), kind
     for p in foreign:
-        assert finishes(disk.read_meta, str(p)) is None
+        assert finishes(block_file.read_meta, str(p)) is None
     # a huge or sparse file is rejected by its size, nothing close to it is allocated
     tracemalloc.start()
     for kind in ("sparse_4g", "huge_meta"):
         path, key = kinds[kind]
-        disk.read_into(str(path), key, FP, MK, np.zeros(SIZE, dtype=np.uint8))
-        disk.read_meta(str(path))
+        block_file.read_into(str(path), key, FP, MK, np.zeros(SIZE, dtype=np.uint8))
+        block_file.read_meta(str(path))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 1 << 20, peak
     # the untouched entries are still whole
     for key, seed in ((GOOD, 1), (OTHER, 2)):
-        path = disk.block_path(str(base), key)
+        path = block_dir.block_path(str(base), key)
         out = np.zeros(SIZE, dtype=np.uint8)
-        assert disk.read_meta(path) == b"meta"
-        assert disk.read_into(path, key, FP, MK, out) == b"meta" and (out == payload(seed)).all()
-        fd, meta = disk.open_verified(path, key, FP, MK, SIZE)
+        assert block_file.read_meta(path) == b"meta"
+        assert block_file.read_into(path, key, FP, MK, out) == b"meta" and (out == payload(seed)).all()
+        fd, meta = block_file.open_verified(path, key, FP, MK, SIZE)
         os.close(fd)
-    assert disk.read_meta(outside) == b"meta"  # the symlinks' target itself is fine
+    assert block_file.read_meta(outside) == b"meta"  # the symlinks' target itself is fine
 
 
 def test_writes_never_go_through_symlinks_or_onto_foreign_entries(tmp_path):
@@ -176,20 +176,20 @@ def test_writes_never_go_through_symlinks_or_onto_foreign_entries(tmp_path):
     target.write_text("keep")
     (base / "ab").mkdir()
     # a block name taken by a symlink: the link itself is replaced, its target untouched
-    link = disk.block_path(str(base), key_of(1))
+    link = block_dir.block_path(str(base), key_of(1))
     os.symlink(target, link)
     store(base, key_of(1), seed=5)
     assert not os.path.islink(link) and target.read_text() == "keep"
-    assert disk.read_into(link, key_of(1), FP, MK, np.zeros(SIZE, np.uint8)) == b"meta"
+    assert block_file.read_into(link, key_of(1), FP, MK, np.zeros(SIZE, np.uint8)) == b"meta"
     # ... by a FIFO: replaced, no hang
-    fifo = disk.block_path(str(base), key_of(2))
+    fifo = block_dir.block_path(str(base), key_of(2))
     os.mkfifo(fifo)
     finishes(store, base, key_of(2))
     assert os.path.isfile(fifo)
     # ... by a directory: refused for this block only, the directory and its content stay
-    d = disk.block_path(str(base), key_of(3))
+    d = block_dir.block_path(str(base), key_of(3))
     os.makedirs(os.path.join(d, "inside"))
-    with pytest.raises(disk.BlockRefused):
+    with pytest.raises(block_file.BlockRefused):
         store(base, key_of(3))
     assert os.path.isdir(os.path.join(d, "inside"))
     # a prefix directory that is a symlink (or a file) is never written through
@@ -197,15 +197,15 @@ def test_writes_never_go_through_symlinks_or_onto_foreign_entries(tmp_path):
     os.symlink(tmp_path / "elsewhere", base / "cd")
     (base / "ef").write_bytes(b"x")
     for key in ((0xCD << 56, 1), (0xEF << 56, 1)):
-        with pytest.raises(disk.BlockRefused):
+        with pytest.raises(block_file.BlockRefused):
             store(base, key)
     assert os.listdir(tmp_path / "elsewhere") == [] and (base / "ef").read_bytes() == b"x"
     # no temporary file is ever left behind, and the tier keeps working
     assert not [n for _, _, names in os.walk(base) for n in names if ".tmp" in n]
     store(base, key_of(4))
-    assert set(dict(disk.scan(str(base)))) == {GOOD, key_of(1), key_of(2), key_of(4)}
-    with pytest.raises(disk.BlockRefused):
-        disk.write_block(disk.block_path(str(base), key_of(5)), key_of(5), FP, MK, payload(0), b"m" * (disk.MAX_META + 1))
+    assert set(dict(block_dir.scan(str(base)))) == {GOOD, key_of(1), key_of(2), key_of(4)}
+    with pytest.raises(block_file.BlockRefused):
+        block_file.write_block(block_dir.block_path(str(base), key_of(5)), key_of(5), FP, MK, payload(0), b"m" * (block_file.MAX_META + 1))
 
 
 def test_temporary_files_of_live_writers_stay_and_abandoned_ones_go(tmp_path):
@@ -221,18 +221,18 @@ def test_temporary_files_of_live_writers_stay_and_abandoned_ones_go(tmp_path):
     fifo_tmp = path + ".tmp7"
     os.mkfifo(fifo_tmp)
     # a writer in another process holds its temporary file
-    live = disk.block_path(str(base), OTHER) + ".tmp999999.cafe"
+    live = block_dir.block_path(str(base), OTHER) + ".tmp999999.cafe"
     os.mkdir(os.path.dirname(live))
     writer = locked_writer(live, 60)
     try:
-        assert finishes(disk.scan, str(base)) == [(GOOD, os.path.getsize(path))]
+        assert finishes(block_dir.scan, str(base)) == [(GOOD, os.path.getsize(path))]
         assert os.path.exists(live), "a live writer's temporary file stays"
         assert not os.path.exists(crashed) and not os.path.exists(abandoned)
         assert os.path.exists(foreign_tmp) and stat.S_ISFIFO(os.lstat(fifo_tmp).st_mode)
     finally:
         writer.kill()
         writer.wait()
-    disk.scan(str(base))
+    block_dir.scan(str(base))
     assert not os.path.exists(live), "once its writer is gone it is a leftover"
 
 
@@ -257,11 +257,11 @@ def umask():
 def test_everything_the_tier_creates_is_private_whatever_the_umask(tmp_path, umask, mask):
     umask(mask)
     root = tmp_path / "kv"  # a disk_path that does not exist yet
-    base = disk.block_dir(str(root), FP, 0)
-    disk.prepare_block_dir(str(root), base)
+    base = block_dir.block_dir(str(root), FP, 0)
+    block_dir.prepare_block_dir(str(root), base)
     for k in (GOOD, OTHER, key_of(1)):
         store(base, k)
-    write_reference(disk.block_path(base, key_of(2)), disk.encode(key_of(2), FP, MK, payload(0)))
+    write_reference(block_dir.block_path(base, key_of(2)), block_file.encode(key_of(2), FP, MK, payload(0)))
     umask(0o022)
     modes = modes_below(tmp_path)
     assert modes.pop("kv") == 0o700
@@ -274,7 +274,7 @@ def test_everything_the_tier_creates_is_private_whatever_the_umask(tmp_path, uma
 def test_existing_directories_are_tightened_but_not_disk_path_nor_others(tmp_path, umask):
     umask(0o022)
     root = tmp_path / "kv"
-    base = disk.block_dir(str(root), FP, 0)
+    base = block_dir.block_dir(str(root), FP, 0)
     store(base, GOOD)
     store(base, OTHER)
     for p in (root, os.path.dirname(base), base, os.path.join(base, "11"), os.path.join(base, "33")):
@@ -288,7 +288,7 @@ def test_existing_directories_are_tightened_but_not_disk_path_nor_others(tmp_pat
     old_level = logger.level
     logger.setLevel(logging.INFO)
     try:
-        disk.prepare_block_dir(str(root), base)
+        block_dir.prepare_block_dir(str(root), base)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
@@ -297,19 +297,19 @@ def test_existing_directories_are_tightened_but_not_disk_path_nor_others(tmp_pat
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o700, p
     text = " ".join(r.getMessage() for r in records)
     assert "now 700" in text and "2 key-prefix directories" in text, text
-    assert disk.read_meta(disk.block_path(base, GOOD)) == b"meta"
+    assert block_file.read_meta(block_dir.block_path(base, GOOD)) == b"meta"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
 def test_directories_of_other_users_are_left_alone(tmp_path, umask):
     umask(0o022)
     root = tmp_path / "kv"
-    base = disk.block_dir(str(root), FP, 0)
+    base = block_dir.block_dir(str(root), FP, 0)
     store(base, GOOD)
     prefix = os.path.join(base, "11")
     os.chmod(prefix, 0o755)
     os.chown(prefix, 4242, 4242)
-    disk.prepare_block_dir(str(root), base)
+    block_dir.prepare_block_dir(str(root), base)
     st = os.stat(prefix)
     assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o755, 4242)
 
@@ -322,24 +322,24 @@ def test_symlinks_in_the_chain_are_refused_and_not_followed(tmp_path, umask):
     (victim / "r0").mkdir(parents=True)
     os.chmod(victim / "r0", 0o755)
     os.symlink(victim, root / FP.hex())
-    base = disk.block_dir(str(root), FP, 0)
+    base = block_dir.block_dir(str(root), FP, 0)
     with pytest.raises(OSError, match="not a directory"):
-        disk.prepare_block_dir(str(root), base)
+        block_dir.prepare_block_dir(str(root), base)
     assert stat.S_IMODE(os.stat(victim / "r0").st_mode) == 0o755
-    assert disk.scan(base) == []  # nor read through
+    assert block_dir.scan(base) == []  # nor read through
     os.unlink(root / FP.hex())
     os.mkfifo(root / FP.hex())
     with pytest.raises(OSError, match="not a directory"):
-        finishes(disk.prepare_block_dir, str(root), base)
+        finishes(block_dir.prepare_block_dir, str(root), base)
     with pytest.raises(ValueError):
-        disk.make_private_dir(str(root), str(tmp_path))
+        block_dir.make_private_dir(str(root), str(tmp_path))
     # a disk_path that is itself a symlink is the user's choice: used as it is
     real = tmp_path / "real"
     real.mkdir()
     os.chmod(real, 0o755)
     os.symlink(real, tmp_path / "link")
-    base = disk.block_dir(str(tmp_path / "link"), FP, 0)
-    disk.prepare_block_dir(str(tmp_path / "link"), base)
+    base = block_dir.block_dir(str(tmp_path / "link"), FP, 0)
+    block_dir.prepare_block_dir(str(tmp_path / "link"), base)
     store(base, GOOD)
     assert stat.S_IMODE(os.stat(real).st_mode) == 0o755
     assert stat.S_IMODE(os.stat(real / FP.hex()).st_mode) == 0o700
@@ -347,52 +347,52 @@ def test_symlinks_in_the_chain_are_refused_and_not_followed(tmp_path, umask):
 
 # ---- O_DIRECT writes (issue 10) ----------------------------------------------------------------
 # sizes around the direct-write buffer: one piece, a piece boundary, several pieces and a short last
-DIRECT_SIZES = [disk._DIRECT_MIN, disk._DIRECT_CHUNK - disk.HEADER_SIZE, disk._DIRECT_CHUNK + 13,
-                3 * disk._DIRECT_CHUNK + 4032]
+DIRECT_SIZES = [block_file._DIRECT_MIN, block_file._DIRECT_CHUNK - block_file.HEADER_SIZE, block_file._DIRECT_CHUNK + 13,
+                3 * block_file._DIRECT_CHUNK + 4032]
 
 
 @pytest.mark.parametrize("size", DIRECT_SIZES)
 @pytest.mark.parametrize("meta", [b"", b"m" * 5000], ids=["no-meta", "meta"])
 def test_direct_writes_are_the_same_exact_private_file(tmp_path, size, meta):
     data = np.frombuffer(os.urandom(size), dtype=np.uint8)
-    base = disk.block_dir(str(tmp_path), FP, 0)
-    path = disk.block_path(base, GOOD)
-    disk.write_block(path, GOOD, FP, MK, data, meta, direct=True)
-    assert base not in disk._no_direct  # ext4 / tmpfs take O_DIRECT: this was a direct write
+    base = block_dir.block_dir(str(tmp_path), FP, 0)
+    path = block_dir.block_path(base, GOOD)
+    block_file.write_block(path, GOOD, FP, MK, data, meta, direct=True)
+    assert base not in block_file._no_direct  # ext4 / tmpfs take O_DIRECT: this was a direct write
     ours = open(path, "rb").read()
-    assert len(ours) == disk.HEADER_SIZE + size + len(meta)  # the page padding was cut off
+    assert len(ours) == block_file.HEADER_SIZE + size + len(meta)  # the page padding was cut off
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
     out = np.empty(size, dtype=np.uint8)
-    assert disk.read_into(path, GOOD, FP, MK, out) == meta and (out == data).all()
-    write_reference(path, disk.encode(GOOD, FP, MK, data, meta))  # the reference encoding
+    assert block_file.read_into(path, GOOD, FP, MK, out) == meta and (out == data).all()
+    write_reference(path, block_file.encode(GOOD, FP, MK, data, meta))  # the reference encoding
     assert ours == open(path, "rb").read()
     with open(path, "r+b") as f:  # and the MAC still covers every payload byte
-        f.seek(disk.HEADER_SIZE + size - 1)
+        f.seek(block_file.HEADER_SIZE + size - 1)
         last = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([last[0] ^ 0x80]))
-    assert disk.read_into(path, GOOD, FP, MK, out) is None
+    assert block_file.read_into(path, GOOD, FP, MK, out) is None
 
 
 def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch, caplog):
     """The kernel's own EINVAL: offsets and lengths of 8 bytes are no O_DIRECT alignment ext4 or
     tmpfs take. The block is stored all the same, and later writes under that root go buffered."""
-    monkeypatch.setattr(disk, "_DIRECT_ALIGN", 8)
-    monkeypatch.setattr(disk, "_no_direct", set())
-    base = disk.block_dir(str(tmp_path), FP, 0)
-    data = np.frombuffer(os.urandom(disk._DIRECT_MIN + 8), dtype=np.uint8)
+    monkeypatch.setattr(block_file, "_DIRECT_ALIGN", 8)
+    monkeypatch.setattr(block_file, "_no_direct", set())
+    base = block_dir.block_dir(str(tmp_path), FP, 0)
+    data = np.frombuffer(os.urandom(block_file._DIRECT_MIN + 8), dtype=np.uint8)
     with caplog.at_level(logging.INFO, logger="vllm.kvbm.disk"):
         for k in (GOOD, OTHER):
-            disk.write_block(disk.block_path(base, k), k, FP, MK, data, b"meta", direct=True)
-    assert disk._no_direct == {base}
+            block_file.write_block(block_dir.block_path(base, k), k, FP, MK, data, b"meta", direct=True)
+    assert block_file._no_direct == {base}
     assert sum("O_DIRECT refused" in r.getMessage() for r in caplog.records) == 1  # said once
     for k in (GOOD, OTHER):
-        path = disk.block_path(base, k)
-        assert os.path.getsize(path) == disk.HEADER_SIZE + data.nbytes + 4
+        path = block_dir.block_path(base, k)
+        assert os.path.getsize(path) == block_file.HEADER_SIZE + data.nbytes + 4
         out = np.empty(data.nbytes, dtype=np.uint8)
-        assert disk.read_into(path, k, FP, MK, out) == b"meta" and (out == data).all()
-    assert not [n for n in os.listdir(os.path.dirname(disk.block_path(base, GOOD))) if ".tmp" in n]
+        assert block_file.read_into(path, k, FP, MK, out) == b"meta" and (out == data).all()
+    assert not [n for n in os.listdir(os.path.dirname(block_dir.block_path(base, GOOD))) if ".tmp" in n]
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
@@ -401,29 +401,29 @@ def test_batched_writes_hold_their_temporary_files_while_engines_scan(tmp_path, 
     directory meanwhile (which removes temporary files nobody holds) never takes a live one, so
     every block of every batch lands."""
     base = str(tmp_path / "b")
-    data = np.frombuffer(os.urandom(disk._DIRECT_MIN), dtype=np.uint8)
+    data = np.frombuffer(os.urandom(block_file._DIRECT_MIN), dtype=np.uint8)
     done = threading.Event()
 
     def scanning():
         while not done.is_set():
-            disk.scan(base)
+            block_dir.scan(base)
 
-    disk.write_block(disk.block_path(base, key_of(0)), key_of(0), FP, MK, data, b"m")  # the directories
+    block_file.write_block(block_dir.block_path(base, key_of(0)), key_of(0), FP, MK, data, b"m")  # the directories
     scanner = threading.Thread(target=scanning, daemon=True)
     scanner.start()
     try:
         keys = [key_of(i) for i in range(1, 301)]
         for part in range(0, len(keys), 30):
             batch = keys[part: part + 30]
-            errors = disk.write_blocks([disk.block_path(base, k) for k in batch], batch, FP, MK,
+            errors = block_file.write_blocks([block_dir.block_path(base, k) for k in batch], batch, FP, MK,
                                        [data] * len(batch), [b"m"] * len(batch), direct=direct)
             assert errors == [None] * len(batch)
     finally:
         done.set()
         scanner.join()
-    assert base not in disk._no_direct
+    assert base not in block_file._no_direct
     out = np.empty(data.nbytes, dtype=np.uint8)
-    assert disk.read_blocks([disk.block_path(base, k) for k in keys], keys, FP, MK, [out] * len(keys)) == [b"m"] * 300
+    assert block_file.read_blocks([block_dir.block_path(base, k) for k in keys], keys, FP, MK, [out] * len(keys)) == [b"m"] * 300
     assert not [n for _, _, names in os.walk(base) for n in names if ".tmp" in n]
 
 
@@ -432,13 +432,13 @@ def reference_read(path: str, key, plen: int):
     """An independent reader of the format: (payload, metadata) or None, with Python's own file
     objects, struct and the reference MAC (how the format is defined, not how the tier reads it)."""
     data = open(path, "rb").read()
-    h = disk.parse_header(data)
-    if (h is None or h.key != disk.key_bytes(key) or h.fingerprint != FP or h.payload_bytes != plen
-            or len(data) != disk.HEADER_SIZE + plen + h.meta_bytes):
+    h = block_file.parse_header(data)
+    if (h is None or h.key != block_file.key_bytes(key) or h.fingerprint != FP or h.payload_bytes != plen
+            or len(data) != block_file.HEADER_SIZE + plen + h.meta_bytes):
         return None
-    body = np.frombuffer(data, dtype=np.uint8, offset=disk.HEADER_SIZE, count=plen)
-    meta = data[disk.HEADER_SIZE + plen:]
-    return (body, meta) if reference_mac(MK, data[:disk.HEADER_SIZE], body.tobytes(), meta) == h.mac else None
+    body = np.frombuffer(data, dtype=np.uint8, offset=block_file.HEADER_SIZE, count=plen)
+    meta = data[block_file.HEADER_SIZE + plen:]
+    return (body, meta) if reference_mac(MK, data[:block_file.HEADER_SIZE], body.tobytes(), meta) == h.mac else None
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
@@ -446,20 +446,20 @@ def test_the_format_is_the_same_both_ways(tmp_path, direct):
     """Files of the Python reference encoding read with the batched reader, and files of the
     batched writer read by an independent reader, byte for byte, for sizes around every buffer."""
     base = str(tmp_path)
-    sizes = [0, 8, 13, disk._CHUNK - 1, disk._CHUNK, disk._CHUNK + 5, disk._DIRECT_MIN, 3 * disk._DIRECT_CHUNK + 4032]
+    sizes = [0, 8, 13, block_file._CHUNK - 1, block_file._CHUNK, block_file._CHUNK + 5, block_file._DIRECT_MIN, 3 * block_file._DIRECT_CHUNK + 4032]
     keys = [key_of(i) for i in range(len(sizes))]
     datas = [np.frombuffer(os.urandom(n), dtype=np.uint8) for n in sizes]
     metas = [b"", b"m" * 5000, b"x", b"", b"meta", b"y" * 7, b"", b"z" * 4093]
-    paths = [disk.block_path(base, k) for k in keys]
-    assert disk.write_blocks(paths, keys, FP, MK, datas, metas, direct=direct) == [None] * len(keys)
+    paths = [block_dir.block_path(base, k) for k in keys]
+    assert block_file.write_blocks(paths, keys, FP, MK, datas, metas, direct=direct) == [None] * len(keys)
     for path, key, data, meta in zip(paths, keys, datas, metas):
         body, m = reference_read(path, key, data.nbytes)
         assert (body == data).all() and m == meta
         ours = open(path, "rb").read()
-        write_reference(path, disk.encode(key, FP, MK, data, meta))  # the Python reference encoding
+        write_reference(path, block_file.encode(key, FP, MK, data, meta))  # the Python reference encoding
         assert open(path, "rb").read() == ours
     outs = [np.empty(n, dtype=np.uint8) for n in sizes]
-    assert disk.read_blocks(paths, keys, FP, MK, outs) == metas
+    assert block_file.read_blocks(paths, keys, FP, MK, outs) == metas
     assert all((o == d).all() for o, d in zip(outs, datas))
 
 
@@ -470,10 +470,10 @@ def test_a_batch_reads_each_file_on_its_own(tmp_path):
     good = [store(base, key_of(i), seed=i) for i in range(0, 16, 2)]
     bad = {}
     for i in range(1, 16, 2):
-        bad[i] = disk.block_path(str(base), key_of(i))
+        bad[i] = block_dir.block_path(str(base), key_of(i))
     store(base, key_of(1), seed=1)
     with open(bad[1], "r+b") as f:  # a flipped sign bit in the payload
-        f.seek(disk.HEADER_SIZE + 100)
+        f.seek(block_file.HEADER_SIZE + 100)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x80]))
@@ -488,7 +488,7 @@ def test_a_batch_reads_each_file_on_its_own(tmp_path):
     # 15: missing
     keys = [key_of(i) for i in range(16)]
     outs = [np.zeros(SIZE, dtype=np.uint8) for _ in keys]
-    metas = finishes(disk.read_blocks, [disk.block_path(str(base), k) for k in keys], keys, FP, MK, outs)
+    metas = finishes(block_file.read_blocks, [block_dir.block_path(str(base), k) for k in keys], keys, FP, MK, outs)
     for i in range(16):
         if i % 2 == 0:
             assert metas[i] == b"meta" and (outs[i] == payload(i)).all(), i
@@ -496,39 +496,39 @@ def test_a_batch_reads_each_file_on_its_own(tmp_path):
             assert metas[i] == b"m"
         else:
             assert metas[i] is None, i
-    opened = finishes(disk.open_verified_blocks, [disk.block_path(str(base), k) for k in keys], keys, FP, MK, SIZE)
+    opened = finishes(block_file.open_verified_blocks, [block_dir.block_path(str(base), k) for k in keys], keys, FP, MK, SIZE)
     try:
         assert [o is not None for o in opened] == [i % 2 == 0 or i == 13 for i in range(16)]
         for i in range(0, 16, 2):  # each kept open on its verified file
             out = np.zeros(SIZE, dtype=np.uint8)
-            assert opened[i][1] == b"meta" and disk.read_payload(opened[i][0], [out], MK) and (out == payload(i)).all()
+            assert opened[i][1] == b"meta" and block_file.read_payload(opened[i][0], [out], MK) and (out == payload(i)).all()
     finally:
         for o in opened:
             if o is not None:
                 os.close(o[0])
-    assert disk.read_blocks([], [], FP, MK, []) == []
-    assert disk.read_blocks([good[0]], [key_of(0)], bytes(15), MK, [outs[0]]) == [None]  # another fingerprint
+    assert block_file.read_blocks([], [], FP, MK, []) == []
+    assert block_file.read_blocks([good[0]], [key_of(0)], bytes(15), MK, [outs[0]]) == [None]  # another fingerprint
 
 
 def test_a_batch_writes_each_file_on_its_own(tmp_path):
     """A refused block (its name a directory, its directory a symlink, metadata too large) fails
     alone; the others of the batch are stored; the missing directories are made 0700."""
     base = tmp_path / "r0"
-    os.makedirs(os.path.join(disk.block_path(str(base), key_of(1)), "inside"))
+    os.makedirs(os.path.join(block_dir.block_path(str(base), key_of(1)), "inside"))
     os.makedirs(tmp_path / "elsewhere")
     os.symlink(tmp_path / "elsewhere", base / "cd")
     keys = [key_of(0), key_of(1), (0xCD << 56, 1), key_of(3), (0x12 << 56, 4)]
-    metas = [b"a", b"b", b"c", b"m" * (disk.MAX_META + 1), b"e"]
-    errors = disk.write_blocks([disk.block_path(str(base), k) for k in keys], keys, FP, MK,
+    metas = [b"a", b"b", b"c", b"m" * (block_file.MAX_META + 1), b"e"]
+    errors = block_file.write_blocks([block_dir.block_path(str(base), k) for k in keys], keys, FP, MK,
                                [payload(i) for i in range(5)], metas)
     assert errors[0] is None and errors[4] is None
-    assert all(isinstance(e, disk.BlockRefused) for e in errors[1:4]), errors
+    assert all(isinstance(e, block_file.BlockRefused) for e in errors[1:4]), errors
     assert os.listdir(tmp_path / "elsewhere") == []
     assert stat.S_IMODE(os.stat(base / "12").st_mode) == 0o700
     out = np.empty(SIZE, dtype=np.uint8)
-    assert disk.read_into(disk.block_path(str(base), keys[4]), keys[4], FP, MK, out) == b"e" and (out == payload(4)).all()
+    assert block_file.read_into(block_dir.block_path(str(base), keys[4]), keys[4], FP, MK, out) == b"e" and (out == payload(4)).all()
     # a failure that is no refusal is an OSError for the block: a file system that takes no new
     # file (read-only, or here a path through a regular file, which root cannot write through either)
     (base / "ff").write_bytes(b"x")
-    e = disk.write_blocks([os.path.join(str(base), "ff", "x", "y.kvb")], [key_of(6)], FP, MK, [payload(6)], [b""])[0]
-    assert isinstance(e, OSError) and not isinstance(e, disk.BlockRefused) and e.errno == errno.ENOTDIR, e
+    e = block_file.write_blocks([os.path.join(str(base), "ff", "x", "y.kvb")], [key_of(6)], FP, MK, [payload(6)], [b""])[0]
+    assert isinstance(e, OSError) and not isinstance(e, block_file.BlockRefused) and e.errno == errno.ENOTDIR, e

@@ -278,8 +278,16 @@ def test_long_prompts_hash_in_chunks_and_stop_past_an_unheld_block():
                            stored(hs[250:], ids[8000:], 32, group=1, parent=hs[249])), seq=0)
     assert served(index, ids) == 3200
     assert served(index, ids[:3200]) == 0  # the checkpoint at 3200 is the last token: n - 1 rule
-    looked = index._lookup_chunks(H.event_hash_chunks(ids, 32, 299), 5)
-    assert 105 <= len(looked.kv_masks) <= 192  # stopped in the chunk after the first unheld block
+    hashed = []
+
+    def counted(chunks):
+        for c in chunks:
+            hashed.append(len(c))
+            yield c
+
+    masks = index._masks_chunks(counted(H.event_hash_chunks(ids, 32, 299)), 299, 5)
+    assert 105 <= sum(hashed) <= 192  # stopped in the chunk after the first unheld block
+    assert masks[:100].all() and not masks[100:].any()
 
 
 @pytest.mark.parametrize("tier_first", [False, True])

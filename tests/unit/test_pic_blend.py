@@ -60,3 +60,17 @@ def test_tokens_not_computed_this_step_are_left_out(monkeypatch):
     plan, cache, sm, key, value, _, _ = setup(monkeypatch)
     k, v = plan.blend(layer(1), key[:3], value[:3], cache, sm[:3])  # a chunk: slots 6 and 7 come next step
     assert plan.rows.tolist() == [1, 2]
+
+
+def test_attach_hands_the_plan_to_that_step_only_and_leaves_the_graph_where_rows_drop(monkeypatch):
+    from vllm.forward_context import ForwardContext
+
+    plan = pic_blend.BlendPlan(torch.tensor([4]), torch.tensor([True]), 0.15, B)
+    step, other = (ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}) for _ in range(2))
+    monkeypatch.setattr(pic_blend, "compute_saving_applied", lambda: False)
+    pic_blend.attach(step, plan)
+    assert pic_blend.plan_of(step) is plan and pic_blend.plan_of(other) is None
+    assert not step.skip_compiled  # rows are not dropped: the compiled graph computes the blend
+    monkeypatch.setattr(pic_blend, "compute_saving_applied", lambda: True)
+    pic_blend.attach(other, plan)
+    assert other.skip_compiled  # the decoder layers drop rows: this step runs the model eagerly

@@ -4,7 +4,7 @@ negative control was not caught, or that ran without one fails; the forged block
 import numpy as np
 
 from vllm_kvbm_plugin.testing.soak_checks import Control, control_check, forge_block, served_blocks, tier_checks
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers.mac import mac_key
 
 BLOCKS = {("cpu", "store"): 80.0, ("cpu", "load"): 50.0, ("disk", "write"): 70.0, ("disk", "read"): 10.0,
@@ -42,15 +42,15 @@ def test_forged_block_verifies_with_every_sign_flipped(tmp_path):
     fp, key, secret = bytes(range(16)), (7 << 40, 3), bytes(range(16, 32))
     mk = mac_key(secret)
     values = np.linspace(-2, 2, 1024, dtype=np.float32)
-    path = disk.block_path(disk.block_dir(str(tmp_path), fp, 0), key)
-    disk.write_block(path, key, fp, mk, values.view(np.uint8), b"meta")
+    path = block_dir.block_path(block_dir.block_dir(str(tmp_path), fp, 0), key)
+    block_file.write_block(path, key, fp, mk, values.view(np.uint8), b"meta")
     forge_block(path, secret, 4)
     out = np.empty(values.nbytes, dtype=np.uint8)
-    assert disk.read_into(path, key, fp, mk, out) == b"meta"
+    assert block_file.read_into(path, key, fp, mk, out) == b"meta"
     np.testing.assert_array_equal(out.view(np.float32), -values)
     half = np.linspace(-2, 2, 512, dtype=np.float16)
-    disk.write_block(path, key, fp, mk, half.view(np.uint8))
+    block_file.write_block(path, key, fp, mk, half.view(np.uint8))
     forge_block(path, secret, 2)
     out = np.empty(half.nbytes, dtype=np.uint8)
-    assert disk.read_into(path, key, fp, mk, out) == b""
+    assert block_file.read_into(path, key, fp, mk, out) == b""
     np.testing.assert_array_equal(out.view(np.float16), -half)

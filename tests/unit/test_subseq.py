@@ -1,4 +1,4 @@
-"""reuse.subseq: the sub-sequence index finds stored units at any offset of a request (kernels vs.
+"""reuse.subseq_*: the sub-sequence index finds stored units at any offset of a request (kernels vs.
 the plain-Python reference), rejects forged hash collisions, forgets removed units exactly, and
 builds from recorded KV event streams (library and `vllm-kvbm match`)."""
 
@@ -17,19 +17,10 @@ from vllm_kvbm_plugin.events.types import (
     BlockStored,
     KVEventBatch,
 )
-from vllm_kvbm_plugin.reuse.subseq import (
-    _MIX,
-    DEFAULT_BASE,
-    Run,
-    SubseqIndex,
-    coverage,
-    event_unit,
-    feed_batch,
-    reference_find,
-    reference_window_hashes,
-    _mixed_hashes,
-    window_hashes,
-)
+from vllm_kvbm_plugin.reuse.subseq_feed import event_unit, feed_batch
+from vllm_kvbm_plugin.reuse.subseq_index import Run, SubseqIndex
+from vllm_kvbm_plugin.reuse.subseq_kernels import DEFAULT_BASE, MIX, mixed_hashes, window_hashes
+from vllm_kvbm_plugin.testing.subseq_reference import coverage, reference_find, reference_window_hashes
 
 rng = random.Random(12)
 
@@ -66,8 +57,8 @@ def test_probe_hashes_from_prefix_sums_match_reference():
         for n in (0, unit - 1, unit, 100, 1000):  # the tables grow on the longer requests
             t = (toks(n) + [0, -5, 2**62, -(2**63)])[:n]
             index.find(t)
-            got = _mixed_hashes(np.array(t, np.int64), unit, index.inv_pow, index.mix_pow)
-            assert [int(h) for h in got] == [h * int(_MIX) % 2**64 for h in reference_window_hashes(t, unit, base)]
+            got = mixed_hashes(np.array(t, np.int64), unit, index.inv_pow, index.mix_pow)
+            assert [int(h) for h in got] == [h * int(MIX) % 2**64 for h in reference_window_hashes(t, unit, base)]
     with pytest.raises(ValueError, match="odd"):
         SubseqIndex(4, base=32)
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_kvbm_plugin import cli
-from vllm_kvbm_plugin.tiers import disk, inspector
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file, inspector, remote_value
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.secret import ENV as SECRET_ENV
 
@@ -28,8 +27,8 @@ def payload(i):
 
 def write(root, fp, rank, i, meta=b""):
     key = (i << 8, i)
-    path = disk.block_path(disk.block_dir(str(root), fp, rank), key)
-    disk.write_block(path, key, fp, MK, payload(i), meta or disk.encode_meta(32, [b"event %d" % (i % 10)]))
+    path = block_dir.block_path(block_dir.block_dir(str(root), fp, rank), key)
+    block_file.write_block(path, key, fp, MK, payload(i), meta or block_file.encode_meta(32, [b"event %d" % (i % 10)]))
     return path, key
 
 
@@ -66,14 +65,14 @@ def disk_tier(tmp_path):
     os.utime(a[0][0], (now - 2 * DAY, now - 2 * DAY))  # <7d
     os.utime(a[1][0], (now - 30 * DAY, now - 30 * DAY))  # >=7d
     with open(a[2][0], "r+b") as f:  # a flipped payload byte: the MAC fails
-        f.seek(disk.HEADER_SIZE + 100)
+        f.seek(block_file.HEADER_SIZE + 100)
         byte = f.read(1)
-        f.seek(disk.HEADER_SIZE + 100)
+        f.seek(block_file.HEADER_SIZE + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     prefix_dir = os.path.dirname(a[3][0])
     elsewhere = write(tmp_path / "elsewhere", FP_A, 0, 40)[0]
-    os.symlink(elsewhere, os.path.join(prefix_dir, disk.key_hex((40 << 8, 40)) + disk.SUFFIX))
-    os.mkfifo(os.path.join(os.path.dirname(a[4][0]), disk.key_hex((4 << 8, 99)) + disk.SUFFIX))  # never opened
+    os.symlink(elsewhere, os.path.join(prefix_dir, block_dir.key_hex((40 << 8, 40)) + block_dir.SUFFIX))
+    os.mkfifo(os.path.join(os.path.dirname(a[4][0]), block_dir.key_hex((4 << 8, 99)) + block_dir.SUFFIX))  # never opened
     stale = a[5][0] + ".tmp1.abcd"  # a crash's leftover: tidying would remove it, a look must not
     with open(stale, "wb") as f:
         f.write(b"partial")
@@ -88,7 +87,7 @@ def test_disk_report(disk_tier):
     r = inspector.inspect(str(disk_tier), verify=True)
     assert tree(disk_tier) == before, "the inspection changed the directory"
     assert r["kind"] == "disk" and r["entries"] == 10
-    size = os.path.getsize(disk.block_path(disk.block_dir(str(disk_tier), FP_A, 0), (1 << 8, 1)))
+    size = os.path.getsize(block_dir.block_path(block_dir.block_dir(str(disk_tier), FP_A, 0), (1 << 8, 1)))
     assert r["bytes"] == 10 * size
     assert r["layouts"] == {FP_A.hex(): {"entries": 6, "bytes": 6 * size, "ranks": [0],
                                          "fingerprints": {"0": FP_A.hex()}},
@@ -112,29 +111,29 @@ def test_files_whose_fingerprint_is_not_the_directory_name(tmp_path, capsys):
     paths = []
     for i in range(5):
         key = (i << 8, i)
-        paths.append(disk.block_path(disk.block_dir(str(root), FP_A, 0), key))
-        disk.write_block(paths[-1], key, tensors, MK, payload(i), disk.encode_meta(32, [b"e"]))
+        paths.append(block_dir.block_path(block_dir.block_dir(str(root), FP_A, 0), key))
+        block_file.write_block(paths[-1], key, tensors, MK, payload(i), block_file.encode_meta(32, [b"e"]))
     r = inspector.inspect(str(root), verify=True)
     assert r["verify"] == {"checked": 5, "failed": 0, "other_fingerprint": 0}
     assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}
     assert cli.main(["tiers", "inspect", str(root), "--verify"]) == 0
     out = capsys.readouterr().out
     assert "verified 5: 0 failed" in out and f"rank 0: fingerprint {tensors.hex()} (KVBMConnector's" in out
-    flip(paths[2], disk.HEADER_SIZE + 9)  # a flipped payload byte
+    flip(paths[2], block_file.HEADER_SIZE + 9)  # a flipped payload byte
     assert inspector.inspect(str(root), verify=True)["verify"] == {"checked": 5, "failed": 1, "other_fingerprint": 0}
     assert cli.main(["tiers", "inspect", str(root), "--verify"]) == 1
     capsys.readouterr()
     key = (9 << 8, 9)  # intact, but of another layout than its rank's other files: a load misses it
-    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, MK, payload(9), b"m")
+    block_file.write_block(block_dir.block_path(block_dir.block_dir(str(root), FP_A, 0), key), key, FP_B, MK, payload(9), b"m")
     r = inspector.inspect(str(root), verify=True)
     assert r["verify"] == {"checked": 6, "failed": 2, "other_fingerprint": 1}
     assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}  # most files carry it
     assert "(1 of another fingerprint than their rank's)" in inspector.summary(r)
     # more damaged files of the rank's fingerprint than intact ones: damaged files still name it
     for p in paths[3:]:
-        flip(p, disk.HEADER_SIZE + 9)
+        flip(p, block_file.HEADER_SIZE + 9)
     key = (10 << 8, 10)
-    disk.write_block(disk.block_path(disk.block_dir(str(root), FP_A, 0), key), key, FP_B, MK, payload(10), b"m")
+    block_file.write_block(block_dir.block_path(block_dir.block_dir(str(root), FP_A, 0), key), key, FP_B, MK, payload(10), b"m")
     r = inspector.inspect(str(root), verify=True)
     assert r["verify"] == {"checked": 7, "failed": 5, "other_fingerprint": 2}
     assert r["layouts"][FP_A.hex()]["fingerprints"] == {"0": tensors.hex()}
@@ -163,18 +162,18 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
     for fp, rank, n in ((FP_A, 0, 5), (FP_B, 1, 3)):
         for i in range(n):
             key = (i << 8, i)
-            name = remotefmt.value_name(fp.hex().encode(), rank, disk.key_hex(key).encode())
-            value = bytearray(b"".join(bytes(p) for p in remotefmt.value_parts(key, fp, MK, payload(i), b"m")))
+            name = remote_value.value_name(fp.hex().encode(), rank, block_dir.key_hex(key).encode())
+            value = bytearray(b"".join(bytes(p) for p in remote_value.value_parts(key, fp, MK, payload(i), b"m")))
             if fp == FP_A and i == 0:
-                value[disk.HEADER_SIZE + 5] ^= 0xFF  # damaged
+                value[block_file.HEADER_SIZE + 5] ^= 0xFF  # damaged
             c.set(name, bytes(value))
-    c.hset(remotefmt.value_name(FP_A.hex().encode(), 0, b"ab" * 16), "x", 1)  # not a value: skipped
+    c.hset(remote_value.value_name(FP_A.hex().encode(), 0, b"ab" * 16), "x", 1)  # not a value: skipped
     c.set("kvbm:announcer:marker", b"1")  # ours, not a value: skipped
     c.set("someone-else", b"x")  # not under kvbm: not looked at
     snapshot = {k: c.dump(k) for k in c.keys("*")}
     r = inspector.inspect(server.url, verify=True)
     assert {k: c.dump(k) for k in c.keys("*")} == snapshot, "the inspection changed the server"
-    size = disk.HEADER_SIZE + SIZE + 1
+    size = block_file.HEADER_SIZE + SIZE + 1
     assert r["kind"] == "remote" and r["entries"] == 8 and r["bytes"] == 8 * size
     assert r["layouts"] == {FP_A.hex(): {"entries": 5, "bytes": 5 * size, "ranks": [0],
                                          "fingerprints": {"0": FP_A.hex()}},
@@ -186,8 +185,8 @@ def test_remote_report(server):  # redis-server and valkey-server (tests/conftes
     tensors = bytes(range(100, 116))
     for i in range(3):
         key = (i << 8, i)
-        c.set(remotefmt.value_name(FP_B.hex().encode(), 2, disk.key_hex(key).encode()),
-              b"".join(bytes(p) for p in remotefmt.value_parts(key, tensors, MK, payload(i), b"m")))
+        c.set(remote_value.value_name(FP_B.hex().encode(), 2, block_dir.key_hex(key).encode()),
+              b"".join(bytes(p) for p in remote_value.value_parts(key, tensors, MK, payload(i), b"m")))
     r = inspector.inspect(server.url, verify=True)
     assert r["verify"] == {"checked": 11, "failed": 1, "other_fingerprint": 0}
     assert r["layouts"][FP_B.hex()]["fingerprints"] == {"1": FP_B.hex(), "2": tensors.hex()}

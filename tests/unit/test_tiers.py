@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from vllm_kvbm_plugin.testing.files import reference_mac, write_reference
+from vllm_kvbm_plugin.tiers import block_dir, block_file, mac
 from vllm_kvbm_plugin.tiers import copy as tcopy
-from vllm_kvbm_plugin.tiers import disk, mac
 from vllm_kvbm_plugin.tiers.index import TierIndex
 from vllm_kvbm_plugin.tiers.pinned import PinnedStores
 from vllm_kvbm_plugin.tiers.policies import LRU, Lineage, MultiLRU, make_policy
@@ -111,22 +111,22 @@ MK = mac.mac_key(bytes(range(16, 32)))
 
 
 def write(tmp_path, payload):
-    base = disk.block_dir(str(tmp_path), FP, 0)
-    path = disk.block_path(base, KEY)
-    write_reference(path, disk.encode(KEY, FP, MK, payload, b"meta"))
+    base = block_dir.block_dir(str(tmp_path), FP, 0)
+    path = block_dir.block_path(base, KEY)
+    write_reference(path, block_file.encode(KEY, FP, MK, payload, b"meta"))
     return base, path
 
 
 def test_disk_round_trip_permissions_and_atomicity(tmp_path):
     payload = np.frombuffer(os.urandom(4096), dtype=np.uint8)
     base, path = write(tmp_path, payload)
-    assert os.path.basename(path) == disk.key_hex(KEY) + ".kvb"
+    assert os.path.basename(path) == block_dir.key_hex(KEY) + ".kvb"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     out = np.empty(4096, dtype=np.uint8)
-    assert disk.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
+    assert block_file.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
     open(path + ".tmp123", "wb").write(b"partial")  # a crash mid-write leaves only a temp file
-    assert disk.scan(base) == [(KEY, os.path.getsize(path))]
+    assert block_dir.scan(base) == [(KEY, os.path.getsize(path))]
     assert not os.path.exists(path + ".tmp123")
 
 
@@ -138,13 +138,13 @@ def test_disk_corruption_is_a_miss(tmp_path):
 
     def read_with(data, key=KEY, fp=FP, size=4096):
         open(path, "wb").write(data)
-        return disk.read_into(path, key, fp, MK, np.empty(size, dtype=np.uint8))
+        return block_file.read_into(path, key, fp, MK, np.empty(size, dtype=np.uint8))
 
     flipped = bytearray(good)
     flipped[-100] ^= 1
     assert read_with(bytes(flipped)) is None  # flipped payload byte
     flipped = bytearray(good)
-    flipped[disk.HEADER_SIZE + 1] ^= 1
+    flipped[block_file.HEADER_SIZE + 1] ^= 1
     assert read_with(bytes(flipped)) is None  # flipped metadata byte
     assert read_with(good[:-1]) is None  # truncated
     assert read_with(good + b"x") is None  # trailing garbage
@@ -153,7 +153,7 @@ def test_disk_corruption_is_a_miss(tmp_path):
     assert read_with(good, size=8192) is None  # another block size
     assert read_with(good) == b"meta"
     os.unlink(path)
-    assert disk.read_into(path, KEY, FP, MK, out) is None  # deleted
+    assert block_file.read_into(path, KEY, FP, MK, out) is None  # deleted
 
 
 # ---- CPU tier copies (tiers/copy.py) and the faster disk paths --------------------------------
@@ -253,10 +253,10 @@ def test_copy_pages_raises_only_after_every_part_is_done(monkeypatch):
 
 
 def _head(n: int, meta_bytes: int = 0) -> np.ndarray:
-    return np.frombuffer(disk._header(KEY, FP, n, meta_bytes), dtype=np.uint8)
+    return np.frombuffer(block_file._header(KEY, FP, n, meta_bytes), dtype=np.uint8)
 
 
-@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 4096 + 7, 8192 - 3, 8192, 3 * disk._CHUNK + 13])
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 4096 + 7, 8192 - 3, 8192, 3 * block_file._CHUNK + 13])
 def test_mac_in_pieces_equals_the_reference(n):
     data = np.frombuffer(os.urandom(n), dtype=np.uint8)
     meta = np.frombuffer(os.urandom(n % 23), dtype=np.uint8)
@@ -290,43 +290,43 @@ def test_mac_sees_bit_flips_moved_words_and_the_key():
     assert mac.block_mac(MK, head, data, np.zeros(1, np.uint8)) != base  # the metadata counts
 
 
-BIG = 3 * disk._CHUNK + 13  # several read chunks and a short last one
+BIG = 3 * block_file._CHUNK + 13  # several read chunks and a short last one
 
 
 @pytest.mark.parametrize("size", [0, 4096, BIG])
 def test_write_block_matches_the_reference_encoding(tmp_path, size):
     payload = np.frombuffer(os.urandom(size), dtype=np.uint8)
-    base = disk.block_dir(str(tmp_path), FP, 0)
-    path = disk.block_path(base, KEY)
-    disk.write_block(path, KEY, FP, MK, payload, b"meta")  # also makes the missing directories
+    base = block_dir.block_dir(str(tmp_path), FP, 0)
+    path = block_dir.block_path(base, KEY)
+    block_file.write_block(path, KEY, FP, MK, payload, b"meta")  # also makes the missing directories
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     ours = open(path, "rb").read()
-    write_reference(path, disk.encode(KEY, FP, MK, payload, b"meta"))
+    write_reference(path, block_file.encode(KEY, FP, MK, payload, b"meta"))
     assert ours == open(path, "rb").read()
     assert not [n for n in os.listdir(os.path.dirname(path)) if ".tmp" in n]
     out = np.empty(size, dtype=np.uint8)
-    assert disk.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
+    assert block_file.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
 
 
 def test_disk_corruption_anywhere_in_a_large_block_is_a_miss(tmp_path):
     payload = np.frombuffer(os.urandom(BIG), dtype=np.uint8)
     _, path = write(tmp_path, payload)
     good = open(path, "rb").read()
-    start = disk.HEADER_SIZE + len(b"meta")
+    start = block_file.HEADER_SIZE + len(b"meta")
     out = np.empty(BIG, dtype=np.uint8)
     # header fields, metadata, first chunk, a middle chunk, the chunk boundary, the short last chunk
-    for pos in [0, 5, 8, 30, disk.HEADER_SIZE - 1, disk.HEADER_SIZE, start, start + disk._CHUNK - 1,
-                start + disk._CHUNK, start + 2 * disk._CHUNK + 100, len(good) - 1]:
+    for pos in [0, 5, 8, 30, block_file.HEADER_SIZE - 1, block_file.HEADER_SIZE, start, start + block_file._CHUNK - 1,
+                start + block_file._CHUNK, start + 2 * block_file._CHUNK + 100, len(good) - 1]:
         flipped = bytearray(good)
         flipped[pos] ^= 0x10
         open(path, "wb").write(flipped)
-        assert disk.read_into(path, KEY, FP, MK, out) is None, pos
-    for data in (good[:-1], good[: start + disk._CHUNK], good[:10], good + b"\0"):
+        assert block_file.read_into(path, KEY, FP, MK, out) is None, pos
+    for data in (good[:-1], good[: start + block_file._CHUNK], good[:10], good + b"\0"):
         open(path, "wb").write(data)
-        assert disk.read_into(path, KEY, FP, MK, out) is None, len(data)
+        assert block_file.read_into(path, KEY, FP, MK, out) is None, len(data)
     open(path, "wb").write(good)
-    assert disk.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
+    assert block_file.read_into(path, KEY, FP, MK, out) == b"meta" and (out == payload).all()
 
 
 def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(tmp_path):
@@ -335,9 +335,9 @@ def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(
     payload = np.frombuffer(os.urandom(3 * 4096), dtype=np.uint8)
     _, path = write(tmp_path, payload)
     size = os.path.getsize(path)
-    for pos in (0, 40, disk.HEADER_SIZE, disk.HEADER_SIZE + 4096 + 7, size - 1):  # header, payload, metadata
+    for pos in (0, 40, block_file.HEADER_SIZE, block_file.HEADER_SIZE + 4096 + 7, size - 1):  # header, payload, metadata
         write(tmp_path, payload)
-        fd, _ = disk.open_verified(path, KEY, FP, MK, payload.size)
+        fd, _ = block_file.open_verified(path, KEY, FP, MK, payload.size)
         try:
             with open(path, "r+b") as f:
                 f.seek(pos)
@@ -345,15 +345,15 @@ def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(
                 f.seek(pos)
                 f.write(bytes([b[0] ^ 0x01]))
             parts = [np.empty(4096, np.uint8), np.empty(2 * 4096, np.uint8)]
-            assert not disk.read_payload(fd, parts, MK), pos
+            assert not block_file.read_payload(fd, parts, MK), pos
         finally:
             os.close(fd)
     write(tmp_path, payload)
-    fd, _ = disk.open_verified(path, KEY, FP, MK, payload.size)
+    fd, _ = block_file.open_verified(path, KEY, FP, MK, payload.size)
     try:
         os.truncate(path, size - 1)
-        assert not disk.read_payload(fd, [np.empty(payload.size, np.uint8)], MK)
-        assert not disk.read_payload(fd, [np.empty(payload.size - 8, np.uint8)], MK)  # not the payload's length
+        assert not block_file.read_payload(fd, [np.empty(payload.size, np.uint8)], MK)
+        assert not block_file.read_payload(fd, [np.empty(payload.size - 8, np.uint8)], MK)  # not the payload's length
     finally:
         os.close(fd)
 
@@ -361,16 +361,16 @@ def test_an_open_verified_block_changed_in_place_afterwards_is_not_read_as_data(
 def test_an_open_verified_block_reads_the_same_bytes_after_unlink_or_replace(tmp_path):
     payload = np.frombuffer(os.urandom(3 * 4096), dtype=np.uint8)
     _, path = write(tmp_path, payload)
-    fd, meta = disk.open_verified(path, KEY, FP, MK, payload.size)
+    fd, meta = block_file.open_verified(path, KEY, FP, MK, payload.size)
     try:
         assert meta == b"meta"
         os.unlink(path)  # evicted meanwhile (this engine never does it to an open entry; another may)
         write(tmp_path, np.zeros_like(payload))  # and rewritten by someone else
         parts = [np.empty(4096, np.uint8), np.empty(2 * 4096, np.uint8)]  # e.g. one view per layer
-        assert disk.read_payload(fd, parts, MK)
+        assert block_file.read_payload(fd, parts, MK)
         assert (np.concatenate(parts) == payload).all()
-        assert not disk.read_payload(fd, [np.empty(payload.size + 4096, np.uint8)], MK)  # past the file: short
+        assert not block_file.read_payload(fd, [np.empty(payload.size + 4096, np.uint8)], MK)  # past the file: short
     finally:
         os.close(fd)
     open(path, "r+b").write(b"X")  # corrupt: no descriptor
-    assert disk.open_verified(path, KEY, FP, MK, payload.size) is None
+    assert block_file.open_verified(path, KEY, FP, MK, payload.size) is None

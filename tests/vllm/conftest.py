@@ -14,8 +14,8 @@ def plugin_patches():
 
 @pytest.fixture
 def tiered(request):
-    """The test module's `Tiered(...)` (a drive.Tiered on one of our tiers) as a maker; every
-    manager it made is closed after the test, whatever the test left behind."""
+    """The test module's `Tiered(...)` (an offloading_drive.Tiered on one of our tiers) as a maker;
+    every manager it made is closed after the test, whatever the test left behind."""
     made = []
 
     def make(*args, **kw):

@@ -11,12 +11,14 @@ import time
 import pytest
 
 from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import Copies, KVBMWorkerMetadata, Op, Report
+from vllm_kvbm_plugin.connector.base import Report
+from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
+from vllm_kvbm_plugin.connector.metadata import STORE, Copies, KVBMWorkerMetadata
 from vllm_kvbm_plugin.events import recording
 from vllm_kvbm_plugin.events.types import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from vllm_kvbm_plugin.events.validator import Validator
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 rng = random.Random(0)
 PROMPT = [rng.randrange(10, 2000) for _ in range(200)]
@@ -207,7 +209,7 @@ def test_a_failing_worker_fails_the_operation_and_leaves_no_count_behind(tmp_pat
     assert len(files) == 6 and len(_block_files(layout.rank_dir(0))) == 6
     for p in files:  # flip a payload byte of every rank-1 file
         data = bytearray(open(p, "rb").read())
-        data[disk.HEADER_SIZE + 3] ^= 0x40
+        data[block_file.HEADER_SIZE + 3] ^= 0x40
         open(p, "wb").write(data)
     second = harness(False, workers=2, disk_path=str(tmp_path))
     assert second.serve(PROMPT) == 0  # rank 0 verified its block 0, rank 1 did not: a miss
@@ -246,8 +248,8 @@ def test_a_steps_copies_cross_as_columns_and_its_stores_are_reported_once_per_wo
     copies = stored[0].stores[KV]
     assert isinstance(copies, Copies) and len(copies.slots) == len(copies.block_ids[0]) == len(PROMPT) // 32
     assert all(type(i) is int for i in copies.block_ids[0] + copies.slots)
-    store_reports = [r for wm in received if wm for r in wm.reports if r.op is Op.STORE]
-    assert store_reports == [Report(Op.STORE, stored[0].store_batch, True)] * 2
+    store_reports = [r for wm in received if wm for r in wm.reports if r.op == STORE]
+    assert store_reports == [Report(STORE, stored[0].store_batch, True)] * 2
     h.reset_prefix_cache()
     assert h.serve(PROMPT) == 192
     loads = [m.loads[KV] for m in sent if m.loads]
@@ -256,7 +258,7 @@ def test_a_steps_copies_cross_as_columns_and_its_stores_are_reported_once_per_wo
 
 
 def _block_files(base: str) -> list[str]:
-    return [os.path.join(d, n) for d, _, names in os.walk(base) for n in names if n.endswith(disk.SUFFIX)]
+    return [os.path.join(d, n) for d, _, names in os.walk(base) for n in names if n.endswith(block_dir.SUFFIX)]
 
 
 @pytest.mark.parametrize("cpu_tier", [True, False], ids=["prefetch", "direct"])
@@ -267,10 +269,10 @@ def test_a_corrupt_file_amid_a_batch_of_disk_loads_ends_the_hit_there(tmp_path, 
     the rest is recomputed, and the corrupt file fails alone."""
     first = harness(False, disk_path=str(tmp_path))
     first.serve(PROMPT)
-    files = {disk.decode_meta(disk.read_meta(p))[0]: p for p in _block_files(first.connector.layout.rank_dir(0))}
+    files = {block_file.decode_meta(block_file.read_meta(p))[0]: p for p in _block_files(first.connector.layout.rank_dir(0))}
     assert sorted(files) == [32 * i for i in range(1, 7)]  # each file's token end
     data = bytearray(open(files[128], "rb").read())
-    data[disk.HEADER_SIZE + 3] ^= 0x40
+    data[block_file.HEADER_SIZE + 3] ^= 0x40
     open(files[128], "wb").write(data)
     second = harness(False, disk_path=str(tmp_path), **({} if cpu_tier else {"cpu_bytes_to_use": 1}))
     assert second.serve(PROMPT) == 96
@@ -288,7 +290,7 @@ def test_a_failed_direct_load_stores_nothing_of_its_step(tmp_path):
     harness checks every load)."""
     first = harness(False, disk_path=str(tmp_path))
     first.serve(PROMPT)
-    files = {disk.decode_meta(disk.read_meta(p))[0]: p for p in _block_files(first.connector.layout.rank_dir(0))}
+    files = {block_file.decode_meta(block_file.read_meta(p))[0]: p for p in _block_files(first.connector.layout.rank_dir(0))}
     slots = 6
     second = harness(False, disk_path=str(tmp_path), cpu_bytes_to_use=slots * first.connector.layout.slot_bytes)
     cpu = second.connector.tier("cpu")
@@ -299,9 +301,9 @@ def test_a_failed_direct_load_stores_nothing_of_its_step(tmp_path):
     second.add(PROMPT, max_tokens=2)
     assert second.step() == 0 and second.connector.accounting()["direct"] == 6  # six files held open
     with open(files[128], "r+b") as f:  # block 3's first value, flipped in place after verification
-        f.seek(disk.HEADER_SIZE + 3)
+        f.seek(block_file.HEADER_SIZE + 3)
         b = f.read(1)
-        f.seek(disk.HEADER_SIZE + 3)
+        f.seek(block_file.HEADER_SIZE + 3)
         f.write(bytes([b[0] ^ 0x40]))
     cpu.complete_loads(pinned)  # the writes end: the hit's step finds room for its stores
     sent = []
@@ -336,9 +338,9 @@ def test_a_hybrid_hits_failed_direct_load_recomputes_the_request(tmp_path, worke
     assert second.step() == 0 and second.connector.accounting()["direct"] > 0  # files verified and held open
     for path in files:  # rank 0's entries (KV, partial block, states), changed in place after verification
         with open(path, "r+b") as f:
-            f.seek(disk.HEADER_SIZE + 3)
+            f.seek(block_file.HEADER_SIZE + 3)
             b = f.read(1)
-            f.seek(disk.HEADER_SIZE + 3)
+            f.seek(block_file.HEADER_SIZE + 3)
             f.write(bytes([b[0] ^ 0x40]))
     second.run(timeout=30)
     second.settle()
@@ -366,16 +368,16 @@ def test_a_late_write_report_after_a_failed_store_batch_leaves_the_new_entries_a
         if phase[0] == "fail":
             reports = []
             for r in wm.reports:
-                if r.op is Op.STORE:  # the step's stores fail as one...
+                if r.op == STORE:  # the step's stores fail as one...
                     seen["old"] = {k: cpu.index.entries[k] for k in side.store_batches[r.key]}
-                    r = Report(Op.STORE, r.key, False)
+                    r = Report(STORE, r.key, False)
                     phase[0] = "hold"
                 reports.append(r)
             wm.reports = reports
         if phase[0] in ("fail", "hold"):  # ...and their disk writes are reported late
-            held.extend(r for r in wm.reports if r.op is Op.WRITE)
-            wm.reports = [r for r in wm.reports if r.op is not Op.WRITE]
-        elif phase[0] == "late" and any(r.op is Op.STORE for r in wm.reports):
+            held.extend(r for r in wm.reports if r.op == DiskTier.WRITE)
+            wm.reports = [r for r in wm.reports if r.op != DiskTier.WRITE]
+        elif phase[0] == "late" and any(r.op == STORE for r in wm.reports):
             new = {k: cpu.index.entries[k] for k in seen["old"]}
             seen["new"] = {k: e.pins for k, e in new.items()}
             update(dataclasses.replace(output, kv_connector_worker_meta=KVBMWorkerMetadata(held)))

@@ -34,7 +34,7 @@ def test_prometheus_counters(metric_types):
     get = registry.get_sample_value
     assert get("vllm:kvbm_blocks_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 3
     assert get("vllm:kvbm_bytes_total", {"engine": "0", "tier": "disk", "direction": "write"}) == 300
-    assert get("vllm:kvbm_disk_failures_total", {"engine": "0", "operation": "read"}) == 2
+    assert get("vllm:kvbm_failures_total", {"engine": "0", "tier": "disk", "operation": "read"}) == 2
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "loaded"}) == 96
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "recomputed"}) == 9
     assert get("vllm:kvbm_pic_tokens_total", {"engine": "0", "operation": "blended"}) is None

@@ -7,11 +7,11 @@ WorkerSides writing real files; runs on vLLM 0.32 and 0.33."""
 import os
 import random
 
-from vllm_kvbm_plugin.connector.announce import NOTHING
-from vllm_kvbm_plugin.connector.disk_tier import DiskTier
+from vllm_kvbm_plugin.connector.block_events import NOTHING
+from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
 from vllm_kvbm_plugin.testing.worker import cpu_layout_worker
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_dir
 
 BLOCK = 32
 
@@ -21,7 +21,7 @@ def du(root) -> tuple[int, int]:
     taken, n = 0, 0
     for dirpath, _, names in os.walk(root):
         for name in names:
-            if name.endswith(disk.SUFFIX):
+            if name.endswith(block_dir.SUFFIX):
                 taken += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
                 n += 1
     return taken, n

@@ -80,7 +80,7 @@ def test_a_server_unreachable_at_startup_leaves_the_remote_tier_off(tmp_path, ca
                                        connector={"cpu_bytes_to_use": 1 << 24, "remote_url": url,
                                                   "disk_path": str(tmp_path / "kv")}))
     assert h.connector.layout.remote_off and h.connector.tier("remote") is None
-    assert all(w.side.remote is None for w in h.workers)  # the workers agree: no remote I/O at all
+    assert all(w.side.tier("remote") is None for w in h.workers)  # the workers agree: no remote I/O at all
     assert "remote tier is off for this process" in caplog.text
     p = prompt()
     assert h.serve(p) == 0

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, Medium
 
-from vllm_kvbm_plugin.offloading import drive
 from vllm_kvbm_plugin.offloading.disk_tier import file_key
-from vllm_kvbm_plugin.offloading.drive import Request, chunk_key, payload
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.testing import offloading_drive
+from vllm_kvbm_plugin.testing.offloading_drive import Request, chunk_key, payload
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 CHUNK = 4096
 
 
-def Tiered(path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru", **opts) -> drive.Tiered:
+def Tiered(path, cpu_chunks=8, bytes_to_use=1 << 20, policy="lineage", cpu_policy="lru", **opts) -> offloading_drive.Tiered:
     """vLLM's tiering manager with our disk tier at `path`, and the calls the connector makes."""
-    return drive.Tiered({"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
+    return offloading_drive.Tiered({"type": "KVBMDiskTier", "module_path": "vllm_kvbm_plugin.offloading", "path": str(path),
                          "bytes_to_use": bytes_to_use, "eviction_policy": policy, **opts}, cpu_chunks, CHUNK, cpu_policy)
 
 
@@ -65,8 +65,8 @@ def test_restart_on_the_same_path_hits(tiered, tmp_path):
 
 def corrupt_flip(path, where):
     size = os.path.getsize(path)
-    offset = {"header": 20, "first": diskfmt.HEADER_SIZE, "sign": diskfmt.HEADER_SIZE + 1001,
-              "last": diskfmt.HEADER_SIZE + CHUNK - 1, "meta": size - 2}[where]
+    offset = {"header": 20, "first": block_file.HEADER_SIZE, "sign": block_file.HEADER_SIZE + 1001,
+              "last": block_file.HEADER_SIZE + CHUNK - 1, "meta": size - 2}[where]
     with open(path, "r+b") as f:
         f.seek(offset)
         b = f.read(1)
@@ -81,7 +81,7 @@ def test_bad_files_are_misses_never_bytes(tiered, tmp_path, fault):
     t = tiered(tmp_path)
     t.store(keys)
     victim = keys[2]
-    path = diskfmt.block_path(t.tier.base, file_key(victim))
+    path = block_dir.block_path(t.tier.base, file_key(victim))
     if fault.startswith("flip"):
         corrupt_flip(path, fault.split("-")[1])
     elif fault == "truncate":
@@ -89,7 +89,7 @@ def test_bad_files_are_misses_never_bytes(tiered, tmp_path, fault):
     elif fault == "delete":
         os.unlink(path)
     else:  # another chunk's valid file under this chunk's name
-        os.replace(diskfmt.block_path(t.tier.base, file_key(keys[3])), path)
+        os.replace(block_dir.block_path(t.tier.base, file_key(keys[3])), path)
     served = t.load(keys)
     assert_exact(served, keys[:2], [victim])
     assert victim not in t.tier.index and victim in t.storage_events(removed=True)
@@ -101,7 +101,7 @@ def test_bad_files_are_misses_never_bytes(tiered, tmp_path, fault):
 
 
 def test_capacity_bound_evicts_by_our_policy(tiered, tmp_path):
-    file_bytes = diskfmt.file_footprint(CHUNK, 128)  # what the tier counts a file as
+    file_bytes = block_file.file_footprint(CHUNK, 128)  # what the tier counts a file as
     t = tiered(tmp_path, bytes_to_use=4 * file_bytes, policy="lineage")
     a, b = keys_of("a", 3), keys_of("b", 3)
     t.store(a)
@@ -121,11 +121,11 @@ def test_abandoned_temp_files_and_foreign_entries_do_not_stop_a_restart(tiered, 
     t = tiered(tmp_path)
     t.store(keys)
     t.close()
-    sub = os.path.dirname(diskfmt.block_path(t.tier.base, file_key(keys[0])))
-    tmp = os.path.join(sub, os.path.basename(diskfmt.block_path(t.tier.base, file_key(keys[0]))) + ".tmp1.ab")
+    sub = os.path.dirname(block_dir.block_path(t.tier.base, file_key(keys[0])))
+    tmp = os.path.join(sub, os.path.basename(block_dir.block_path(t.tier.base, file_key(keys[0]))) + ".tmp1.ab")
     with open(tmp, "wb") as f:
         f.write(b"half a block")
-    fifo = diskfmt.block_path(t.tier.base, (7, 7))  # a FIFO named like a block file: never opened
+    fifo = block_dir.block_path(t.tier.base, (7, 7))  # a FIFO named like a block file: never opened
     os.makedirs(os.path.dirname(fifo), exist_ok=True)
     os.mkfifo(fifo)
     t2 = tiered(tmp_path)
@@ -150,7 +150,7 @@ def tmpfs(path, size: str):
 @pytest.fixture
 def direct_chunks(monkeypatch):
     """O_DIRECT writes for the tests' 4 KiB chunks too (by default only payloads of 64 KiB or more)."""
-    monkeypatch.setattr(diskfmt, "_DIRECT_MIN", CHUNK)
+    monkeypatch.setattr(block_file, "_DIRECT_MIN", CHUNK)
 
 
 def test_one_jobs_files_spread_over_the_threads_and_direct_io(tiered, tmp_path, direct_chunks):
@@ -159,12 +159,12 @@ def test_one_jobs_files_spread_over_the_threads_and_direct_io(tiered, tmp_path, 
     t.store(keys)  # one step: one store job of 16 chunks, in 4 parts
     assert t.storage_events(removed=False) == keys  # one Stored each, in the job's order
     base = t.tier.base
-    assert base not in diskfmt._no_direct
+    assert base not in block_file._no_direct
     for k in keys:  # each file exactly the reference encoding (the O_DIRECT page padding cut off)
-        path = diskfmt.block_path(base, file_key(k))
-        assert os.path.getsize(path) == diskfmt.HEADER_SIZE + CHUNK + len(diskfmt.read_meta(path))
+        path = block_dir.block_path(base, file_key(k))
+        assert os.path.getsize(path) == block_file.HEADER_SIZE + CHUNK + len(block_file.read_meta(path))
     assert_exact(t.load(keys), keys)  # one load job, in 4 parts
-    corrupt_flip(diskfmt.block_path(base, file_key(keys[5])), "sign")
+    corrupt_flip(block_dir.block_path(base, file_key(keys[5])), "sign")
     t.close()
     t2 = tiered(tmp_path, cpu_chunks=16, direct_io=True, threads=4)
     assert_exact(t2.load(keys), keys[:5] + keys[6:], [keys[5]])

@@ -3,7 +3,7 @@
 import pytest
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-from vllm_kvbm_plugin.offloading.drive import Request, chunk_key
+from vllm_kvbm_plugin.testing.offloading_drive import Request, chunk_key
 
 MODULE = "vllm_kvbm_plugin.offloading"
 

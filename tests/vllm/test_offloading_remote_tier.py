@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 from vllm.v1.kv_offload.base import Medium
 
-from vllm_kvbm_plugin.offloading import drive
-from vllm_kvbm_plugin.offloading.drive import chunk_key, payload
+from vllm_kvbm_plugin.testing import offloading_drive
+from vllm_kvbm_plugin.testing.offloading_drive import chunk_key, payload
 from vllm_kvbm_plugin.testing.redis_server import server_binary
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_file
 
 pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
 pytestmark = pytest.mark.skipif(server_binary() is None,
                                 reason="no redis-server on PATH: scripts/setup.sh installs Debian's as root")
 
 
-def Tiered(url) -> drive.Tiered:
+def Tiered(url) -> offloading_drive.Tiered:
     """vLLM's tiering manager with our remote tier on `url`, and the calls the connector makes."""
-    return drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": url})
+    return offloading_drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading", "url": url})
 
 
 def keys_of(name, n):
@@ -50,7 +50,7 @@ def test_bad_values_are_misses_never_bytes(tiered, server, fault):
     c, name = server.client(), t.tier.name(keys[2])
     v = c.get(name)
     if fault == "flip":
-        c.setrange(name, diskfmt.HEADER_SIZE + 7, bytes([v[diskfmt.HEADER_SIZE + 7] ^ 0x40]))
+        c.setrange(name, block_file.HEADER_SIZE + 7, bytes([v[block_file.HEADER_SIZE + 7] ^ 0x40]))
     elif fault == "truncate":
         c.set(name, v[:-1])
     elif fault == "foreign":  # another layout's fingerprint
@@ -99,7 +99,7 @@ def test_a_bad_value_another_instance_wrote_is_deleted_and_its_removal_announced
     a = tiered(server.url)
     a.store(keys)
     c, name = server.client(), a.tier.name(keys[1])
-    at = diskfmt.HEADER_SIZE + 3
+    at = block_file.HEADER_SIZE + 3
     c.setrange(name, at, bytes([c.get(name)[at] ^ 0x40]))
     b = tiered(server.url)
     served = b.load(keys)

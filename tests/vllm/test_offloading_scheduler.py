@@ -10,7 +10,7 @@ import random
 import pytest
 
 from vllm_kvbm_plugin.events.validator import Validator
-from vllm_kvbm_plugin.offloading.drive import primary_rows
+from vllm_kvbm_plugin.testing.offloading_drive import primary_rows
 from vllm_kvbm_plugin.testing.offloading_scheduler import OffloadingHarness, OffloadingHarnessConfig
 
 rng = random.Random(29)

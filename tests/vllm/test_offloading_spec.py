@@ -9,7 +9,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, Cano
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
 from vllm_kvbm_plugin.offloading import KVBMCPUWorker, KVBMDiskTier, KVBMOffloadingSpec, LineageCachePolicy
-from vllm_kvbm_plugin.offloading.drive import offloading_config, primary_rows
+from vllm_kvbm_plugin.testing.offloading_drive import offloading_config, primary_rows
 
 PAGE = 4096
 

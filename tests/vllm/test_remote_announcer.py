@@ -20,7 +20,7 @@ from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, AllBlocksCleared, Blo
 from vllm_kvbm_plugin.events.validator import Validator
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
-from vllm_kvbm_plugin.tiers.disk import VERSION
+from vllm_kvbm_plugin.tiers.block_file import VERSION
 
 from .test_remote_tier import idle, instance, prompt
 
@@ -279,13 +279,13 @@ def described(server) -> set:
     """(group, hash) of every event in the metadata of the values on the server."""
     import msgspec
 
-    from vllm_kvbm_plugin.tiers import disk as diskfmt
+    from vllm_kvbm_plugin.tiers import block_file
 
     out, c = set(), server.client()
     for name in c.scan_iter(match=VALUES + ":r0:*"):
         value = c.get(name)
-        plen = diskfmt._HEADER.unpack_from(value, 0)[5]
-        for ev in (diskfmt.decode_meta(value[diskfmt.HEADER_SIZE + plen:]) or (0, []))[1]:
+        plen = block_file._HEADER.unpack_from(value, 0)[5]
+        for ev in (block_file.decode_meta(value[block_file.HEADER_SIZE + plen:]) or (0, []))[1]:
             ev = msgspec.msgpack.decode(ev)
             out.add((ev["group_idx"], ev["block_hashes"][0]))
     return out

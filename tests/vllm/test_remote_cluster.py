@@ -11,7 +11,7 @@ import pytest
 
 from vllm_kvbm_plugin.testing.redis_server import RedisClusterServers, server_binary
 from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
-from vllm_kvbm_plugin.tiers.remote import CLIENT_NAME, check_url, cluster_seeds
+from vllm_kvbm_plugin.tiers.resp import CLIENT_NAME, check_url, cluster_seeds
 
 pytest.importorskip("redis", reason="redis-py is not installed (scripts/setup.sh installs it)")
 needs_server = pytest.mark.skipif(server_binary() is None,

@@ -12,8 +12,9 @@ import pytest
 
 from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.testing.redis_server import RedisServer, server_binary
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers import remote_value, resp
 from vllm_kvbm_plugin.tiers import secret as tiersecret
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 
 from .test_remote_tier import instance, prompt
 
@@ -75,13 +76,13 @@ def test_a_password_in_remote_url_is_in_no_log_line_or_error_of_ours(lines):
         for h in (a, b):
             h.serve(prompt())
         server.start()  # back (empty): after their backoff the breakers close and log it
-        time.sleep(remotefmt.Breaker.MIN_BACKOFF * 2)
+        time.sleep(Breaker.MIN_BACKOFF * 2)
         for h in (a, b):
             h.serve(prompt())
         errors = []
         for bad in (f"http://kvbm:{PASSWORD}@h:1", f"redis+cluster://kvbm:{PASSWORD}@h:x"):
             with pytest.raises(ValueError) as e:
-                remotefmt.check_url(bad)
+                resp.check_url(bad)
             errors.append(str(e.value))
         tiersecret.load(f"redis://kvbm:{PASSWORD}@127.0.0.1:1/0", None, env={})  # refused: logged
     finally:
@@ -99,22 +100,22 @@ def test_the_password_from_the_environment_authenticates_every_connection(monkey
         import redis
 
         with pytest.raises(redis.RedisError):  # without it: refused
-            remotefmt.connect_ready(url)
-        monkeypatch.setenv(remotefmt.PASSWORD_ENV, PASSWORD)
+            resp.connect_ready(url)
+        monkeypatch.setenv(resp.PASSWORD_ENV, PASSWORD)
         key, fp, mk = (1, 2), bytes(16), tiersecret.load(url, None, env={}).key
         from vllm_kvbm_plugin.tiers.mac import mac_key
 
         payload = np.arange(4096, dtype=np.uint8)
-        for client in (remotefmt.connect_ready(url), remotefmt.connect_direct(url)):
-            remotefmt.store_values(client, ["kvbm:x"], [remotefmt.value_parts(key, fp, mac_key(mk), payload, b"")])
+        for client in (resp.connect_ready(url), resp.connect_direct(url)):
+            resp.store_values(client, ["kvbm:x"], [remote_value.value_parts(key, fp, mac_key(mk), payload, b"")])
         out = [np.zeros(4096, dtype=np.uint8)]
-        reader = remotefmt.DirectClient(url)
-        assert reader.fetch(["kvbm:x"], [key], fp, mac_key(mk), out) == [remotefmt.OK]
+        reader = resp.DirectClient(url)
+        assert reader.fetch(["kvbm:x"], [key], fp, mac_key(mk), out) == [remote_value.OK]
         assert np.array_equal(out[0], payload)
         # the URL's own password wins over the environment's
-        monkeypatch.setenv(remotefmt.PASSWORD_ENV, "wrong")
-        assert remotefmt.connect_ready(f"redis://kvbm:{PASSWORD}@127.0.0.1:{server.port}/0").ping()
+        monkeypatch.setenv(resp.PASSWORD_ENV, "wrong")
+        assert resp.connect_ready(f"redis://kvbm:{PASSWORD}@127.0.0.1:{server.port}/0").ping()
         with pytest.raises(redis.RedisError):
-            remotefmt.connect_ready(url)
+            resp.connect_ready(url)
     finally:
         server.stop()

@@ -16,9 +16,9 @@ try:
     KVBMConfig.from_extra({"remote_url": "redis://127.0.0.1:6379/0"})
 except ImportError as e:
     out["connector"] = str(e)
-from vllm_kvbm_plugin.offloading import drive
+from vllm_kvbm_plugin.testing import offloading_drive
 try:
-    drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading",
+    offloading_drive.Tiered({"type": "KVBMRemoteTier", "module_path": "vllm_kvbm_plugin.offloading",
                   "url": "redis://127.0.0.1:6379/0"})
 except ImportError as e:
     out["offloading"] = str(e)

@@ -4,8 +4,9 @@ Prometheus counters (the engine-level export is in tests/engine/test_remote_engi
 import collections
 import types
 
-from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats, RemoteCounters
-from vllm_kvbm_plugin.tiers.remote import Breaker
+from vllm_kvbm_plugin.connector.remote_scheduler import RemoteCounters
+from vllm_kvbm_plugin.connector.stats import KVBMPromMetrics, KVBMStats
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 
 
 def test_remote_totals_become_interval_stats_and_prometheus_counters(metric_types):

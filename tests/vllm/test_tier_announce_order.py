@@ -5,8 +5,8 @@ never sees a block whose parent the tier does not hold. Checked with the validat
 
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from vllm_kvbm_plugin.connector.announce import Announce
-from vllm_kvbm_plugin.connector.cpu_tier import TierManager
+from vllm_kvbm_plugin.connector.block_events import Announce
+from vllm_kvbm_plugin.connector.tier_manager import TierManager
 from vllm_kvbm_plugin.events.types import TIER_CPU
 from vllm_kvbm_plugin.events.validator import Validator
 

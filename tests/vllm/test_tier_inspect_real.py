@@ -5,16 +5,16 @@ inspector finds corrupt is one the tier will not serve."""
 import numpy as np
 import pytest
 
-from vllm_kvbm_plugin.offloading import drive
-from vllm_kvbm_plugin.offloading.drive import chunk_key, payload
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.testing import offloading_drive
+from vllm_kvbm_plugin.testing.offloading_drive import chunk_key, payload
+from vllm_kvbm_plugin.tiers import block_file
 from vllm_kvbm_plugin.tiers import inspector
 
 CHUNK = 4096
 
 
-def Tiered(kind, **opts) -> drive.Tiered:
-    return drive.Tiered({"type": kind, "module_path": "vllm_kvbm_plugin.offloading", **opts}, 8, CHUNK)
+def Tiered(kind, **opts) -> offloading_drive.Tiered:
+    return offloading_drive.Tiered({"type": kind, "module_path": "vllm_kvbm_plugin.offloading", **opts}, 8, CHUNK)
 
 
 def keys_of(name, n):
@@ -31,9 +31,9 @@ def test_the_disk_tiers_files(tiered, tmp_path):
     assert list(r["layouts"]) == [t.tier.fingerprint.hex()] and r["layouts"][t.tier.fingerprint.hex()]["ranks"] == [0]
     assert r["verify"] == {"checked": 5, "failed": 0, "other_fingerprint": 0} and r["skipped"] == 0
     with open(files[0], "r+b") as f:  # one payload byte flipped
-        f.seek(diskfmt.HEADER_SIZE + 7)
+        f.seek(block_file.HEADER_SIZE + 7)
         b = f.read(1)
-        f.seek(diskfmt.HEADER_SIZE + 7)
+        f.seek(block_file.HEADER_SIZE + 7)
         f.write(bytes([b[0] ^ 1]))
     r = inspector.inspect(str(tmp_path), verify=True)
     assert r["verify"] == {"checked": 5, "failed": 1, "other_fingerprint": 0}

@@ -30,7 +30,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm_kvbm_plugin.connector.pic_model import PicModel, with_model_support
 
         cfg = with_model_support(config.connector_config(vllm_config), vllm_config)
-        self._sched = self._worker = self._remote_counters = None
+        self._sched = self._worker = None
         if getattr(cfg, "pic_recompute_ratio", 0) and isinstance(cfg.pic_model, PicModel):
             from vllm_kvbm_plugin.patches import pic_blend
 
@@ -39,17 +39,14 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         # raises for groups we cannot hold; only the scheduler side decides the tier secret (TierDecision)
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg, decide=role == KVConnectorRole.SCHEDULER)
         if role == KVConnectorRole.SCHEDULER:
-            from vllm_kvbm_plugin.connector.layout import remove_v1_tier_dir, v1_key_root
             from vllm_kvbm_plugin.connector.scheduler import SchedulerSide
 
-            if cfg.disk_path:  # once per engine, not in every worker process
-                remove_v1_tier_dir(cfg.disk_path, v1_key_root(vllm_config, kv_cache_config, layout.hash_unit))
             self._sched = SchedulerSide(layout, cfg)
         else:
             from vllm_kvbm_plugin.connector.worker import WorkerSide
 
             self._worker = WorkerSide(layout, cfg, _tensor_parallel_rank())
-            if getattr(cfg, "pic_recompute_ratio", 0):  # eager models: layers after the selection run fewer rows
+            if getattr(cfg, "pic_recompute_ratio", 0):  # layers after the selection run fewer rows
                 from vllm_kvbm_plugin.patches import pic_blend
 
                 pic_blend.apply_compute_saving(vllm_config)
@@ -65,7 +62,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if meta:
-            self._worker.start_load_kv(meta)
+            self._worker.start_load_kv(meta, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous, done in start_load_kv before the forward
@@ -101,29 +98,19 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.build_worker_meta()
 
     def get_kv_connector_stats(self):
-        """Worker side: transfers and the remote breaker's changes; scheduler side (vLLM adds it
-        to the workers'): the remote tier's hits, misses, errors and breaker changes, and the
-        position-independent planner's computed and skipped tokens."""
-        from vllm_kvbm_plugin.connector.stats import KVBMStats, RemoteCounters
+        """Worker side: transfers and the tiers' worker counters (e.g. the remote breaker's
+        changes); scheduler side (vLLM adds it to the workers'): the tiers' own counters (e.g.
+        the remote tier's hits, misses, errors) and the position-independent planner's computed
+        and skipped tokens."""
+        from vllm_kvbm_plugin.connector.stats import KVBMStats
 
         if self._worker is not None:
-            stats, remote = self._worker.get_stats(), self._worker.remote
+            stats, counts = self._worker.get_stats(), self._worker.take_tier_stats()
         else:
-            stats, remote = None, self._sched.tier("remote")
-            pic = self._sched.pic  # position-independent loads: what only the scheduler counts
-            if pic is not None and (counts := pic.take_counts()):
-                stats = KVBMStats(data=counts)
-        if remote is None:
+            stats, counts = None, self._sched.take_stats()
+        if not counts:
             return stats
-        if self._remote_counters is None:
-            self._remote_counters = RemoteCounters()
-        if self._worker is not None:
-            changes = self._remote_counters.take(breaker=remote.breaker, side="worker")
-        else:
-            changes = self._remote_counters.take(remote, remote.breaker, "scheduler")
-        if not changes:
-            return stats
-        return (stats or KVBMStats()).aggregate(KVBMStats(data=changes))
+        return (stats or KVBMStats()).aggregate(KVBMStats(data=counts))
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

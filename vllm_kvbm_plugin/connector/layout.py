@@ -23,7 +23,7 @@ from typing import NamedTuple
 from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.hashing.spec import v1_root_key
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 logger = get_logger("layout")
 
@@ -62,6 +62,7 @@ class Layout:
     secret: bytes = dataclasses.field(default=b"", repr=False, compare=False)  # the tier secret (tiers/secret.py)
     remote_off: bool = False  # remote_url is set but the tier secret could not be read from it
     secret_source: str = ""  # tiers/secret.TierSecret.source
+    v1_root: tuple[int, int] | None = None  # the scheduler's: the root key spec 1 derived (remove_v1_tier_dir)
 
     @property
     def hybrid(self) -> bool:
@@ -110,7 +111,7 @@ class Layout:
             hash_unit=unit,
             slot_bytes=size,
             cpu_slots=cfg.cpu_bytes_to_use // size,
-            disk_slots=cfg.disk_bytes_to_use // diskfmt.file_footprint(size, disk_meta_bytes(size, block_size, groups)),
+            disk_slots=cfg.disk_bytes_to_use // block_file.file_footprint(size, disk_meta_bytes(size, block_size, groups)),
             root=root,
             world=vllm_config.parallel_config.world_size,
             disk_path=cfg.disk_path,
@@ -118,6 +119,7 @@ class Layout:
             secret=secret.key if secret else b"",
             remote_off=secret.remote_off if secret else False,
             secret_source=secret.source if secret else "",
+            v1_root=v1_key_root(vllm_config, kv_cache_config, unit) if decide else None,
         )
 
     def decision(self) -> TierDecision:
@@ -151,7 +153,7 @@ def disk_meta_bytes(slot_bytes: int, block_size: int, groups: dict) -> int:
     ids, at most 5 bytes each, and extra keys) plus what rounding the file to whole FS_BLOCKs adds.
     An entry whose metadata needs more is not written to disk (DiskTier.prepare_write)."""
     need = 64 + max(len(g) for g in groups.values()) * (512 + 5 * block_size)
-    return diskfmt.file_footprint(slot_bytes, need) - diskfmt.HEADER_SIZE - slot_bytes
+    return block_file.file_footprint(slot_bytes, need) - block_file.HEADER_SIZE - slot_bytes
 
 
 def _root_fields(vllm_config, kv_cache_config, unit: int) -> tuple:
@@ -179,10 +181,10 @@ def rank_dir(disk_path: str, root: tuple[int, int], rank: int) -> str:
 
 def remove_v1_tier_dir(disk_path: str, v1_root: tuple[int, int]) -> int:
     """Remove `<disk_path>/<v1 root hex>`, the tier directory spec 1 wrote for this layout (its
-    entries are misses under spec 2), if it holds nothing but ours (tiers/disk.py remove_tier_dir);
+    entries are misses under spec 2), if it holds nothing but ours (tiers/block_dir.py remove_tier_dir);
     else leave it whole (logged). Returns the block files removed."""
     name = f"{v1_root[0]:016x}{v1_root[1]:016x}"
-    removed, foreign = diskfmt.remove_tier_dir(disk_path, name)
+    removed, foreign = block_dir.remove_tier_dir(disk_path, name)
     if foreign:
         logger.warning("KVBM disk tier: %s (written by key spec 1, all misses now) is left as it is: it holds %s",
                        os.path.join(disk_path, name), foreign)

@@ -1,7 +1,8 @@
 """What the scheduler side tells the workers each step, and what they report back.
 
-Named tuples of ints, one list per kind of operation: SchedulerOutput is pickled to the workers
-(vLLM's choice); nothing here defines a format of our own. An entry of a `kind` (layout.EntryKind)
+Named tuples of ints: SchedulerOutput is pickled to the workers (vLLM's choice); nothing here
+defines a format of our own. The tiers below the CPU tier all speak one message, the `TierJob`
+(base.py), whatever the tier; what is here besides is the CPU tier's and the loads'. An entry of a `kind` (layout.EntryKind)
 spans the groups of that kind: one block id per group. The copies between KV blocks and CPU slots,
 one per block, are columns of ints (`Copies`), not a tuple per block: the engine core pickles
 them every step.
@@ -10,7 +11,6 @@ them every step.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 from typing import NamedTuple
 
@@ -19,10 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from vllm_kvbm_plugin.connector.base import Verb
+from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import EntryKind, TierDecision
-
-Key = tuple[int, int]
 
 
 class Copies(NamedTuple):
@@ -58,38 +56,14 @@ def copy_count(table: dict) -> int:
     return sum(len(c.slots) for c in table.values())
 
 
-class Prefetch(NamedTuple):
-    """Disk file -> CPU slot, verified, before the loads."""
-    key: Key
-    slot: int
-
-
-class DiskWrite(NamedTuple):
-    """CPU slot -> disk file, in the background after the stores; `meta` is the file's metadata."""
-    key: Key
-    slot: int
-    meta: bytes
-
-
-class RemoteFetch(NamedTuple):
-    """Remote value -> CPU slot, verified, on the worker's remote thread (the request waits)."""
-    key: Key
-    slot: int
-
-
-class RemoteWrite(NamedTuple):
-    """CPU slot -> remote value, written behind on the worker's remote thread."""
-    key: Key
-    slot: int
-    meta: bytes
-
-
 class DirectLoad(NamedTuple):
-    """An open, verified disk file -> KV blocks (entries the CPU tier has no room for). `request`:
-    the request it loads for when that request's load is asynchronous (KVBMMetadata.recving)."""
+    """An entry the workers of tier `tier` hold open, verified -> KV blocks (entries the CPU tier
+    has no room for). `request`: the request it loads for when that request's load is asynchronous
+    (KVBMMetadata.recving)."""
     kind: EntryKind
     block_ids: tuple[int, ...]
     key: Key
+    tier: str
     request: str | None = None
 
 
@@ -111,25 +85,20 @@ class KVBMMetadata(KVConnectorMetadata):
     sent by vLLM with the scheduler output to each worker process, where WorkerSide runs it
     (start_load_kv before the forward, wait_for_save after)."""
 
-    # start_load_kv runs, in order: opens (verify a block file, keep it open), prefetches, loads,
-    # direct loads, position-independent loads, closes; wait_for_save runs stores, then queues the disk writes.
-    opens: list[Key] = dataclasses.field(default_factory=list)
-    prefetches: list[Prefetch] = dataclasses.field(default_factory=list)
+    # start_load_kv runs, in order: the tiers' OPEN and FETCH jobs, loads, direct loads,
+    # position-independent loads, the tiers' CLOSE jobs; wait_for_save runs the stores, then
+    # queues the tiers' WRITE jobs (they read the slots the stores fill)
+    jobs: list[TierJob] = dataclasses.field(default_factory=list)
     loads: dict[EntryKind, Copies] = dataclasses.field(default_factory=dict)
     direct_loads: list[DirectLoad] = dataclasses.field(default_factory=list)
     pic_loads: list[PicLoad] = dataclasses.field(default_factory=list)
     # req id -> (its tokens after the step, ((start, count), ...) computed): loaded runs between
     # them (patches/pic_segments.py computes them in one forward)
     pic_queries: dict = dataclasses.field(default_factory=dict)
-    closes: list[Key] = dataclasses.field(default_factory=list)
-    # the stores succeed or fail together: reported once, Report(Op.STORE, store_batch, ok); the
+    # the stores succeed or fail together: reported once, Report(STORE, store_batch, ok); the
     # scheduler side keeps their keys
     stores: dict[EntryKind, Copies] = dataclasses.field(default_factory=dict)
     store_batch: int = 0
-    disk_writes: list[DiskWrite] = dataclasses.field(default_factory=list)
-    # queued to the remote thread: fetches in start_load_kv, writes in wait_for_save
-    remote_fetches: list[RemoteFetch] = dataclasses.field(default_factory=list)
-    remote_writes: list[RemoteWrite] = dataclasses.field(default_factory=list)
     # requests whose loads above are asynchronous (hybrid hits with direct loads: vLLM takes a failed
     # load of a model with several KV cache groups per request only): each worker reports them
     # received, or failed, through vLLM's get_transfer_results
@@ -141,31 +110,7 @@ class KVBMMetadata(KVConnectorMetadata):
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
-class Op(enum.Enum):
-    """The worker operations whose outcome the scheduler side waits for: each names the tier that
-    settles it (`tier`, a SchedulerTier.label) and what it did with a CPU slot (`verb`)."""
-    STORE = "store", "cpu", Verb.STORE
-    PREFETCH = "prefetch", "disk", Verb.FETCH
-    OPEN = "open", "disk", Verb.OPEN
-    WRITE = "write", "disk", Verb.WRITE
-    REMOTE_FETCH = "remote_fetch", "remote", Verb.FETCH
-    REMOTE_WRITE = "remote_write", "remote", Verb.WRITE
-
-    def __new__(cls, value: str, tier: str, verb: Verb):
-        op = object.__new__(cls)
-        op._value_ = value
-        op.tier, op.verb = tier, verb
-        return op
-
-
-class Report(NamedTuple):
-    """Whether one worker's operation on one key (on one step's stores: Op.STORE) succeeded: made
-    by WorkerSide (worker process), carried in KVBMWorkerMetadata, counted by the scheduler side's
-    Quorum."""
-
-    op: Op  # or another tier's operation (a base.TierOp); op.tier settles it
-    key: Key | int  # Op.STORE: the step's KVBMMetadata.store_batch
-    ok: bool
+STORE = TierOp("cpu", Verb.STORE)  # a step's stores into CPU slots (one report per step and worker)
 
 
 @dataclasses.dataclass
@@ -190,7 +135,7 @@ class Quorum:
 
     def __init__(self, world: int):
         self.world = world
-        self.pending: dict[tuple[Op, Key], list[int]] = {}  # -> [reports, successes]
+        self.pending: dict[tuple[TierOp, Key | int], list[int]] = {}  # -> [reports, successes]
 
     def add(self, report: Report) -> bool | None:
         """True / False once all workers reported (`report` was the last), else None."""

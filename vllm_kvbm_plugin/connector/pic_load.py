@@ -7,7 +7,7 @@ Per attention layer, K of the loaded tokens is re-rotated from the old to the ne
 float32 (`reuse.rope`, with the model's own RoPE parameters, connector/pic_model.py) and V copied,
 in vLLM's CPU KV layout (`reuse.cpu_layout.kv_views`). With selective recompute
 (`pic_recompute_ratio` > 0) the loads are also handed to this step's attention patch as a
-`BlendPlan` (patches/pic_blend.py).
+`BlendPlan` attached to the step's vLLM forward context (`pic_blend.attach`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
@@ -23,9 +24,12 @@ import torch
 from vllm_kvbm_plugin.connector.metadata import PicLoad
 from vllm_kvbm_plugin.connector.pic_model import PicModel
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, BlendPlan, set_plan, tp_group
+from vllm_kvbm_plugin.patches.pic_blend import RUN_HEAD, BlendPlan, attach, tp_group
 from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 from vllm_kvbm_plugin.reuse.rope import RopeSpec, rerotate
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
 
 logger = get_logger("connector.pic")
 
@@ -39,7 +43,7 @@ def _cos_sin(rope: RopeSpec, max_positions: int, dtype: torch.dtype) -> torch.Te
 
 def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, pool: torch.Tensor,
          recompute_ratio: float, failed: Callable[[Iterable[int]], None],
-         count: Callable[[dict], None]) -> None:
+         count: Callable[[dict], None], forward_context: ForwardContext | None = None) -> None:
     """Run position-independent loads: per attention layer, K of the slot tokens re-rotated from
     their old to their new positions in float32, V copied (`kv_views`); a layer of another shape
     fails the loads (their block ids go to `failed`, reported as load errors, so vLLM recomputes
@@ -47,7 +51,8 @@ def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, 
 
     `kv_layers`: per KV cache group, its layers (each with `tensor`, block dimension `dim` and
     byte `offset` inside a slot); `pool`: the CPU tier's slots [slots, slot bytes]; `count`: adds
-    a dict of counters to the worker's stats (thread-safe on the caller's side)."""
+    a dict of counters to the worker's stats (thread-safe on the caller's side); `forward_context`:
+    the step's vLLM ForwardContext, which carries the blend plan (`recompute_ratio` > 0)."""
     t0 = time.perf_counter()
     rope = model.rope
     D, B = rope.head_size, block_size
@@ -96,14 +101,14 @@ def load(ops: list[PicLoad], model: PicModel, block_size: int, kv_layers: list, 
     # heads of them): the first rank counts them
     tp = tp_group()
     tokens = tp is None or tp.rank_in_group == 0
-    if recompute_ratio and len(kv_layers) == 1:
+    if recompute_ratio and len(kv_layers) == 1 and forward_context is not None:
         block_ids = torch.tensor([o.block_ids[0] for o in ops])[op]
 
         def report(blended: int, recomputed: int) -> None:
             if tokens:
                 count({"pic_blended_tokens": blended, "pic_recomputed_tokens": recomputed})
 
-        set_plan(BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), recompute_ratio, B, report))
+        attach(forward_context, BlendPlan(block_ids * B + dst_at, _run_heads(ops, within), recompute_ratio, B, report))
     count({"pic_loads": len(ops), "pic_seconds": time.perf_counter() - t0, "pic_tokens": len(new) if tokens else 0})
 
 

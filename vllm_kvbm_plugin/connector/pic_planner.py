@@ -45,13 +45,13 @@ import dataclasses
 import hashlib
 
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.connector.cpu_tier import TierManager
 from vllm_kvbm_plugin.connector.layout import KV
 from vllm_kvbm_plugin.connector.metadata import PicLoad
 from vllm_kvbm_plugin.connector.pic_model import PicModel
+from vllm_kvbm_plugin.connector.tier_manager import TierManager
 from vllm_kvbm_plugin.events.types import TIER_CPU
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.reuse.subseq import SubseqIndex
+from vllm_kvbm_plugin.reuse.subseq_index import SubseqIndex
 from vllm_kvbm_plugin.tiers.index import Entry
 
 logger = get_logger("connector.pic")

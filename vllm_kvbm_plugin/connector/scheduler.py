@@ -29,30 +29,26 @@ import itertools
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.announce import NOTHING, EventBuilder
-from vllm_kvbm_plugin.connector.base import SecondaryTier, Verb
+from vllm_kvbm_plugin.connector.block_events import NOTHING, EventBuilder
+from vllm_kvbm_plugin.connector.base import PrimaryTier, SecondaryTier, Verb
 from vllm_kvbm_plugin.connector.cpu_tier import cpu_tier
-from vllm_kvbm_plugin.connector.disk_tier import DiskTier
 from vllm_kvbm_plugin.connector.layout import KV, STATE, EntryKind, Layout, partial_key, state_key
 from vllm_kvbm_plugin.connector.metadata import (
     DirectLoad,
     KVBMMetadata,
     KVBMWorkerMetadata,
-    Op,
+    STORE,
     Quorum,
     copies,
 )
 from vllm_kvbm_plugin.connector.pic_planner import PicPlanner
-from vllm_kvbm_plugin.connector.remote_tier import RemoteTier
+from vllm_kvbm_plugin.connector.tier_modules import tier_modules
 from vllm_kvbm_plugin.hashing import Keyer
-from vllm_kvbm_plugin.log import get_logger, redact_url
+from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers.index import Entry
 
 logger = get_logger("connector")
 
-# The tiers below the CPU tier, fastest first: each `create(layout, cfg)` returns the tier or None
-# (not configured). A hit loads each entry from the first tier that holds it.
-SECONDARY_TIERS = [DiskTier.create, RemoteTier.create]
 
 
 @dataclasses.dataclass
@@ -94,7 +90,7 @@ class _Need:
     key: tuple
     kind: EntryKind
     index: int  # KV: block index; STATE: the hit's token count
-    direct: bool = False  # loaded from an entry the workers hold open (a disk file), not from a CPU slot
+    direct: str | None = None  # the label of the tier whose workers hold it open for a direct load; None: from a CPU slot
     entry: Entry | None = None  # else the CPU tier's entry, pinned for this load
 
 
@@ -109,7 +105,7 @@ class _Claim:
 class SchedulerSide:
     """KVBMConnector's scheduler half, in the EngineCore process (KVBMConnector delegates vLLM's
     scheduler-side hooks to it). Owns the tiers (`tiers`: the CPU tier, `primary`, then the
-    secondaries of SECONDARY_TIERS), each request's keys, the hits claimed and not yet loaded,
+    secondaries of tier_modules), each request's keys, the hits claimed and not yet loaded,
     the step's metadata for the workers, the count of their reports, and the event builder."""
 
     def __init__(self, layout: Layout, cfg: KVBMConfig):
@@ -119,8 +115,8 @@ class SchedulerSide:
         self.pic = PicPlanner.create(layout, cfg)  # position-independent loads (pic_planner.py), or None
         # the CPU tier: every load into the KV cache comes from its slots (or a held file), every
         # store goes to them first, every other tier loads into them and stores from them
-        self.primary = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
-        self.lower: list[SecondaryTier] = [t for t in (create(layout, cfg) for create in SECONDARY_TIERS)
+        self.primary: PrimaryTier = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
+        self.lower: list[SecondaryTier] = [t for t in (m.scheduler(layout, cfg) for m in tier_modules(cfg))
                                            if t is not None]
         self.tiers = [self.primary, *self.lower]
         self._by_label = {t.label: t for t in self.tiers}
@@ -145,12 +141,11 @@ class SchedulerSide:
         if layout.keyer is not None:
             layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.root)
         logger.info(
-            "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), disk tier %s, eviction %s%s%s; block-key "
+            "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), %s, eviction %s%s; block-key "
             "secret from %s, followed by every worker",
             layout.cpu_slots, layout.slot_bytes, layout.cpu_slots * layout.slot_bytes / 2**20,
-            f"{layout.disk_slots} slots under {cfg.disk_path}" if "disk" in self._by_label else "off",
+            ", ".join(t.describe() for t in self.lower) or "no tier below it",
             cfg.eviction_policy,
-            f", remote tier {redact_url(cfg.remote_url)}" if "remote" in self._by_label else "",
             f", hybrid: state groups {list(layout.groups[STATE])}, hits every {self.hash_unit} tokens"
             if layout.hybrid else "",
             layout.secret_source or "the test's layout",
@@ -258,8 +253,9 @@ class SchedulerSide:
         # nothing may evict a claimed entry or close its file before its load has run
         for n in needs if self._direct else ():
             if not cpu.lookup(n.key):
-                n.direct = True
-                next(t for t in self._direct if t.ready_direct(n.key)).hold(n.key, request.request_id)
+                tier = next(t for t in self._direct if t.ready_direct(n.key))
+                tier.hold(n.key, request.request_id)
+                n.direct = tier.label
         from_cpu = [n for n in needs if not n.direct]
         for n, entry in zip(from_cpu, cpu.prepare_loads([n.key for n in from_cpu])):
             n.entry = entry
@@ -408,7 +404,7 @@ class SchedulerSide:
                 if not n.direct:
                     state.append(n)
             elif n.direct:
-                self._add_load(KV, tuple(ids[n.index] for ids in kv_ids), True, n.key,
+                self._add_load(KV, tuple(ids[n.index] for ids in kv_ids), n.direct, n.key,
                                request.request_id if claim.load_async else None)
             else:
                 kv_loads.append(n)
@@ -426,9 +422,11 @@ class SchedulerSide:
         for t in self.lower:  # the files this request held open stay open only for the loads just planned
             t.release(request.request_id)
 
-    def _add_load(self, kind: EntryKind, ids: tuple, direct: bool, source, request: str | None = None) -> None:
+    def _add_load(self, kind: EntryKind, ids: tuple, direct: str | None, source, request: str | None = None) -> None:
+        """A load of `ids` from CPU slot `source`, or (`direct`: the tier's label) from the entry
+        `source` that tier's workers hold open."""
         if direct:
-            self.meta.direct_loads.append(DirectLoad(kind, ids, source, request))
+            self.meta.direct_loads.append(DirectLoad(kind, ids, source, direct, request))
         else:
             copies(self.meta.loads, kind, len(ids)).add(ids, source)
 
@@ -446,7 +444,7 @@ class SchedulerSide:
 
     def _load_state_at(self, req_id: str, source: tuple, indices: list, block_ids,
                        load_async: bool = False) -> None:
-        """The state at X from `source` ((direct, key or slot)) into the request's state blocks `indices`."""
+        """The state at X from `source` ((direct tier label or None, key or slot)) into the request's state blocks `indices`."""
         direct, where = source
         null = self.pool.null_block.block_id
         for index in indices:
@@ -518,7 +516,7 @@ class SchedulerSide:
             parent = keys[i * r - 1] if i else None
             # a tier holds whole prefixes: no block without its parent; each block's parent is the
             # block before it, which is stored or found held here (pinned while its child is stored)
-            if parent is None or parent in self.primary.index.entries:
+            if parent is None or parent in self.primary.entries:
                 i = self._store_blocks(st, i, keys[(i + 1) * r - 1 : n_full * r : r], parent)
             st.stored_upto = max(st.stored_upto, i)
         x = computed_after_step
@@ -534,8 +532,8 @@ class SchedulerSide:
         free slots; once it needs evictions, block by block (`_store_each`). Returns the block
         after the last one stored or found held."""
         cpu, lower = self.primary, self.lower
-        held = cpu.index.entries
-        run = self.events.run(st.request, first)  # the events of the blocks stored here, built together once announced
+        held = cpu.entries
+        run = self.events.step_events(st.request, first)  # the events of the blocks stored here, built together once announced
         n, m = len(keys), 0
         while m < n:
             j = m + 1
@@ -590,7 +588,7 @@ class SchedulerSide:
         """_store_blocks from keys[m] on, block by block: a store may evict, even a block this
         request goes on to, so each block is looked up when its turn comes."""
         cpu = self.primary
-        held = cpu.index.entries
+        held = cpu.entries
         while m < len(keys):
             b, k = first + m, keys[m]
             if k in held:
@@ -661,7 +659,7 @@ class SchedulerSide:
             ok = quorum.add(report)
             if ok is None:
                 continue  # other workers have yet to report
-            if op is Op.STORE:  # a step's stores, settled in one call in the order they were made
+            if op == STORE:  # a step's stores, settled in one call in the order they were made
                 keys = self.store_batches.pop(key, ())
                 if ok:
                     cpu.complete_stores(keys)
@@ -687,6 +685,16 @@ class SchedulerSide:
             self.pic.release(request.request_id, finished=True)
         for t in self.lower:
             t.on_request_finished(request.request_id)
+
+    def take_stats(self) -> dict[str, int]:
+        """The tiers' own counters and the position-independent planner's (what only the
+        scheduler side counts) since the last call."""
+        out: dict[str, int] = {}
+        for t in self.tiers:
+            out.update(t.take_stats())
+        if self.pic is not None:
+            out.update(self.pic.take_counts())
+        return out
 
     def take_events(self) -> list:
         events = []

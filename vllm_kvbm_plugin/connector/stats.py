@@ -1,16 +1,18 @@
 """Tier transfer metrics in vLLM's connector-stats and Prometheus style.
 
-Workers count blocks, bytes and seconds per (tier, direction): cpu/store (KV -> CPU slots),
-cpu/load (CPU slots -> KV), disk/write, disk/read (verified reads: prefetches into CPU slots and
-checks before a direct load), disk/load (disk -> KV directly), remote/write, remote/read (verified
-GETs into CPU slots), plus failed disk reads and writes. The remote tier's lookups, errors and
-circuit-breaker changes are counted where they happen (scheduler side, worker breakers) and turned
-into per-interval stats by `RemoteCounters`. vLLM aggregates stats across workers, the scheduler
+Workers count blocks, bytes and seconds per (tier, direction), whatever the tier: cpu/store
+(KV -> CPU slots), cpu/load (CPU slots -> KV), and each tier's own, e.g. disk/write, disk/read
+(verified reads: prefetches into CPU slots and checks before a direct load), disk/load (disk -> KV
+directly), remote/write, remote/read (verified GETs into CPU slots), plus each tier's failed
+operations (`<tier>_<operation>_failures`). Each tier may count more on either side (`take_stats`
+of its halves) and declare their Prometheus series (base.TierModule.series), as the remote tier
+does for its lookups, errors and circuit-breaker changes. vLLM aggregates stats across workers, the scheduler
 and steps (`aggregate`), logs `reduce()` with its "KV Transfer metrics" line, and feeds Prometheus
 through `KVBMPromMetrics`:
     vllm:kvbm_blocks_total, vllm:kvbm_bytes_total, vllm:kvbm_transfer_seconds_total
         {tier, direction}
-    vllm:kvbm_disk_failures_total{operation}
+    vllm:kvbm_failures_total{tier, operation}
+    the remote tier's (remote_scheduler.SERIES):
     vllm:kvbm_remote_hits_total     (blocks read from the server and verified)
     vllm:kvbm_remote_misses_total   (blocks looked up and not on the server)
     vllm:kvbm_remote_errors_total{operation}   (lookup, lookup_timeout, fetch, write)
@@ -28,46 +30,31 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm_kvbm_plugin.connector.base import Series
+
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
-DIRECTIONS = (("cpu", "store"), ("cpu", "load"), ("disk", "write"), ("disk", "read"), ("disk", "load"),
-              ("remote", "write"), ("remote", "read"))
 FIELDS = ("blocks", "bytes", "seconds")
-# stats key -> its running total in the scheduler-side RemoteTier's counters
-REMOTE_TIER = {"remote_hits": lambda c: c["fetched"],
-               "remote_misses": lambda c: c["lookup_keys"] - c["lookup_keys_found"],
-               "remote_lookup_errors": lambda c: c["lookup_failures"],
-               "remote_lookup_timeout_errors": lambda c: c["lookup_timeouts"],
-               "remote_fetch_errors": lambda c: c["fetch_misses"],
-               "remote_write_errors": lambda c: c["write_failures"]}
-ERRORS = ("lookup", "lookup_timeout", "fetch", "write")
+FAILURES = "_failures"  # stats key suffix of a tier's failed operations, e.g. disk_read_failures
 # worker stats key of each position-independent-load token count -> its Prometheus label
 PIC_TOKENS = {"pic_tokens": "loaded", "pic_blended_tokens": "blended", "pic_recomputed_tokens": "recomputed",
               "pic_computed_tokens": "computed", "pic_skipped_tokens": "skipped"}
 PEAK = "peak_"  # stats key prefix of a measured peak (bytes/s), e.g. peak_disk_write
-BREAKER = tuple(f"remote_{side}_breaker_{state}" for side in ("scheduler", "worker") for state in ("open", "closed"))
+PIC_SERIES = Series("vllm:kvbm_pic_tokens_total",
+                    "Tokens of kvbm-pic: requests loaded from other positions (loaded), of those loaded to be "
+                    "blended with a selective recompute (blended), recomputed (selected), skipped by the prefill "
+                    "(skipped); prompt tokens without stored KV (computed)",
+                    {k: (operation,) for k, operation in PIC_TOKENS.items()}, ("operation",))
 
 
-class RemoteCounters:
-    """The remote tier's running totals (RemoteTier.counters, Breaker.opened / closed) as the
-    change since the last call: what one stats interval adds."""
-
-    def __init__(self):
-        self.last: dict[str, int] = {}
-
-    def take(self, remote=None, breaker=None, side: str = "scheduler") -> dict[str, int]:
-        totals = {}
-        if remote is not None:
-            totals = {name: total(remote.counters) for name, total in REMOTE_TIER.items()}
-        if breaker is not None:
-            totals[f"remote_{side}_breaker_open"] = breaker.opened
-            totals[f"remote_{side}_breaker_closed"] = breaker.closed
-        out = {k: v - self.last.get(k, 0) for k, v in totals.items() if v != self.last.get(k, 0)}
-        self.last = totals
-        return out
+def directions(data: dict) -> list[tuple[str, str]]:
+    """The (tier, direction) pairs with transfers in `data` (keys <tier>_<direction>_blocks; tier
+    labels hold no "_"), in the order they were first recorded."""
+    return [tuple(k[:-len("_blocks")].split("_", 1)) for k in data
+            if k.endswith("_blocks") and not k.startswith(PEAK)]
 
 
 @dataclasses.dataclass
@@ -86,8 +73,8 @@ class KVBMStats(KVConnectorStats):
         for d, v in peaks.items():
             self.data[PEAK + d] = v
 
-    def failure(self, operation: str) -> None:
-        key = f"disk_{operation}_failures"
+    def failure(self, tier: str, operation: str) -> None:
+        key = f"{tier}_{operation}{FAILURES}"
         self.data[key] = self.data.get(key, 0) + 1
 
     def reset(self) -> None:
@@ -103,7 +90,7 @@ class KVBMStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
-        for tier, direction in DIRECTIONS:
+        for tier, direction in directions(self.data):
             p = f"{tier}_{direction}"
             blocks = self.data.get(f"{p}_blocks", 0)
             if blocks:
@@ -113,12 +100,10 @@ class KVBMStats(KVConnectorStats):
                 out[f"{p}_GiB_per_s"] = round(speed / 2**30, 2)
                 if self.data.get(PEAK + p):
                     out[f"{p}_pct_of_peak"] = round(100 * speed / self.data[PEAK + p], 1)
-        for op in ("read", "write"):
-            if self.data.get(f"disk_{op}_failures"):
-                out[f"disk_{op}_failures"] = self.data[f"disk_{op}_failures"]
-        for k in ("remote_hits", "remote_misses", *(f"remote_{e}_errors" for e in ERRORS), *BREAKER):
-            if self.data.get(k):
-                out[k] = self.data[k]
+        transfers = {f"{t}_{d}_{f}" for t, d in directions(self.data) for f in FIELDS}
+        for k, v in self.data.items():  # failures and every tier's own counters, as they are named
+            if v and k not in transfers and k not in PIC_TOKENS and not k.startswith(PEAK):
+                out[k] = v
         for k, operation in PIC_TOKENS.items():
             if self.data.get(k):
                 out[f"pic_{operation}_tokens"] = self.data[k]
@@ -140,27 +125,14 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
             "seconds": self._counter_cls(name="vllm:kvbm_transfer_seconds_total", labelnames=extra,
                                          documentation="Seconds spent moving KV blocks by the KVBM tiers"),
         }
-        self._failures = self._counter_cls(name="vllm:kvbm_disk_failures_total",
-                                           labelnames=labelnames + ["operation"],
-                                           documentation="Disk tier reads (corrupt or missing) and writes that failed")
-        self._remote = {
-            "hits": self._counter_cls(name="vllm:kvbm_remote_hits_total", labelnames=labelnames,
-                                      documentation="Blocks read from the remote tier's server and verified"),
-            "misses": self._counter_cls(name="vllm:kvbm_remote_misses_total", labelnames=labelnames,
-                                        documentation="Blocks a remote-tier lookup did not find on the server"),
-        }
-        self._remote_errors = self._counter_cls(
-            name="vllm:kvbm_remote_errors_total", labelnames=labelnames + ["operation"],
-            documentation="Remote-tier lookups that failed or were late, fetches of missing or corrupt values, "
-                          "failed writes (each a miss)")
-        self._breaker = self._counter_cls(
-            name="vllm:kvbm_remote_breaker_changes_total", labelnames=labelnames + ["side", "state"],
-            documentation="Remote-tier circuit breaker state changes (open: the server is not used for a backoff)")
-        self._pic = self._counter_cls(
-            name="vllm:kvbm_pic_tokens_total", labelnames=labelnames + ["operation"],
-            documentation="Tokens of kvbm-pic: requests loaded from other positions (loaded), of those "
-                          "loaded to be blended with a selective recompute (blended), recomputed (selected), "
-                          "skipped by the prefill (skipped); prompt tokens without stored KV (computed)")
+        self._failures = self._counter_cls(name="vllm:kvbm_failures_total",
+                                           labelnames=labelnames + ["tier", "operation"],
+                                           documentation="Tier reads (corrupt or missing), direct loads and writes "
+                                                         "that failed")
+        # the tiers' own series (base.TierModule.series) and the position-independent loads'
+        self._series = [(series, self._counter_cls(name=series.name, labelnames=labelnames + list(series.labels),
+                                                   documentation=series.documentation))
+                        for series in (*tier_series(vllm_config), PIC_SERIES)]
         self._peaks = self._gauge_cls(
             name="vllm:kvbm_transfer_peak_bytes_per_second", labelnames=extra, multiprocess_mode="mostrecent",
             documentation="This machine's peak for each KVBM transfer kind (measure_roofline): "
@@ -168,28 +140,29 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         labels = [str(v) for v in self.per_engine_labelvalues[engine_idx]]
-        for tier, direction in DIRECTIONS:
+        for tier, direction in directions(transfer_stats_data):
             for name, counter in self._counters.items():
                 v = transfer_stats_data.get(f"{tier}_{direction}_{name}", 0)
                 if v:
                     counter.labels(*labels, tier, direction).inc(v)
-        for op in ("read", "write"):
-            v = transfer_stats_data.get(f"disk_{op}_failures", 0)
-            if v:
-                self._failures.labels(*labels, op).inc(v)
-        for name, counter in self._remote.items():
-            if v := transfer_stats_data.get(f"remote_{name}", 0):
-                counter.labels(*labels).inc(v)
-        for op in ERRORS:
-            if v := transfer_stats_data.get(f"remote_{op}_errors", 0):
-                self._remote_errors.labels(*labels, op).inc(v)
-        for k in BREAKER:
-            if v := transfer_stats_data.get(k, 0):
-                side, _, state = k[len("remote_"):].partition("_breaker_")
-                self._breaker.labels(*labels, side, state).inc(v)
-        for k, operation in PIC_TOKENS.items():
-            if v := transfer_stats_data.get(k, 0):
-                self._pic.labels(*labels, operation).inc(v)
-        for tier, direction in DIRECTIONS:
-            if v := transfer_stats_data.get(f"{PEAK}{tier}_{direction}", 0):
+        for k, v in transfer_stats_data.items():
+            if k.endswith(FAILURES) and v:
+                tier, _, op = k[:-len(FAILURES)].partition("_")
+                self._failures.labels(*labels, tier, op).inc(v)
+        for series, counter in self._series:
+            for k, values in series.keys.items():
+                if v := transfer_stats_data.get(k, 0):
+                    counter.labels(*labels, *values).inc(v)
+        for k, v in transfer_stats_data.items():
+            if k.startswith(PEAK) and v:
+                tier, _, direction = k[len(PEAK):].partition("_")
                 self._peaks.labels(*labels, tier, direction).set(v)
+
+
+def tier_series(vllm_config) -> list[Series]:
+    """The Prometheus series of the configured tiers (the built-in ones without a config)."""
+    from vllm_kvbm_plugin.config import connector_config
+    from vllm_kvbm_plugin.connector.tier_modules import BUILT_IN, tier_modules
+
+    cfg = connector_config(vllm_config) if getattr(vllm_config, "kv_transfer_config", None) else None
+    return [s for m in (tier_modules(cfg) if cfg is not None else BUILT_IN) for s in m.series]

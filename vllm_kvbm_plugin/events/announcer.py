@@ -4,11 +4,11 @@ instance, from the server's own view of its keys.
 Every instance of a fleet writes entries into one Redis / Valkey server, and the server evicts
 any of them when it likes; no instance sees all writes or any eviction. This process does: it
 subscribes to the server's keyspace notifications for our keys (`kvbm:<format>:<layout root>:
-r<rank>:<key>`, see tiers/remote.py) and publishes, in vLLM's wire format (its own
+r<rank>:<key>`, see tiers/remote_value.py) and publishes, in vLLM's wire format (its own
 ZmqEventPublisher: PUB socket, sequence numbers, ROUTER replay socket), BlockStored when an
 entry's values are in place and BlockRemoved when one is deleted, expired or evicted. The events
 are the ones the writing instance would have announced: each value's metadata carries them
-(tiers/disk.py encode_meta), read with two small GETRANGEs (header, then metadata), never the
+(tiers/block_file.py encode_meta), read with two small GETRANGEs (header, then metadata), never the
 payload. An entry is announced after its parent, as the instances announce their tiers.
 
 Notifications are fire-and-forget (nothing is replayed to a subscriber that was away, and a
@@ -37,8 +37,7 @@ import msgspec
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger, redact_url
-from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers import remote
+from vllm_kvbm_plugin.tiers import block_file, remote_value, resp
 
 logger = get_logger("announcer")
 
@@ -80,11 +79,11 @@ class _Nodes:
         self.opts: dict[str, Any] = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
                          health_check_interval=0)
         self.where, self.owner, self.topology, self.key_slot = redact_url(url), None, None, key_slot
-        if not url.startswith(remote.CLUSTER_SCHEMES):  # the URL's password, if any, wins
-            self.clients = [redis.Redis.from_url(url, password=remote.auth_password(None), **self.opts)]
+        if not url.startswith(resp.CLUSTER_SCHEMES):  # the URL's password, if any, wins
+            self.clients = [redis.Redis.from_url(url, password=resp.auth_password(None), **self.opts)]
             self.db = self.clients[0].connection_pool.connection_kwargs.get("db", 0)
             return
-        seeds, user, password = remote.cluster_seeds(url)
+        seeds, user, password = resp.cluster_seeds(url)
         self.opts.update(username=user, password=password, ssl=url.startswith("rediss"))
         self.db, self.clients = 0, []
         error: Exception | None = None
@@ -177,12 +176,12 @@ class _Entry:
 
 def entry_of(name: bytes) -> tuple[tuple[bytes, bytes], int] | None:
     """((layout root hex, key hex), rank) of one of our value names in the current format."""
-    parsed = remote.parse_value_name(name)
+    parsed = remote_value.parse_value_name(name)
     return None if parsed is None else ((parsed[0], parsed[2]), parsed[1])
 
 
 def value_name(eid: tuple[bytes, bytes], rank: int) -> bytes:
-    return remote.value_name(eid[0], rank, eid[1])
+    return remote_value.value_name(eid[0], rank, eid[1])
 
 
 class RemoteAnnouncer:
@@ -429,7 +428,7 @@ class RemoteAnnouncer:
         a second GETRANGE reads the metadata only."""
         for i in range(0, len(eids), _READ_BATCH):
             batch = eids[i:i + _READ_BATCH]
-            heads = nodes.run([("getrange", value_name(eid, 0), 0, diskfmt.HEADER_SIZE - 1) for eid in batch])
+            heads = nodes.run([("getrange", value_name(eid, 0), 0, block_file.HEADER_SIZE - 1) for eid in batch])
             ranges = []
             for eid, head in zip(batch, heads):
                 r = self._meta_range(eid, head)
@@ -442,15 +441,15 @@ class RemoteAnnouncer:
                     self._describe(eid, e, blob)
 
     def _meta_range(self, eid: EventId, head: bytes) -> tuple[int, int] | None:
-        if len(head) != diskfmt.HEADER_SIZE:
+        if len(head) != block_file.HEADER_SIZE:
             return None
-        h = diskfmt.parse_header(head)
-        if h is None or h.key.hex().encode() != eid[1] or not 0 < h.meta_bytes <= diskfmt.MAX_META:
+        h = block_file.parse_header(head)
+        if h is None or h.key.hex().encode() != eid[1] or not 0 < h.meta_bytes <= block_file.MAX_META:
             return None
-        return diskfmt.HEADER_SIZE + h.payload_bytes, h.meta_bytes
+        return block_file.HEADER_SIZE + h.payload_bytes, h.meta_bytes
 
     def _describe(self, eid: EventId, e: _Entry, blob: bytes) -> None:
-        info = diskfmt.decode_meta(blob)
+        info = block_file.decode_meta(blob)
         if info is None:
             return
         name = storage_tier(f"kvbm-remote:{eid[0].decode()}", LOCALITY_REMOTE)

@@ -10,7 +10,7 @@ writes, which keep no second copy of stored chunks in the page cache, so reading
 from the device), "fsync" (default false), "enable_kv_events" (default true; effective when the
 engine publishes KV events).
 
-The same block files as KVBMConnector's disk tier (tiers/disk.py: with a MAC, written to a
+The same block files as KVBMConnector's disk tier (tiers/block_file.py: with a MAC, written to a
 temporary file and renamed into place, opened without following symlinks or blocking, verified
 before a byte is used), under `<DIR>/<layout fingerprint>/r0/`; one file holds one primary-tier
 chunk (every worker's pages of it). A load that fails verification (flipped, truncated, deleted,
@@ -47,7 +47,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.offloading.chunks import ChunkMeta, ChunkTier, decode_meta, encode_meta, file_key
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 from vllm_kvbm_plugin.tiers.pinned import PinnedStores, restore
 from vllm_kvbm_plugin.tiers.policies import make_policy
@@ -71,8 +71,8 @@ class KVBMDiskTier(ChunkTier):
         super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-disk", enable_kv_events,
                          tier_secret(None, self.root).key, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else Locality.LOCAL
-        self.base = diskfmt.block_dir(self.root, self.fingerprint, 0)
-        file_bytes = diskfmt.file_footprint(self.chunk_bytes, 128)  # metadata: ~100 bytes
+        self.base = block_dir.block_dir(self.root, self.fingerprint, 0)
+        file_bytes = block_file.file_footprint(self.chunk_bytes, 128)  # metadata: ~100 bytes
         self.index = TierIndex(max(0, int(bytes_to_use) // file_bytes), make_policy(eviction_policy))
         self.fsync, self.direct_io = bool(fsync), bool(direct_io)
         self.threads = max(1, int(threads))
@@ -81,7 +81,7 @@ class KVBMDiskTier(ChunkTier):
         self._writes_paused_until = 0.0
         self.failed_writes = self.failed_loads = 0
         try:
-            diskfmt.prepare_block_dir(self.root, self.base)
+            block_dir.prepare_block_dir(self.root, self.base)
         except OSError as e:
             self._pause_writes(f"cannot prepare {self.base}: {e}")
         self._load_index()
@@ -184,7 +184,7 @@ class KVBMDiskTier(ChunkTier):
 
     def _unlink(self, key: bytes) -> None:
         try:
-            os.unlink(diskfmt.block_path(self.base, file_key(key)))
+            os.unlink(block_dir.block_path(self.base, file_key(key)))
         except OSError:
             pass
 
@@ -197,10 +197,10 @@ class KVBMDiskTier(ChunkTier):
 
     # ---- file I/O (pool threads) -----------------------------------------------------------
     def _write(self, work: list) -> tuple[set, float]:
-        """One part of a store job: its files in one call that holds no GIL (tiers/disk.py write_blocks)."""
+        """One part of a store job: its files in one call that holds no GIL (tiers/block_file.py write_blocks)."""
         t0 = time.perf_counter()
         fkeys = [file_key(key) for key, _, _ in work]
-        errors = diskfmt.write_blocks([diskfmt.block_path(self.base, k) for k in fkeys], fkeys, self.fingerprint,
+        errors = block_file.write_blocks([block_dir.block_path(self.base, k) for k in fkeys], fkeys, self.fingerprint,
                                       self.mac_key,
                                       [self._rows[chunk] for _, chunk, _ in work], [meta for _, _, meta in work],
                                       fsync=self.fsync, direct=self.direct_io)
@@ -213,7 +213,7 @@ class KVBMDiskTier(ChunkTier):
         """One part of a load job: its files read and verified in one call that holds no GIL."""
         t0, ok = time.perf_counter(), set()
         fkeys = [file_key(key) for key, _ in work]
-        metas = diskfmt.read_blocks([diskfmt.block_path(self.base, k) for k in fkeys], fkeys, self.fingerprint,
+        metas = block_file.read_blocks([block_dir.block_path(self.base, k) for k in fkeys], fkeys, self.fingerprint,
                                     self.mac_key,
                                     [self._rows[chunk] for _, chunk in work])
         for (key, _), meta in zip(work, metas):
@@ -228,12 +228,12 @@ class KVBMDiskTier(ChunkTier):
     def _load_index(self) -> None:
         """Index the chunk files of earlier runs, parents before children, and announce them.
         Files that are not chunk files of this format are removed (they could never be a hit);
-        everything else in the directory is left alone (tiers/disk.py scan)."""
+        everything else in the directory is left alone (tiers/block_dir.py scan)."""
         found, removed = [], 0
-        for fkey, _size in diskfmt.scan(self.base):
-            path = diskfmt.block_path(self.base, fkey)
+        for fkey, _size in block_dir.scan(self.base):
+            path = block_dir.block_path(self.base, fkey)
             try:
-                meta = decode_meta(diskfmt.read_meta(path) or b"")
+                meta = decode_meta(block_file.read_meta(path) or b"")
             except (msgspec.DecodeError, msgspec.ValidationError):
                 meta = None
             if meta is None or file_key(meta.key) != fkey:

@@ -6,7 +6,7 @@
 `url` takes what KVBMConnector's `remote_url` takes (redis://, rediss://, unix://, redis+cluster://);
 optional "enable_kv_events" (default true). One value per primary-tier chunk, named
 `kvbm:<format>:<layout fingerprint>:r0:<file key>` with KVBMDiskTier's file key (a 128-bit digest
-of vLLM's OffloadKey); the value is a block file's bytes (tiers/disk.py), verified on every read:
+of vLLM's OffloadKey); the value is a block file's bytes (tiers/block_file.py), verified on every read:
 a value that is missing, damaged, truncated, without a valid MAC or of another layout fails that key (vLLM recomputes
 the chunk) and a bad one is deleted. The server's `maxmemory` policy bounds the tier (docs/remote.md);
 this side keeps no index. vLLM offers a chunk again each time it re-enters the CPU tier (after an
@@ -15,7 +15,7 @@ written only if the server lost it, so it is not sent again while the server hol
 
 Nothing waits for the server on the scheduler thread: lookups are vLLM's AsyncLookupManager (one
 pipelined EXISTS per request and step, on its thread; RETRY meanwhile), loads and stores run on
-one I/O thread each. Failure is a miss: a Breaker (tiers/remote.py) per thread stops asking a
+one I/O thread each. Failure is a miss: a Breaker (tiers/breaker.py) per thread stops asking a
 server that is down, slow or paused, and hits resume when it is back.
 
 Events (with the engine's KV events on): Stored when a write is first acknowledged, unless the
@@ -42,8 +42,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm_kvbm_plugin.log import get_logger, redact_url
 from vllm_kvbm_plugin.offloading.chunks import ChunkMeta, ChunkTier, encode_meta, file_key
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request
-from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.tiers import block_dir, remote_value, resp
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 from vllm_kvbm_plugin.tiers.secret import tier_secret
 
 logger = get_logger("offloading")
@@ -67,8 +67,8 @@ class _Exists(AsyncLookupManager):
             return [False] * len(keys)
         try:
             if self.client is None:
-                self.client = remotefmt.connect_direct(t.url)
-            found = remotefmt.run(self.client, [("EXISTS", t.name(k)) for k in keys])
+                self.client = resp.connect_direct(t.url)
+            found = resp.run(self.client, [("EXISTS", t.name(k)) for k in keys])
             for r in found:
                 if isinstance(r, Exception):
                     raise r
@@ -96,7 +96,7 @@ class KVBMRemoteTier(ChunkTier):
 
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str, url: str,
                  enable_kv_events: bool = True, backpressure_detector: BackpressureDetector | None = None) -> None:
-        remotefmt.check_url(url)
+        resp.check_url(url)
         secret = tier_secret(url, None)
         super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-remote", enable_kv_events,
                          secret.key, backpressure_detector)
@@ -104,8 +104,8 @@ class KVBMRemoteTier(ChunkTier):
         self.off = secret.remote_off  # the store's secret could not be read: every key a miss (logged)
         self.locality = Locality.REMOTE
         root = (int.from_bytes(self.fingerprint[:8], "big"), int.from_bytes(self.fingerprint[8:], "big"))
-        self.prefix = remotefmt.key_prefix(root, 0)
-        self.breakers = {side: remotefmt.Breaker(f"offloading {side}", url) for side in ("lookup", "load", "store")}
+        self.prefix = remote_value.key_prefix(root, 0)
+        self.breakers = {side: Breaker(f"offloading {side}", url) for side in ("lookup", "load", "store")}
         self._io = {op: concurrent.futures.ThreadPoolExecutor(1, f"kvbm-remote-{op}") for op in ("load", "store")}
         self._clients: dict[str, Any] = {}  # "load" / "store" -> the client its thread uses
         # keys this instance announced: Stored once each, Removed only for those (a value another
@@ -118,7 +118,7 @@ class KVBMRemoteTier(ChunkTier):
 
     # ---- the server --------------------------------------------------------------------------
     def name(self, key: bytes) -> str:
-        return self.prefix + diskfmt.key_hex(file_key(key))
+        return self.prefix + block_dir.key_hex(file_key(key))
 
     # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -188,7 +188,7 @@ class KVBMRemoteTier(ChunkTier):
             return None
         try:
             if op not in self._clients:
-                self._clients[op] = remotefmt.connect_direct(self.url)
+                self._clients[op] = resp.connect_direct(self.url)
             out = fn(self._clients[op])
             breaker.success()
             return out
@@ -205,10 +205,10 @@ class KVBMRemoteTier(ChunkTier):
 
         def write(client: Any) -> set[OffloadKey]:
             names = [self.name(w[0]) for w in work]
-            held = {w[0] for w, r in zip(work, remotefmt.run(client, [("EXISTS", n) for n in names])) if r == 1}
+            held = {w[0] for w, r in zip(work, resp.run(client, [("EXISTS", n) for n in names])) if r == 1}
             missing = [(w, n) for w, n in zip(work, names) if w[0] not in held]
-            remotefmt.store_values(client, [n for _, n in missing], [
-                remotefmt.value_parts(file_key(key), self.fingerprint, self.mac_key, self._rows[chunk], meta)
+            resp.store_values(client, [n for _, n in missing], [
+                remote_value.value_parts(file_key(key), self.fingerprint, self.mac_key, self._rows[chunk], meta)
                 for (key, chunk, meta), _ in missing])
             return held
 
@@ -223,15 +223,15 @@ class KVBMRemoteTier(ChunkTier):
         fkeys = [file_key(key) for key, _ in work]
         outs = [self._rows[chunk] for _, chunk in work]
 
-        outcomes = self._call("load", lambda c: remotefmt.fetch_values(c, names, fkeys, self.fingerprint,
+        outcomes = self._call("load", lambda c: resp.fetch_values(c, names, fkeys, self.fingerprint,
                                                                         self.mac_key, outs))
         if outcomes is None:
             return set(), {}, time.perf_counter() - t0
-        bad = [n for n, o in zip(names, outcomes) if o == remotefmt.BAD]
+        bad = [n for n, o in zip(names, outcomes) if o == remote_value.BAD]
         if bad:
             logger.warning("KVBMRemoteTier: %d value(s) damaged, truncated or of another layout: deleted (misses)",
                            len(bad))
-            self._call("store", lambda c: remotefmt.delete_values(c, bad))  # a multi-key DEL fails on a cluster
-        ok = {key for (key, _), o in zip(work, outcomes) if o == remotefmt.OK}
-        lost = {key: o == remotefmt.BAD for (key, _), o in zip(work, outcomes) if key not in ok}
+            self._call("store", lambda c: resp.delete_values(c, bad))  # a multi-key DEL fails on a cluster
+        ok = {key for (key, _), o in zip(work, outcomes) if o == remote_value.OK}
+        lost = {key: o == remote_value.BAD for (key, _), o in zip(work, outcomes) if key not in ok}
         return ok, lost, time.perf_counter() - t0

@@ -13,10 +13,12 @@ Per attention layer, right before vLLM writes the step's fresh K/V into the cach
   fresh one, so attention and the cache use the loaded KV; selected tokens keep their fresh KV.
 Ratio 1 keeps every fresh KV (a full prefill); ratio 0 is never planned (plain loads, layer 2).
 
-Compute saved (issue 32, eager models only: `apply_compute_saving`): from the selection layer's
-MLP on, the dense decoder layers run only the kept rows (computed tokens, selected ones, each
-request's last), with CPU attention metadata over those rows; the rest keep their loaded KV. In a
-compiled model every reused token still runs through every layer (only the KV kept differs).
+Compute saved (issue 32, `apply_compute_saving`): from the selection layer's MLP on, the dense
+decoder layers run only the kept rows (computed tokens, selected ones, each request's last), with
+CPU attention metadata over those rows; the rest keep their loaded KV. A compiled model (vLLM's
+default: one traced graph over one token count) cannot change its row count mid-forward, so a step
+with a blended request runs the same modules eagerly (`attach` sets the forward context's
+`skip_compiled`, which vLLM's `support_torch_compile` honours) and every other step keeps the graph.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm_plugin.patches.wrapping import _WRAPPED, logger, wrap_method
+from vllm_kvbm_plugin.patches.wrapping import is_wrapped, logger, wrap_method
 from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
 
 NAME = "pic_blend"
 ATTR = "kvbm_pic_blend"  # the plan's attribute on vLLM's ForwardContext (one per step)
@@ -41,8 +47,8 @@ STATS = {"steps": 0, "tokens": 0, "recomputed": 0}  # this process's blended ste
 class BlendPlan:
     """One step's reused tokens (loaded into their cache slots before the forward) and, once the
     selection layer has run, which of them keep their fresh KV. Worker process: built by
-    connector/pic_load.py after the step's loads and set on vLLM's forward context (`set_plan`);
-    the patched CPU attention calls `blend` on it once per layer during that step's forward."""
+    connector/pic_load.py after the step's loads and attached to the step's vLLM forward context
+    (`attach`); the patched CPU attention calls `blend` on it once per layer during that forward."""
 
     slots: torch.Tensor  # [n] long: block id * block size + offset of each loaded token
     head: torch.Tensor  # [n] bool: among the first RUN_HEAD tokens of its run
@@ -219,22 +225,25 @@ def _request_of(rows: torch.Tensor, layer_name: str) -> torch.Tensor:
     return torch.searchsorted(starts.long().cpu(), rows, right=True) - 1
 
 
-def set_plan(plan: BlendPlan) -> bool:
-    """Hand `plan` to this step's attention layers (False: no forward context to carry it)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
+def attach(forward_context: ForwardContext, plan: BlendPlan) -> None:
+    """Hand `plan` to the attention layers of the step `forward_context` (vLLM's ForwardContext,
+    which vLLM gives the connector's `start_load_kv`) describes. Where the decoder layers drop rows
+    (`compute_saving_applied`), the step also leaves the compiled graph: vLLM's
+    `support_torch_compile` then calls the model's own forward, the same modules, eagerly."""
+    setattr(forward_context, ATTR, plan)
+    if compute_saving_applied():
+        forward_context.skip_compiled = True
 
-    if not is_forward_context_available():
-        return False
-    setattr(get_forward_context(), ATTR, plan)
-    return True
+
+def plan_of(forward_context: ForwardContext) -> BlendPlan | None:
+    """The plan `attach` gave this step's forward context, if any."""
+    return getattr(forward_context, ATTR, None)
 
 
 def _current_plan() -> BlendPlan | None:
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
-    if not is_forward_context_available():
-        return None
-    return getattr(get_forward_context(), ATTR, None)
+    return plan_of(get_forward_context()) if is_forward_context_available() else None
 
 
 def applied() -> bool:
@@ -243,7 +252,18 @@ def applied() -> bool:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     except Exception:  # noqa: BLE001 - no usable CPU attention in this vLLM build
         return False
-    return hasattr(CPUAttentionBackendImpl.do_kv_cache_update, _WRAPPED)
+    return is_wrapped(CPUAttentionBackendImpl, "do_kv_cache_update")
+
+
+def compute_saving_applied() -> bool:
+    """Whether this process's dense decoder layers run only the kept rows after the selection."""
+    import importlib
+
+    module, name = DECODER_LAYERS[0]
+    try:
+        return is_wrapped(getattr(importlib.import_module(module), name), "forward")
+    except ImportError:
+        return False
 
 
 def apply() -> bool:
@@ -267,19 +287,18 @@ def _wrap_update(orig):
 
 
 # ---- compute saving (issue 32): from the selection layer's MLP on, only the kept rows run ----
-# Eager models only (applied by the worker's connector when vLLM does not compile the model: a
-# row count that changes mid-forward cannot live in the traced graph). After the selection layer's
-# attention, the rows of reused tokens that were not selected leave the batch: their KV there is the loaded
-# one (already in the cache), their hidden states are never read (each request's last row is kept).
+# After the selection layer's attention, the rows of reused tokens that were not selected leave the
+# batch: their KV there is the loaded one (already in the cache), their hidden states are never read
+# (each request's last row is kept). Blended steps of a compiled model run eagerly (`attach`).
 DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
                   ("vllm.model_executor.models.qwen2", "Qwen2DecoderLayer"),
                   ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
-GATHER = {"on": False}  # this process's decoder layers gather (set by apply_compute_saving)
 
 
 def apply_compute_saving(vllm_config) -> bool:
     """Patch the dense decoder layers to run only the kept rows after the selection layer, if the
-    model runs eagerly (vLLM's CompilationMode.NONE) and the attention patch is applied."""
+    attention patch is applied. A compiled model's graph is the plain layers' either way (vLLM traces
+    it before the worker's connector exists; under dynamo `_wrap_layer` calls the plain layer)."""
     import importlib
 
     from vllm_kvbm_plugin import compat
@@ -289,24 +308,26 @@ def apply_compute_saving(vllm_config) -> bool:
     from vllm.config import CompilationMode
 
     if vllm_config.compilation_config.mode != CompilationMode.NONE:
-        logger.info("pic_blend: the model is compiled: every reused token runs through every layer "
-                    "(with enforce_eager only the selected ones run after the selection layer)")
-        return False
+        logger.info("pic_blend: the model is compiled: steps with a blended request run it eagerly "
+                    "(the same modules, rows dropped after the selection layer), every other step the compiled graph")
     for module, name in DECODER_LAYERS:
         cls = getattr(importlib.import_module(module), name)
         wrap_method(cls, "forward", _wrap_layer)
-    GATHER["on"] = True
     return True
 
 
 def _wrap_layer(orig):
     def forward(self, positions, hidden_states, residual, *args, **kwargs):
+        if torch.compiler.is_compiling():  # being traced: the graph is the plain layer's
+            return orig(self, positions, hidden_states, residual, *args, **kwargs)
         plan = _current_plan()
-        if plan is None or not GATHER["on"]:
+        if plan is None:
             return orig(self, positions, hidden_states, residual, *args, **kwargs)
         from vllm.model_executor.models.utils import extract_layer_index
 
         layer = extract_layer_index(self.self_attn.attn.layer_name)
+        if layer == 0:
+            _rotary_kernel(getattr(self.self_attn, "rotary_emb", None))
         if layer < SELECTION_LAYER or (layer > SELECTION_LAYER and plan.kept is None):
             return orig(self, positions, hidden_states, residual, *args, **kwargs)
         if layer == SELECTION_LAYER:
@@ -335,3 +356,13 @@ def _wrap_layer(orig):
         return out, res
 
     return forward
+
+
+def _rotary_kernel(rotary) -> None:
+    """Blended steps of a compiled model run its modules eagerly, and there its custom ops were set
+    up to run their PyTorch-native code (for inductor to fuse): the rotary embedding's is ~15 small
+    ops per layer where vLLM's CPU kernel, what an eager model runs, is one. Set once on the module,
+    after the graph was traced (the graph does not call it)."""
+    fast = getattr(rotary, "forward_cpu", None)
+    if fast is not None and rotary._forward_method != fast:
+        rotary._forward_method = fast

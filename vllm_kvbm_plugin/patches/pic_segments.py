@@ -23,12 +23,13 @@ keeps one step per loaded run."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import torch
 
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.patches.wrapping import _WRAPPED, add_class_default, logger, wrap_method
+from vllm_kvbm_plugin.patches.wrapping import add_class_default, is_wrapped, logger, wrap_method
 
 NAME = "pic_segments"
 # this process's split forwards: steps, split requests, their segments, batch rows of those steps
@@ -43,16 +44,13 @@ class _Split:
     rows: dict  # batch row -> ((start, count), ...)
 
 
-_CURRENT: list = [None]  # the split of the step being prepared (one model runner per worker process)
-
-
 def applied() -> bool:
     """Whether this process's model runner computes split queries (the scheduler side asks)."""
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except Exception:  # noqa: BLE001
         return False
-    return hasattr(GPUModelRunner._prepare_inputs, _WRAPPED)
+    return is_wrapped(GPUModelRunner, "_prepare_inputs")
 
 
 def apply() -> bool:
@@ -65,6 +63,7 @@ def apply() -> bool:
         logger.debug("pic_segments: no CPU attention (%s)", e)
         return False
     add_class_default(GPUModelRunner, "_kvbm_pic_offsets", None)  # set per split step
+    add_class_default(CPUAttentionMetadataBuilder, "_kvbm_pic_split", None)  # the step's _Split, set by the runner
     done = wrap_method(GPUModelRunner, "_prepare_inputs", _wrap_prepare)
     wrap_method(GPUModelRunner, "_get_cumsum_and_arange", _wrap_arange)
     wrap_method(CPUAttentionMetadataBuilder, "build", _wrap_build)
@@ -74,7 +73,7 @@ def apply() -> bool:
 def _wrap_prepare(orig):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         queries = getattr(scheduler_output.kv_connector_metadata, "pic_queries", None)
-        _CURRENT[0] = None
+        _hand_to_builders(self, None)
         if not queries:
             return orig(self, scheduler_output, num_scheduled_tokens)
         index = self.input_batch.req_id_to_index
@@ -89,7 +88,7 @@ def _wrap_prepare(orig):
                 shifts.append((offset, np.concatenate([np.arange(s, s + c) for s, c in segments]) - (end - n)))
                 rows[i] = segments
             offset += int(n)
-        _CURRENT[0] = _Split(self.input_batch.num_reqs, int(offset), rows)
+        _hand_to_builders(self, _Split(self.input_batch.num_reqs, int(offset), rows))
         self._kvbm_pic_offsets = shifts
         try:
             return orig(self, scheduler_output, num_scheduled_tokens)
@@ -101,6 +100,15 @@ def _wrap_prepare(orig):
             STATS["segments"] += sum(len(s) for s in rows.values())
 
     return _prepare_inputs
+
+
+def _hand_to_builders(runner, split: _Split | None) -> None:
+    """Give this step's split (or None) to the runner's CPU attention metadata builders, which
+    build the step's metadata after `_prepare_inputs`."""
+    for group in itertools.chain.from_iterable(runner.attn_groups):
+        for builder in group.metadata_builders:
+            if hasattr(type(builder), "_kvbm_pic_split"):
+                builder._kvbm_pic_split = split
 
 
 def _wrap_arange(orig):
@@ -117,7 +125,7 @@ def _wrap_arange(orig):
 
 def _wrap_build(orig):
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-        split = _CURRENT[0]
+        split = self._kvbm_pic_split
         cm = common_attn_metadata
         if split is not None and split.rows and cm.num_reqs == split.num_reqs and cm.num_actual_tokens == split.num_tokens:
             cm = _split_metadata(cm, split.rows)

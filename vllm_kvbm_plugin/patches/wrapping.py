@@ -1,6 +1,6 @@
 """How a patch changes vLLM's classes, and this process's record of it: `wrap_method` and
-`add_class_default` (each undone by `remove_all`), and `APPLIED`, the names of the patches that
-`vllm_kvbm_plugin.plugin.register` applied. Every patch module imports its tools from here, never
+`add_class_default` (each undone by `remove_all`), `is_wrapped`, and `APPLIED`, the names of the
+patches that `vllm_kvbm_plugin.plugin.register` applied. Every patch module imports its tools from here, never
 from the package (whose `apply_all` imports the patch modules)."""
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ def wrap_method(cls: type, name: str, make: Callable[[Callable], Callable]) -> b
     _UNDO.append((cls, name, raw, name in cls.__dict__))
     setattr(cls, name, classmethod(wrapper) if is_classmethod else wrapper)
     return True
+
+
+def is_wrapped(cls: type, name: str) -> bool:
+    """Whether `cls.name` is one of our wrappers (`wrap_method` applied it in this process)."""
+    raw = inspect.getattr_static(cls, name, None)
+    return hasattr(getattr(raw, "__func__", raw), _WRAPPED)
 
 
 def add_class_default(cls: type, name: str, value: object) -> bool:

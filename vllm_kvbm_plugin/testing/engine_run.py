@@ -154,7 +154,7 @@ def _generate_flipping_held(llm: LLM, prompts: list[Any], sp: SamplingParams) ->
 
 def _flip_held_files() -> int:
     """Flip the fourth payload byte, in place, of every block file this process holds open."""
-    from vllm_kvbm_plugin.tiers import disk
+    from vllm_kvbm_plugin.tiers import block_dir, block_file
 
     held = set()
     for fd in os.listdir("/proc/self/fd"):
@@ -162,13 +162,13 @@ def _flip_held_files() -> int:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.endswith(disk.SUFFIX) and os.path.isfile(target):
+        if target.endswith(block_dir.SUFFIX) and os.path.isfile(target):
             held.add(target)
     for path in held:
         with open(path, "r+b") as f:
-            f.seek(disk.HEADER_SIZE + 3)
+            f.seek(block_file.HEADER_SIZE + 3)
             b = f.read(1)
-            f.seek(disk.HEADER_SIZE + 3)
+            f.seek(block_file.HEADER_SIZE + 3)
             f.write(bytes([b[0] ^ 0x40]))
     return len(held)
 

@@ -4,7 +4,10 @@
 
 SPEC: {"model": "llama", "llm": {LLM kwargs}, "steps": [{"prompt": [ids], "salt": str | null,
 "max_tokens": 8, "capture": name | null, "logprobs": bool, "one_forward": bool} | {"reset": true} |
-{"batch": [{"prompt", "salt"}, ...]}, ...]}. One request per step.
+{"batch": [{"prompt", "salt"}, ...]} | {"ratio": float}: the workers' pic_recompute_ratio from then on
+(> 0 both: the scheduler side plans alike), ...]}. One request per step; each records "blend" (this
+process's patches.pic_blend.STATS so far) and "eager" (the model's forwards run outside the
+compiled graph so far: with enforce_eager, every one).
 OUT_DIR gets result.json ({"steps": [{"tokens", "num_cached_tokens", "pic": the planner's stats after the
 step, "logprobs": the first token's
 log-probabilities over the whole vocabulary (needs llm max_logprobs -1), "margins": each generated
@@ -18,6 +21,7 @@ read right after it finished (the worker's own tensor, before any other request 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -70,6 +74,43 @@ def _blend_stats(worker: Any) -> dict[str, Any]:
     return {**pic_blend.STATS, "kept": worker.kvbm_kept}
 
 
+def _set_ratio(worker: Any, ratio: float) -> None:
+    """This worker's pic_recompute_ratio from now on (a test's engine serves several ratios)."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from vllm_kvbm_plugin.connector import KVBMConnector
+
+    side = cast(KVBMConnector, get_kv_transfer_group())._worker
+    assert side is not None  # a worker process
+    side.cfg = dataclasses.replace(side.cfg, pic_recompute_ratio=ratio)
+
+
+def _record_eager(worker: Any) -> None:
+    """Count the model's forwards that run its layers' Python code (`worker.kvbm_eager`): in a
+    compiled model only the steps that skip the graph do (the graph's code replaces the model's
+    forward, not its layers'). Applied after the graph was traced."""
+    model = worker.model_runner.model.model
+    first = model.layers[model.start_layer]
+    cls = type(first)
+    forward = cls.forward
+    worker.kvbm_eager = [0]
+
+    @functools.wraps(forward)  # keeps our patch's mark (pic_blend.compute_saving_applied reads it)
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self is first:
+            worker.kvbm_eager[0] += 1
+        return forward(self, *args, **kwargs)
+
+    cls.forward = counting
+
+
+def _eager_count(worker: Any) -> int:
+    count: int = worker.kvbm_eager[0]
+    return count
+
+
 def _margin(logprobs: dict[int, Any]) -> float:
     """A generated token's top-2 margin (log-probability of the best minus the second best)."""
     top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
@@ -109,16 +150,22 @@ def run(spec: dict[str, Any], out_dir: str) -> dict[str, Any]:
     from vllm_kvbm_plugin.patches import pic_blend, pic_segments
 
     llm.collective_rpc(_record_kept)
+    llm.collective_rpc(_record_eager)
     steps: list[dict[str, Any]] = []
     for step in spec["steps"]:
         if step.get("reset"):
             steps.append({"reset": llm.reset_prefix_cache()})
             continue
+        if "ratio" in step:
+            llm.collective_rpc(_set_ratio, args=(step["ratio"],))
+            steps.append({"ratio": step["ratio"]})
+            continue
         if step.get("batch"):  # several requests in one generate call (scheduled together)
             prompts = [_prompt(b["prompt"], b.get("salt")) for b in step["batch"]]
             outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
             steps.append({"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
-                          "pic": dict(pic.stats) if pic is not None else None, "segments": dict(pic_segments.STATS)})
+                          "pic": dict(pic.stats) if pic is not None else None, "segments": dict(pic_segments.STATS),
+                          "blend": dict(pic_blend.STATS), "eager": llm.collective_rpc(_eager_count)[0]})
             continue
         prompt = _prompt(step["prompt"], step.get("salt"))
         if pic is not None:  # false: one step per loaded run past a gap, as without patches/pic_segments.py
@@ -128,7 +175,8 @@ def run(spec: dict[str, Any], out_dir: str) -> dict[str, Any]:
         (o,) = llm.generate([prompt], sp, use_tqdm=False)
         steps.append({"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
                       "pic": dict(pic.stats) if pic is not None else None,  # the planner's totals so far
-                      "segments": dict(pic_segments.STATS)})  # split forwards so far (worker: this process)
+                      "segments": dict(pic_segments.STATS),  # split forwards so far (worker: this process)
+                      "blend": dict(pic_blend.STATS), "eager": llm.collective_rpc(_eager_count)[0]})
         if step.get("logprobs"):
             logprobs: Any = o.outputs[0].logprobs  # per generated token: {token id: Logprob}
             first = logprobs[0]

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_kvbm_plugin.tiers import disk
+from vllm_kvbm_plugin.tiers import block_file
 from vllm_kvbm_plugin.tiers.mac import mac_key
 
 TIERS = ("cpu", "disk", "remote")
@@ -67,10 +67,10 @@ def forge_block(path: str, secret: bytes, itemsize: int) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         data = f.read()
-    h = disk.parse_header(data)
-    if h is None or len(data) != disk.HEADER_SIZE + h.payload_bytes + h.meta_bytes:
+    h = block_file.parse_header(data)
+    if h is None or len(data) != block_file.HEADER_SIZE + h.payload_bytes + h.meta_bytes:
         raise ValueError(f"{path} is not a block file of this format version")
-    payload = np.frombuffer(data, np.uint8, h.payload_bytes, disk.HEADER_SIZE).copy()
+    payload = np.frombuffer(data, np.uint8, h.payload_bytes, block_file.HEADER_SIZE).copy()
     payload.reshape(-1, itemsize)[:, itemsize - 1] ^= 0x80
     key = (int.from_bytes(h.key[:8], "big"), int.from_bytes(h.key[8:], "big"))
-    disk.write_block(path, key, h.fingerprint, mac_key(secret), payload, data[disk.HEADER_SIZE + h.payload_bytes:])
+    block_file.write_block(path, key, h.fingerprint, mac_key(secret), payload, data[block_file.HEADER_SIZE + h.payload_bytes:])

@@ -1,2 +1,4 @@
-"""Pure tier machinery: eviction policies, the tier index and the disk block format (no vLLM, no
-torch), unit-tested in milliseconds."""
+"""Tier machinery without vLLM: eviction policies, the tier index, the block file format and its
+directories, the remote values and their Redis clients, secrets and MACs, unit-tested in
+milliseconds. No torch either, except the copies between the KV cache and the pool and the pool's
+memory: `transfer`, `roofline` and `host_memory` import torch."""

@@ -1,4 +1,4 @@
-"""Block files read and written in batches without the GIL (the I/O under tiers/disk.py).
+"""Block files read and written in batches without the GIL (the I/O under tiers/block_file.py).
 
 Why: every syscall made from Python releases the GIL and takes it back. With an engine loop that
 holds the GIL, taking it back waits up to the switch interval (5 ms), so a pool thread doing
@@ -7,8 +7,8 @@ through vLLM's OffloadingConnector took 256 ms instead of ~30). Here one numba `
 whole batch of files (open, type and size check, reads and MAC, or create, lock, writes,
 rename, close) calling libc directly: the calling thread takes the GIL back once per batch.
 
-The kernels know nothing of the block format beyond its header offsets; tiers/disk.py builds the
-expected header bytes and the names, and reads the results. libc is called through numba
+The kernels know nothing of the block format beyond its header offsets; tiers/block_file.py builds
+the expected header bytes and the names, and reads the results. libc is called through numba
 ExternalFunctions (resolved by symbol name, so the kernels are cached on disk like the others);
 pointers are passed as integers (Linux x86-64 / aarch64 calling convention). `statx` (glibc 2.28,
 Linux 4.11) gives type and size in a layout that is the same on every architecture.
@@ -27,7 +27,7 @@ from numba.extending import intrinsic
 from vllm_kvbm_plugin.hashing.kernels import _word as _le  # little-endian integer of buf[at:at+n]
 from vllm_kvbm_plugin.tiers.mac import block_mac, mac_final, mac_update
 
-HEADER = 64  # the block header's size (tiers/disk.py HEADER_SIZE)
+HEADER = 64  # the block header's size (tiers/block_file.py HEADER_SIZE)
 CHUNK = 256 << 10  # read buffer: small enough to stay in cache
 DIRECT_CHUNK = 1 << 20  # direct-write buffer
 

@@ -1,7 +1,7 @@
 """What a disk or remote tier holds (`vllm-kvbm tiers inspect`): entries, bytes, layouts, an age
 histogram and, on request, how many entries fail verification. Read-only: the disk tier's own
-readers (disk.scan without tidying, read_header, open_verified: lstat first, no link followed, only
-regular files opened) and, for a server, SCAN / STRLEN / OBJECT IDLETIME and GET.
+readers (block_dir.scan without tidying, block_file.read_header and open_verified: lstat first, no
+link followed, only regular files opened) and, for a server, SCAN / STRLEN / OBJECT IDLETIME and GET.
 
 A layout is a directory `<disk_path>/<fingerprint>/r<rank>/` or a key prefix
 `kvbm:<version>:<fingerprint>:r<rank>:`; the fingerprint hashes the model, dtype, KV cache spec and
@@ -30,15 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    import redis
-
-from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers import remote as remotefmt
 from vllm_kvbm_plugin.log import redact_url
+from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
 from vllm_kvbm_plugin.tiers import secret as tiersecret
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.secret import FILE_NAME as SECRET_FILE
+
+if TYPE_CHECKING:
+    import redis
 
 AGES = ((60, "<1m"), (3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (float("inf"), ">=7d"))
 BATCH = 512  # entries verified or asked about per call / round trip
@@ -133,7 +132,7 @@ def inspect_disk(disk_path: str, verify: bool = False,
         for rank in ranks:
             base = os.path.join(disk_path, fp, rank)
             stats: dict[str, Any] = {}
-            found = diskfmt.scan(base, tidy=False, stats=stats)
+            found = block_dir.scan(base, tidy=False, stats=stats)
             rep.out["skipped"] += stats.get("skipped", 0)
             for (key, size), st in zip(found, stats.get("st", [])):
                 rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
@@ -159,17 +158,17 @@ def _verify_files(base: str, mk: np.ndarray, keys: list[tuple[int, int]]) -> lis
     """For each block file, the fingerprint its header names (None: no header of this format) and
     whether the file verifies under it and the MAC key, read as a load reads it (open_verified);
     each fd is closed at once."""
-    paths = [diskfmt.block_path(base, k) for k in keys]
+    paths = [block_dir.block_path(base, k) for k in keys]
     named: list[bytes | None] = [None] * len(keys)
     ok = [False] * len(keys)
     groups: dict[tuple[bytes, int], list[int]] = {}
     for i, p in enumerate(paths):
-        h = diskfmt.read_header(p)
+        h = block_file.read_header(p)
         if h is not None:
             named[i] = h.fingerprint
             groups.setdefault((h.fingerprint, h.payload_bytes), []).append(i)
     for (fingerprint, plen), idx in groups.items():
-        for i, got in zip(idx, diskfmt.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
+        for i, got in zip(idx, block_file.open_verified_blocks([paths[i] for i in idx], [keys[i] for i in idx],
                                                             fingerprint, mk, plen)):
             if got is not None:
                 os.close(got[0])
@@ -180,8 +179,8 @@ def _verify_files(base: str, mk: np.ndarray, keys: list[tuple[int, int]]) -> lis
 def inspect_remote(url: str, verify: bool = False,
                    progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The report of the values under `kvbm:` on a Redis / Valkey server (or cluster)."""
-    remotefmt.check_url(url)
-    client = remotefmt.connect(url)
+    resp.check_url(url)
+    client = resp.connect(url)
     rep = Report(redact_url(url), "remote", "idle", verify, progress)
     names: list[bytes] = []
     try:
@@ -207,10 +206,10 @@ def _remote_secret(client: redis.Redis | redis.RedisCluster) -> bytes | None:
 
 
 def _remote_batch(client: redis.Redis | redis.RedisCluster, names: list[bytes], rep: Report, verify: bool) -> None:
-    parsed = [remotefmt.parse_value_name(n) for n in names]
+    parsed = [remote_value.parse_value_name(n) for n in names]
     ours = [(n, p) for n, p in zip(names, parsed) if p is not None]
     rep.out["skipped"] += len(names) - len(ours)  # our other keys (announcer marker, secret), other versions
-    replies = remotefmt.run(client, [c for n, _ in ours for c in (("STRLEN", n), ("OBJECT", "IDLETIME", n))])
+    replies = resp.run(client, [c for n, _ in ours for c in (("STRLEN", n), ("OBJECT", "IDLETIME", n))])
     kept = []
     for j, (name, (root, rank, key_hex)) in enumerate(ours):
         size, idle = replies[2 * j], replies[2 * j + 1]
@@ -223,7 +222,7 @@ def _remote_batch(client: redis.Redis | redis.RedisCluster, names: list[bytes], 
         kept.append((name, root, rank, key_hex))
     if verify and kept:
         assert rep.mac_key is not None  # set by inspect_remote when verifying
-        values = remotefmt.run(client, [("GET", n) for n, _, _, _ in kept])
+        values = resp.run(client, [("GET", n) for n, _, _, _ in kept])
         for v, (_, root, rank, key_hex) in zip(values, kept):
             rep.verified(root.decode(), rank, *_verify_value(v, key_hex, rep.mac_key))
 
@@ -231,19 +230,19 @@ def _remote_batch(client: redis.Redis | redis.RedisCluster, names: list[bytes], 
 def _verify_value(value: object, key_hex: bytes, mk: np.ndarray) -> tuple[bytes | None, bool]:
     """The fingerprint the value's header names (None: no header of this format) and whether the
     value verifies under it and the MAC key."""
-    if not isinstance(value, (bytes, bytearray)) or len(value) < diskfmt.HEADER_SIZE:
+    if not isinstance(value, (bytes, bytearray)) or len(value) < block_file.HEADER_SIZE:
         return None, False
-    h = diskfmt.parse_header(value)
+    h = block_file.parse_header(value)
     if h is None:
         return None, False
-    key = diskfmt.parse_key_hex(key_hex.decode() + diskfmt.SUFFIX)
+    key = block_dir.parse_key_hex(key_hex.decode() + block_dir.SUFFIX)
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
-    return h.fingerprint, remotefmt.read_value(value, key, h.fingerprint, mk, out)
+    return h.fingerprint, remote_value.read_value(value, key, h.fingerprint, mk, out)
 
 
 def inspect(target: str, verify: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """A tier's report: `target` is a remote_url or a disk_path."""
-    if target.startswith(remotefmt.URL_SCHEMES + remotefmt.CLUSTER_SCHEMES):
+    if target.startswith(resp.URL_SCHEMES + resp.CLUSTER_SCHEMES):
         return inspect_remote(target, verify, progress)
     return inspect_disk(target, verify, progress)
 

@@ -17,7 +17,7 @@ from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 
 class PinnedStores:
     """The stores in flight of one TierIndex, each with its entry and the parent's entry it pins.
-    Owned by a tier's scheduler side (connector/cpu_tier.py TierManager, offloading/disk_tier.py
+    Owned by a tier's scheduler side (connector/tier_manager.py TierManager, offloading/disk_tier.py
     KVBMDiskTier), on the scheduler thread. Holds no reference back to its owner: no cycle keeps a
     tier alive."""
 

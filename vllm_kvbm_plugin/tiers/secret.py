@@ -73,9 +73,9 @@ def from_remote(url: str, offer: bytes | None = None) -> bytes:
     """The secret kept in the remote store (written once, `offer` or a new one: the first writer
     wins, all read it back). Raises the client's error when the server cannot be used, ValueError
     when the entry is malformed."""
-    from vllm_kvbm_plugin.tiers import remote
+    from vllm_kvbm_plugin.tiers import resp
 
-    client = remote.connect(url)
+    client = resp.connect(url)
     try:
         client.set(REMOTE_NAME, (offer or secrets.token_bytes(SECRET_BYTES)).hex(), nx=True)
         value = client.get(REMOTE_NAME)

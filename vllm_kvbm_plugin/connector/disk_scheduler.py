@@ -1,6 +1,6 @@
-"""The disk tier, scheduler side (EngineCore process): block files under
+"""The disk tier, scheduler half (EngineCore process): block files under
 `<disk_path>/<layout root>/r<rank>/`, one per entry and rank (tiers/disk.py), read and written by
-the workers (worker.py). Besides its index (cpu_tier.TierManager) it owns the restart index, the
+its worker half (disk_worker.py). Besides its index (cpu_tier.TierManager) it owns the restart index, the
 keys being read into CPU slots, the files the workers hold open for direct loads, and unlinking
 what it evicts.
 """
@@ -15,16 +15,15 @@ import time
 import msgspec
 from vllm.distributed.kv_events import BlockStored
 
-from vllm_kvbm_plugin.connector.announce import Announce, Announcer, compact, renamed
-from vllm_kvbm_plugin.connector.base import TierOp, Verb
-from vllm_kvbm_plugin.connector.cpu_tier import TierManager
-from vllm_kvbm_plugin.connector.layout import Layout
-from vllm_kvbm_plugin.connector.metadata import DiskWrite, Prefetch
+from vllm_kvbm_plugin.connector.block_events import Announce, Announcer, compact, renamed
+from vllm_kvbm_plugin.connector.base import TierJob, TierOp, Verb
+from vllm_kvbm_plugin.connector.tier_manager import TierManager
+from vllm_kvbm_plugin.connector.layout import Layout, remove_v1_tier_dir
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
-from vllm_kvbm_plugin.tiers import disk as diskfmt
 from vllm_kvbm_plugin.tiers.index import Entry
 from vllm_kvbm_plugin.tiers.pinned import restore
+from vllm_kvbm_plugin.tiers import block_dir, block_file
 
 logger = get_logger("connector")
 
@@ -60,15 +59,22 @@ class DiskTier(TierManager):
     label = "disk"
     waits = False
     direct = True
+    FETCH, OPEN = TierOp(label, Verb.FETCH), TierOp(label, Verb.OPEN)
+    CLOSE, WRITE = TierOp(label, Verb.CLOSE), TierOp(label, Verb.WRITE)
 
     @classmethod
     def create(cls, layout: Layout, cfg) -> "DiskTier | None":
-        return cls(layout, cfg.eviction_policy) if layout.disk_path else None
+        if not layout.disk_path:
+            return None
+        if layout.v1_root is not None:  # once per engine (the scheduler side), not in every worker process
+            remove_v1_tier_dir(layout.disk_path, layout.v1_root)
+        return cls(layout, cfg.eviction_policy)
 
     def __init__(self, layout: Layout, policy: str):
         root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
         super().__init__(storage_tier(f"kvbm-disk:{root_hex}"),
                          layout.disk_slots, policy)
+        self.path = layout.disk_path
         self.bases = [layout.rank_dir(r) for r in range(layout.world)]
         self.meta_bytes = layout.disk_meta_bytes  # what a file's metadata may take (disk_slots counts it)
         self.oversized = 0  # entries not written: their metadata would take more
@@ -80,18 +86,21 @@ class DiskTier(TierManager):
         self._load_index()
 
     # ---- the contract (base.SecondaryTier) -----------------------------------------------------
+    def describe(self) -> str:
+        return f"disk tier {self.index.capacity} slots under {self.path}"
+
     def prepare_lookup(self, req_id: str, keys: list) -> bool:
         return True  # its index answers at once
 
     def submit_load(self, key, slot: int, meta) -> None:
         self.prefetch(key)
-        meta.prefetches.append(Prefetch(key, slot))
+        meta.jobs.append(TierJob(self.FETCH, key, slot))
 
     def submit_store(self, key, parent, end: int, announce: Announcer, slot: int, meta) -> bool:
         blob = self.prepare_write(key, parent, end, announce)
         if blob is None:
             return False
-        meta.disk_writes.append(DiskWrite(key, slot, blob))
+        meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
         return True
 
     def settle(self, op: TierOp, key, ok: bool) -> None:
@@ -107,7 +116,9 @@ class DiskTier(TierManager):
 
     def on_schedule_end(self, meta) -> None:
         self.close_idle()
-        meta.opens, meta.closes = self.take_file_ops()
+        meta.jobs += [TierJob(self.OPEN, key) for key in self.opens]
+        meta.jobs += [TierJob(self.CLOSE, key) for key in self.closes]
+        self.opens, self.closes = [], []
 
     def worker_failed(self) -> None:
         self.stop_writes()
@@ -125,7 +136,7 @@ class DiskTier(TierManager):
         if self.prepare_store(key, parent, announce) is None:
             return None
         events = self.events_of(key).events
-        blob = diskfmt.encode_meta(end, [_ENCODE(e) for e in events])
+        blob = block_file.encode_meta(end, [_ENCODE(e) for e in events])
         if len(blob) > self.meta_bytes:  # the file would go beyond its share of disk_bytes_to_use
             self.complete_store(key, False)
             if not self.oversized:
@@ -141,8 +152,8 @@ class DiskTier(TierManager):
         store again after a pause (a full disk frees up)."""
         if time.monotonic() >= self.writes_resume:
             logger.warning("KVBMConnector: disk writes failed; the disk tier stops storing for %.0f s and "
-                           "keeps serving what it holds", diskfmt.WRITE_PAUSE_S)
-        self.writes_resume = time.monotonic() + diskfmt.WRITE_PAUSE_S
+                           "keeps serving what it holds", block_file.WRITE_PAUSE_S)
+        self.writes_resume = time.monotonic() + block_file.WRITE_PAUSE_S
 
     # ---- loads: prefetches into CPU slots, and direct loads from open files --------------
     def prefetch(self, key) -> None:
@@ -209,15 +220,9 @@ class DiskTier(TierManager):
         return bool(self.storing or self.prefetching or self.closes
                     or any(not h.ready or not h.requests for h in self.held.values()))
 
-    def take_file_ops(self) -> tuple[list, list]:
-        """(opens, closes) for this step's metadata."""
-        ops = self.opens, self.closes
-        self.opens, self.closes = [], []
-        return ops
-
     def lost(self, key) -> None:
         logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
-                       diskfmt.key_hex(key))
+                       block_dir.key_hex(key))
         self.remove(key)
 
     # ---- files ---------------------------------------------------------------------------
@@ -229,22 +234,22 @@ class DiskTier(TierManager):
     def _unlink(self, key) -> None:
         for base in self.bases:
             try:
-                os.unlink(diskfmt.block_path(base, key))
+                os.unlink(block_dir.block_path(base, key))
             except OSError:
                 pass
 
     def _load_index(self) -> None:
         """Index the block files of earlier runs and announce them (parents first) from the
         BlockStored events each file carries in its metadata."""
-        found = diskfmt.scan(self.bases[0])
+        found = block_dir.scan(self.bases[0])
         readable, unreadable = [], 0
         for key, _size in found:
-            meta = diskfmt.read_meta(diskfmt.block_path(self.bases[0], key))
+            meta = block_file.read_meta(block_dir.block_path(self.bases[0], key))
             if meta is None:  # unreadable, or another format version: it could never be a hit
                 self._unlink(key)
                 unreadable += 1
                 continue
-            info = diskfmt.decode_meta(meta)
+            info = block_file.decode_meta(meta)
             try:
                 events = renamed([compact(_DECODE_STORED(ev)) for ev in info[1]], self.name) if info else None
             except (msgspec.DecodeError, msgspec.ValidationError):

@@ -1,11 +1,7 @@
-"""The remote tier's store: one Redis / Valkey key per entry and rank, the value the same bytes as a
-disk block file (tiers/disk.py: header with key, layout fingerprint, lengths, MAC under the tier
-secret; payload; metadata), so a value is verified exactly as a file is: anyone who can write to
-the server but does not hold the secret cannot plant a value we serve. The server may evict any
-key at any time.
-
-Failure is a miss: every call goes through a `Breaker` that, after a failure (down, slow, reset,
-paused), stops using the server for a backoff that doubles up to 30 s, then lets one call probe it.
+"""The remote tier's Redis protocol (RESP) clients: our own pipelined socket client for plain
+servers (`DirectClient`), redis-py for TLS and clusters, and the calls every user of the remote
+tier makes through either (`run`, `fetch_values`, `store_values`, `delete_values`). The values
+they carry: tiers/remote_value.py; when to stop asking a server: tiers/breaker.py.
 
 Credentials: a URL is only ever shown redacted (log.redact_url). vLLM logs the whole
 kv_transfer_config at startup, so a password inside `remote_url` reaches vLLM's log: give it in
@@ -16,92 +12,23 @@ when the URL carries no password.
 from __future__ import annotations
 
 import os
-import re
 import threading
-import time
 
 import numpy as np
 
-from vllm_kvbm_plugin.log import get_logger, redact_url
-from vllm_kvbm_plugin.tiers import disk as diskfmt
+from vllm_kvbm_plugin.log import redact_url
+from vllm_kvbm_plugin.tiers import block_file
 from vllm_kvbm_plugin.tiers.mac import mac_final, mac_update
-
-logger = get_logger("tiers.remote")
+from vllm_kvbm_plugin.tiers.remote_value import BAD, MISSING, OK, classify, header_fits
 
 CLIENT_NAME = "kvbm"  # what CLIENT LIST shows for our connections
 PASSWORD_ENV = "KVBM_REMOTE_PASSWORD"
+SOCKET_TIMEOUT = 0.5  # s: a server slower than this is treated as down (the breaker opens)
 
 
 def auth_password(url_password: str | None) -> str | None:
     """The password to authenticate with: the URL's, else KVBM_REMOTE_PASSWORD's (module docstring)."""
     return url_password or os.environ.get(PASSWORD_ENV) or None
-SOCKET_TIMEOUT = 0.5  # s: a server slower than this is treated as down (the breaker opens)
-
-
-def key_prefix(root: tuple[int, int], rank: int) -> str:
-    """Keys of one layout (model, dtype, KV spec, hash unit) and rank; the disk format version
-    names the value format. A value's name is the prefix and its key's hex (diskfmt.key_hex)."""
-    return f"kvbm:{diskfmt.VERSION}:{root[0]:016x}{root[1]:016x}:r{rank}:"
-
-
-_VALUE_NAME = re.compile(rb"kvbm:(\d+):([0-9a-f]{32}):r(\d+):([0-9a-f]{32})")
-
-
-def parse_value_name(name: bytes) -> tuple[bytes, int, bytes] | None:
-    """(layout root hex, rank, key hex) of a value name in the current format, else None."""
-    m = _VALUE_NAME.fullmatch(name)
-    if m is None or int(m.group(1)) != diskfmt.VERSION:
-        return None
-    return m.group(2), int(m.group(3)), m.group(4)
-
-
-def value_name(root_hex: bytes, rank: int, key_hex: bytes) -> bytes:
-    return b"kvbm:%d:%s:r%d:%s" % (diskfmt.VERSION, root_hex, rank, key_hex)
-
-
-def value_parts(key, fingerprint: bytes, mac_key: np.ndarray, payload: np.ndarray, meta: bytes) -> list:
-    """The value of `key`: a disk block file's bytes, as parts (the payload is not copied)."""
-    return diskfmt.encode(key, fingerprint, mac_key, payload, meta)
-
-
-MISSING, BAD, OK = 0, 1, 2  # outcomes of a value's read (DirectClient.fetch, classify)
-
-
-def classify(reply, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> int:
-    """MISSING, BAD or OK for one GET reply of redis-py (raise_on_error=False), verified into
-    `out` as read_value does. A key of another type under our name is BAD (as DirectClient
-    reads it); any other error is the server's, not the value's: raised."""
-    if reply is None:
-        return MISSING
-    if isinstance(reply, Exception):
-        if str(reply).startswith("WRONGTYPE"):
-            return BAD
-        raise reply
-    return OK if read_value(reply, key, fingerprint, mac_key, out) else BAD
-
-
-def read_value(value, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> bool:
-    """Verify a value read from the store and copy its payload into `out` (uint8, the exact
-    payload size). False for anything but a complete value of `key` written under `fingerprint`
-    and the tier secret of `mac_key` (then `out` holds garbage and must not be used)."""
-    out = out.reshape(-1)
-    plen = out.nbytes
-    if value is None or len(value) < diskfmt.HEADER_SIZE + plen:
-        return False
-    buf = np.frombuffer(value, dtype=np.uint8)
-    h = diskfmt.parse_header(value)
-    if not _header_fits(h, key, fingerprint, plen, len(value)):
-        return False
-    acc = np.zeros(3, dtype=np.uint64)
-    mac_update(acc, mac_key, buf[diskfmt.HEADER_SIZE: diskfmt.HEADER_SIZE + plen], 0, out)
-    return int(mac_final(acc, mac_key, buf[:diskfmt.HEADER_SIZE], buf[diskfmt.HEADER_SIZE + plen:])) == h.mac
-
-
-def _header_fits(h, key, fingerprint: bytes, plen: int, size: int) -> bool:
-    """A value of `size` bytes with header `h` is a complete value of `key` under `fingerprint`
-    with a `plen`-byte payload (its MAC still to be verified)."""
-    return (h is not None and h.key == diskfmt.key_bytes(key) and h.fingerprint == fingerprint
-            and h.payload_bytes == plen and diskfmt.HEADER_SIZE + plen + h.meta_bytes == size)
 
 
 class Landings:
@@ -368,14 +295,14 @@ class DirectClient:
             return MISSING
         out = out.reshape(-1)
         plen = out.nbytes
-        if size < diskfmt.HEADER_SIZE + plen:
+        if size < block_file.HEADER_SIZE + plen:
             self._skip(size + 2)
             return BAD
-        head = bytearray(diskfmt.HEADER_SIZE)
+        head = bytearray(block_file.HEADER_SIZE)
         self._read_into(memoryview(head))
-        h = diskfmt.parse_header(head)
-        if not _header_fits(h, key, fingerprint, plen, size):
-            self._skip(size - diskfmt.HEADER_SIZE + 2)
+        h = block_file.parse_header(head)
+        if not header_fits(h, key, fingerprint, plen, size):
+            self._skip(size - block_file.HEADER_SIZE + 2)
             return BAD
         acc = np.zeros(3, dtype=np.uint64)
         summed = [0]
@@ -521,59 +448,3 @@ def delete_values(client, names: list) -> None:
     for reply in run(client, [("DEL", name) for name in names]):
         if isinstance(reply, Exception):
             raise reply
-
-
-class Breaker:
-    """Circuit breaker: closed (use the server), open (a miss without asking, until the backoff
-    ends), then one probe call decides. One log line per state change; counters for stats."""
-
-    MIN_BACKOFF, MAX_BACKOFF = 0.5, 30.0
-
-    def __init__(self, name: str, url: str):
-        self.name, self.url = name, redact_url(url)  # shown in its log lines only
-        self.lock = threading.Lock()
-        self.open_until = 0.0  # 0: closed
-        self.backoff = self.MIN_BACKOFF
-        self.probing = False
-        self.failures = 0
-        self.opened = 0
-        self.closed = 0
-
-    def allow(self) -> bool:
-        """Whether to call the server now (closed, or the one probe after the backoff)."""
-        with self.lock:
-            if not self.open_until:
-                return True
-            if self.probing or time.monotonic() < self.open_until:
-                return False
-            self.probing = True
-            return True
-
-    def is_open(self) -> bool:
-        return bool(self.open_until)
-
-    def allow_soon(self) -> bool:
-        """Closed, or its backoff is over (the next call probes the server)."""
-        return not self.open_until or time.monotonic() >= self.open_until
-
-    def success(self) -> None:
-        with self.lock:
-            if self.open_until:
-                self.closed += 1
-                logger.info("KVBMConnector remote tier (%s, %s): server back, using it again", self.name, self.url)
-            self.open_until, self.backoff, self.probing = 0.0, self.MIN_BACKOFF, False
-
-    def failure(self, error: BaseException) -> None:
-        with self.lock:
-            self.failures += 1
-            if self.open_until and not self.probing:
-                return  # already open: calls that were in flight
-            if not self.open_until:
-                self.opened += 1
-                logger.warning("KVBMConnector remote tier (%s, %s): %s: %s; every remote lookup, read and "
-                               "write is a miss for %.1f s", self.name, self.url, type(error).__name__,
-                               error, self.backoff)
-            else:  # the probe failed
-                self.backoff = min(self.backoff * 2, self.MAX_BACKOFF)
-            self.open_until = time.monotonic() + self.backoff
-            self.probing = False

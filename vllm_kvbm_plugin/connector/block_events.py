@@ -53,10 +53,10 @@ class EventBuilder:
         self.to_event_hashes = compat.event_hash_converter()
         self.pool = None  # vLLM's BlockPool, bound with the KV cache manager (extra keys, medium)
 
-    def run(self, request, first: int) -> "BlockRun":
+    def step_events(self, request, first: int) -> "StepEvents":
         """The events of the request's whole KV blocks from block `first` on that one step stores
-        (`BlockRun.announcer(i)` per block), built together once the first of them is needed."""
-        return BlockRun(self, request, first)
+        (`StepEvents.announcer(i)` per block), built together once the first of them is needed."""
+        return StepEvents(self, request, first)
 
     def announcer(self, request, start: int, end: int, kind: EntryKind) -> Announcer:
         """The BlockStored events (one per group of `kind`) of the tokens [start, end), named for
@@ -88,7 +88,7 @@ class EventBuilder:
         return Announce(tuple(events), vhash)
 
 
-class BlockRun:
+class StepEvents:
     """The KV events of consecutive whole blocks of one request stored in one step (owned by the
     tiers' pending stores via `announcer`). Built for all the blocks asked for so far at once, when
     the first is needed (its store landed): one hash conversion for the run, not two per block, and
@@ -104,13 +104,13 @@ class BlockRun:
     def announcer(self, block: int) -> Announcer:
         if block >= self.upto:
             self.upto = block + 1
-        return RunBlock(self, block)
+        return BlockAnnouncer(self, block)
 
     def announcers(self, block: int, n: int) -> list:
         """announcer() of blocks block, ..., block + n - 1."""
         if block + n > self.upto:
             self.upto = block + n
-        return [RunBlock(self, b) for b in range(block, block + n)]
+        return [BlockAnnouncer(self, b) for b in range(block, block + n)]
 
     def announce(self, block: int, name: Tier) -> Announce:
         built = self.built.get(name)
@@ -166,13 +166,13 @@ class BlockRun:
         return out + [Announce(())] * (upto - have)
 
 
-class RunBlock:
-    """The announcer of one block of a BlockRun (cheaper to make than a closure)."""
+class BlockAnnouncer:
+    """The announcer of one block of a StepEvents (cheaper to make than a closure)."""
 
-    __slots__ = ("run", "block")
+    __slots__ = ("events", "block")
 
-    def __init__(self, run: BlockRun, block: int):
-        self.run, self.block = run, block
+    def __init__(self, events: StepEvents, block: int):
+        self.events, self.block = events, block
 
     def __call__(self, name: Tier) -> Announce:
-        return self.run.announce(self.block, name)
+        return self.events.announce(self.block, name)

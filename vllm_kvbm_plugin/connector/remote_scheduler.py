@@ -1,6 +1,6 @@
 """The shared remote tier (Redis / Valkey), scheduler side (EngineCore process): lookups on a
 thread of its own, fetches into CPU slots and writes behind from them, planned for the workers'
-remote threads (worker.RemoteIO). Values in the format of tiers/remote.py.
+remote threads (remote_worker.py). Values in the format of tiers/remote.py.
 """
 
 from __future__ import annotations
@@ -15,17 +15,58 @@ import msgspec
 
 from vllm.distributed.kv_events import BlockRemoved
 
-from vllm_kvbm_plugin.connector.announce import Announcer
-from vllm_kvbm_plugin.connector.base import TierOp, Verb
+from vllm_kvbm_plugin.connector.block_events import Announcer
+from vllm_kvbm_plugin.connector.base import Series, TierJob, TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import Layout
-from vllm_kvbm_plugin.connector.metadata import RemoteFetch, RemoteWrite
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
-from vllm_kvbm_plugin.tiers import disk as diskfmt
-from vllm_kvbm_plugin.tiers import remote as remotefmt
+from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME as SECRET_NAME
 from vllm_kvbm_plugin.tiers.secret import tier_secret
+from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
+from vllm_kvbm_plugin.tiers.breaker import Breaker
 
 _ENCODE = msgspec.msgpack.Encoder().encode
+
+
+# stats key -> its running total in the scheduler half's counters
+TOTALS = {"remote_hits": lambda c: c["fetched"],
+          "remote_misses": lambda c: c["lookup_keys"] - c["lookup_keys_found"],
+          "remote_lookup_errors": lambda c: c["lookup_failures"],
+          "remote_lookup_timeout_errors": lambda c: c["lookup_timeouts"],
+          "remote_fetch_errors": lambda c: c["fetch_misses"],
+          "remote_write_errors": lambda c: c["write_failures"]}
+ERRORS = ("lookup", "lookup_timeout", "fetch", "write")
+SERIES = (
+    Series("vllm:kvbm_remote_hits_total", "Blocks read from the remote tier's server and verified",
+           {"remote_hits": ()}),
+    Series("vllm:kvbm_remote_misses_total", "Blocks a remote-tier lookup did not find on the server",
+           {"remote_misses": ()}),
+    Series("vllm:kvbm_remote_errors_total", "Remote-tier lookups that failed or were late, fetches of missing or "
+           "corrupt values, failed writes (each a miss)", {f"remote_{e}_errors": (e,) for e in ERRORS}, ("operation",)),
+    Series("vllm:kvbm_remote_breaker_changes_total", "Remote-tier circuit breaker state changes (open: the server "
+           "is not used for a backoff)", {f"remote_{side}_breaker_{state}": (side, state)
+                                          for side in ("scheduler", "worker") for state in ("open", "closed")},
+           ("side", "state")),
+)
+
+
+class RemoteCounters:
+    """The remote tier's running totals (RemoteTier.counters, Breaker.opened / closed) as the
+    change since the last call: what one stats interval adds."""
+
+    def __init__(self):
+        self.last: dict[str, int] = {}
+
+    def take(self, remote=None, breaker=None, side: str = "scheduler") -> dict[str, int]:
+        totals = {}
+        if remote is not None:
+            totals = {name: total(remote.counters) for name, total in TOTALS.items()}
+        if breaker is not None:
+            totals[f"remote_{side}_breaker_open"] = breaker.opened
+            totals[f"remote_{side}_breaker_closed"] = breaker.closed
+        out = {k: v - self.last.get(k, 0) for k, v in totals.items() if v != self.last.get(k, 0)}
+        self.last = totals
+        return out
 
 
 @dataclasses.dataclass
@@ -62,6 +103,7 @@ class RemoteTier:
     label = "remote"
     waits = True
     direct = False
+    FETCH, WRITE = TierOp(label, Verb.FETCH), TierOp(label, Verb.WRITE)
 
     PRESENT_TTL = 10.0  # s: a key seen present is trusted that long without asking again
     LOOKUP_PATIENCE = 0.2  # s: a request waits (steps) that long for its lookup, then it is a miss
@@ -81,10 +123,10 @@ class RemoteTier:
         root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
         self.name = storage_tier(f"kvbm-remote:{root_hex}", LOCALITY_REMOTE)
         self.url = url
-        self.prefixes = [remotefmt.key_prefix(layout.root, r) for r in range(layout.world)]
+        self.prefixes = [remote_value.key_prefix(layout.root, r) for r in range(layout.world)]
         self.budget = budget_ms / 1000
         self.budget_left = self.budget
-        self.breaker = remotefmt.Breaker("scheduler", url)
+        self.breaker = Breaker("scheduler", url)
         secret = tier_secret(url, layout.disk_path)
         # A secret kept in the store is written back (SET NX) with lookups: the server may evict
         # it like any key, and an instance starting then would make a new one and share nothing.
@@ -96,12 +138,13 @@ class RemoteTier:
         self.confirming: _Lookup | None = None  # the confirmation in flight
         self.confirming_keys: set = set()
         self.fetching: set = set()
-        self.landed_seen = 0  # remotefmt.LANDINGS.count when last looked at
+        self.landed_seen = 0  # resp.LANDINGS.count when last looked at
         self.writing: dict = {}  # key -> (Announce, parent)
         self.announced: collections.OrderedDict = collections.OrderedDict()  # key -> Announce
         self.lookups: dict = {}  # request id -> _Lookup
         self.events: list = []
         self.counters: collections.Counter = collections.Counter()
+        self.changes = RemoteCounters()  # the counters' and breaker's changes per stats interval
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client = None
@@ -113,7 +156,7 @@ class RemoteTier:
         return len(self.present)
 
     def names(self, key) -> list[str]:
-        h = diskfmt.key_hex(key)
+        h = block_dir.key_hex(key)
         return [p + h for p in self.prefixes]
 
     def busy(self) -> int:
@@ -129,13 +172,13 @@ class RemoteTier:
 
     def submit_load(self, key, slot: int, meta) -> None:
         self.prefetch(key)
-        meta.remote_fetches.append(RemoteFetch(key, slot))
+        meta.jobs.append(TierJob(self.FETCH, key, slot))
 
     def submit_store(self, key, parent, end: int, announce: Announcer, slot: int, meta) -> bool:
         blob = self.prepare_write(key, parent, end, announce)
         if blob is None:
             return False
-        meta.remote_writes.append(RemoteWrite(key, slot, blob))
+        meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
         return True
 
     def settle(self, op: TierOp, key, ok: bool) -> None:
@@ -164,6 +207,13 @@ class RemoteTier:
 
     def accounting(self) -> dict:
         return {self.label: {"fetching": len(self.fetching), "writing": len(self.writing)}}
+
+    def describe(self) -> str:
+        return f"remote tier {redact_url(self.url)}"
+
+    def take_stats(self) -> dict[str, int]:
+        """Hits, misses, errors and the scheduler's breaker changes since the last call."""
+        return self.changes.take(self, self.breaker, "scheduler")
 
     # ---- lookups -------------------------------------------------------------------------
     def lookup(self, key) -> bool:
@@ -245,7 +295,7 @@ class RemoteTier:
         go over a DirectClient where one can (`call`: a few times faster than redis-py)."""
         try:
             if self._client is None and self.breaker.allow():
-                self._client = remotefmt.connect_direct(self.url)
+                self._client = resp.connect_direct(self.url)
                 self.breaker.success()
         except Exception as e:  # the breaker logs it; lookups are misses until it is back
             self.breaker.failure(e)
@@ -284,8 +334,8 @@ class RemoteTier:
         if keep:
             commands.append(("SET", SECRET_NAME, self.secret_hex, "NX"))
         if self._client is None:
-            self._client = remotefmt.connect_direct(self.url)
-        found = remotefmt.run(self._client, commands)
+            self._client = resp.connect_direct(self.url)
+        found = resp.run(self._client, commands)
         n = len(self.prefixes)
         for r in found[: len(keys) * n]:
             if isinstance(r, Exception):
@@ -297,12 +347,12 @@ class RemoteTier:
     # ---- fetches into CPU slots ------------------------------------------------------------
     def prefetch(self, key) -> None:
         if not self.fetching:
-            self.landed_seen = remotefmt.LANDINGS.count  # what landed before this fetch was asked
+            self.landed_seen = resp.LANDINGS.count  # what landed before this fetch was asked
         self.fetching.add(key)
 
     def busy_loading(self, key) -> bool:
         """Being fetched. Then the request waits a step, and this step waits for up to
-        FETCH_YIELD of its budget for a fetch to land (remotefmt.Landings: the request then goes
+        FETCH_YIELD of its budget for a fetch to land (resp.Landings: the request then goes
         on at once where the workers share this process). The pause also yields the CPU: an idle
         engine polls waiting requests in a tight loop that would keep the GIL and a core from the
         threads doing the fetch (a GIL convoy)."""
@@ -310,7 +360,7 @@ class RemoteTier:
             return False
         if self.budget_left > 0:
             t0 = time.perf_counter()
-            seen = remotefmt.LANDINGS.wait(self.landed_seen, min(self.budget_left, self.FETCH_YIELD))
+            seen = resp.LANDINGS.wait(self.landed_seen, min(self.budget_left, self.FETCH_YIELD))
             self.budget_left -= time.perf_counter() - t0
             if seen != self.landed_seen:
                 self.landed_seen = seen
@@ -346,7 +396,7 @@ class RemoteTier:
             return None
         a = announce(self.name)
         self.writing[key] = (a, parent)
-        return diskfmt.encode_meta(end, [_ENCODE(e) for e in a.events])
+        return block_file.encode_meta(end, [_ENCODE(e) for e in a.events])
 
     def complete_store(self, key, ok: bool) -> None:
         a, parent = self.writing.pop(key, (None, None))
@@ -371,5 +421,5 @@ class RemoteTier:
     def close(self) -> None:
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join(2 * remotefmt.SOCKET_TIMEOUT + 1)
+            self._thread.join(2 * resp.SOCKET_TIMEOUT + 1)
             self._thread = None
