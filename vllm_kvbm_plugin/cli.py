@@ -6,6 +6,11 @@ import argparse
 import json
 import signal
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_kvbm_plugin.events.types import KVEventBatch
+    from vllm_kvbm_plugin.events.validator import Prompt
 
 
 REUSE_REPORTS_HELP = ('requests use kv_cache_report_mode "full": hashes announced again while held are '
@@ -20,7 +25,7 @@ def _positive(text: str) -> int:
     return n
 
 
-def _subscribe(args) -> int:
+def _subscribe(args: argparse.Namespace) -> int:
     import logging
 
     from vllm_kvbm_plugin.events import recording
@@ -67,7 +72,7 @@ def _subscribe(args) -> int:
     return 1 if (validator and validator.errors) or sub.stats.lost else 0
 
 
-def _count_tiers(batch, tiers: dict[str, dict[str, int]]) -> None:
+def _count_tiers(batch: KVEventBatch, tiers: dict[str, dict[str, int]]) -> None:
     """Hashes stored and removed per tier ("medium[:locality[:ownership]]", see events.types.Tier)."""
     from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored, tier_of
 
@@ -77,7 +82,7 @@ def _count_tiers(batch, tiers: dict[str, dict[str, int]]) -> None:
             counts["stored" if isinstance(ev, BlockStored) else "removed"] += len(ev.block_hashes)
 
 
-def _validate(args) -> int:
+def _validate(args: argparse.Namespace) -> int:
     import heapq
 
     from vllm_kvbm_plugin.events import recording
@@ -101,7 +106,7 @@ def _validate(args) -> int:
     return 1 if v.errors else 0
 
 
-def _prompts(path):
+def _prompts(path: str | None) -> list[Prompt] | None:
     """The requests' prompts for the extra_keys rule, or None (rule off)."""
     if not path:
         return None
@@ -111,7 +116,7 @@ def _prompts(path):
         return read_prompts(fp)
 
 
-def _announce(args) -> int:
+def _announce(args: argparse.Namespace) -> int:
     import logging
     import threading
 
@@ -138,7 +143,7 @@ def _announce(args) -> int:
     return 0
 
 
-def _tiny_model(args) -> int:
+def _tiny_model(args: argparse.Namespace) -> int:
     from vllm_kvbm_plugin.testing import tiny_models  # test helpers: imported by this command only
 
     if args.kind not in tiny_models.KINDS:  # what argparse's `choices` said, without importing them up front
@@ -149,7 +154,7 @@ def _tiny_model(args) -> int:
     return 0
 
 
-def _match(args) -> int:
+def _match(args: argparse.Namespace) -> int:
     from vllm_kvbm_plugin.reuse.subseq_feed import match_recording
 
     prompts = [[int(t) for t in args.prompt.replace(",", " ").split()]] if args.prompt else []
@@ -162,7 +167,7 @@ def _match(args) -> int:
     return 0
 
 
-def _route(args) -> int:
+def _route(args: argparse.Namespace) -> int:
     import logging
 
     from vllm_kvbm_plugin.events.index import WorkerConfig
@@ -183,7 +188,7 @@ def _route(args) -> int:
     return 0
 
 
-def _tiers_inspect(args) -> int:
+def _tiers_inspect(args: argparse.Namespace) -> int:
     from vllm_kvbm_plugin.log import redact_url
     from vllm_kvbm_plugin.tiers import inspector
 

@@ -5,9 +5,22 @@ Imported only by `patches/` and `connector/`: the pure layers never import vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import vllm
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import ExternalBlockHash
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.kv_offload.base import OffloadingManager, OffloadKey, ReqContext
+    from vllm.v1.request import Request
+
+ExtraKeys = tuple[Any, ...] | None  # one hash unit's extra keys as vLLM hashes them (None: none)
 
 SUPPORTED = ("0.32", "0.33")
 
@@ -21,11 +34,13 @@ def is_supported() -> bool:
     return vllm_minor() in SUPPORTED
 
 
-_BlockStored = None  # vllm.distributed.kv_events.BlockStored, imported on first use
+_BlockStored: type[BlockStored] | None = None  # imported on first use
 
 
-def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_ids, block_size,
-                       group_idx, extra_keys, medium=None):
+def block_stored_event(pool: BlockPool, request: Request, *, block_hashes: list[ExternalBlockHash],
+                       parent_block_hash: ExternalBlockHash | None, token_ids: list[int], block_size: int,
+                       group_idx: int, extra_keys: list[ExtraKeys] | None,
+                       medium: str | None = None) -> BlockStored:
     """A BlockStored filled like BlockPool._build_block_stored_event (0.32 and 0.33) fills it.
 
     `extra_keys` is already in event form (one entry per hash). Built here rather than through the
@@ -34,7 +49,9 @@ def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_
     """
     global _BlockStored
     if _BlockStored is None:
-        from vllm.distributed.kv_events import BlockStored as _BlockStored
+        from vllm.distributed.kv_events import BlockStored
+
+        _BlockStored = BlockStored
     lora = request.lora_request
     return _BlockStored(
         block_hashes=block_hashes,
@@ -50,27 +67,29 @@ def block_stored_event(pool, request, *, block_hashes, parent_block_hash, token_
     )
 
 
-_generate_extra_keys = None  # 0.32's generate_block_hash_extra_keys, imported on first use
+# generate_block_hash_extra_keys, imported on first use
+_generate_extra_keys: Callable[[Request, int, int, int], tuple[ExtraKeys, int]] | None = None
 
 
-def block_extra_keys(pool, request, start: int, end: int, mm_idx: int):
+def block_extra_keys(pool: BlockPool, request: Request, start: int, end: int,
+                     mm_idx: int) -> tuple[ExtraKeys, int]:
     """Extra keys of the tokens [start, end) exactly as vLLM puts them into block hashes."""
-    global _generate_extra_keys
     gen = getattr(pool, "_generate_event_extra_keys", None)  # 0.33
     if gen is not None:
-        return gen(request, start, end, mm_idx)
-    if _generate_extra_keys is None:
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys as _generate_extra_keys
-    return _generate_extra_keys(request, start, end, mm_idx)
+        keys: tuple[ExtraKeys, int] = gen(request, start, end, mm_idx)
+        return keys
+    return request_extra_keys(request, start, end, mm_idx)
 
 
-def request_extra_keys(request, start: int, end: int, mm_idx: int):
+def request_extra_keys(request: Request, start: int, end: int, mm_idx: int) -> tuple[ExtraKeys, int]:
     """(extra keys, next mm index) of a request's tokens [start, end) as vLLM hashes them, where
     no BlockPool is at hand (the offloading connector's events): generate_block_hash_extra_keys
     has this signature on 0.32 and 0.33 (0.33's EAGLE lookahead keys are GPU-pool only)."""
     global _generate_extra_keys
     if _generate_extra_keys is None:
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys as _generate_extra_keys
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+        _generate_extra_keys = generate_block_hash_extra_keys
     return _generate_extra_keys(request, start, end, mm_idx)
 
 
@@ -101,7 +120,7 @@ def decoder_rows_supported() -> bool:
     return vllm_minor() == "0.32"
 
 
-def units_with_extra_keys(request, unit: int, lo: int, hi: int):
+def units_with_extra_keys(request: Request, unit: int, lo: int, hi: int) -> Sequence[int]:
     """The hash units in [lo, hi) whose extra keys can be non-empty: all of them with a LoRA,
     cache salt or prompt embeddings, else only those overlapping an image (or other mm item)."""
     if request.lora_request is not None or request.cache_salt or getattr(request, "prompt_embeds", None) is not None:
@@ -113,12 +132,13 @@ def units_with_extra_keys(request, unit: int, lo: int, hi: int):
     return sorted(units)
 
 
-def hash_lookahead_tokens(pool) -> int:
+def hash_lookahead_tokens(pool: BlockPool) -> int:
     """EAGLE hash lookahead of a BlockPool (0.33 only; 0 on 0.32)."""
-    return getattr(pool, "num_hash_lookahead_tokens", 0)
+    lookahead: int = getattr(pool, "num_hash_lookahead_tokens", 0)
+    return lookahead
 
 
-def has_extra_keys(request) -> bool:
+def has_extra_keys(request: Request) -> bool:
     """Whether any block of `request` can carry extra hash keys (LoRA, images, salt, embeds),
     i.e. whether `generate_block_hash_extra_keys` can return anything but None for it."""
     return bool(
@@ -129,7 +149,7 @@ def has_extra_keys(request) -> bool:
     )
 
 
-def offload_key_positions(req_context) -> dict:
+def offload_key_positions(req_context: ReqContext) -> dict[OffloadKey, int]:
     """OffloadKey -> end-token position of every offload key the OffloadingConnector named for a
     request (ReqContext._offload_key_positions, the same on 0.32 and 0.33; only per-key getters are
     public), or {} if that field ever moves: lineage then simply finds no parents."""
@@ -137,7 +157,7 @@ def offload_key_positions(req_context) -> dict:
     return positions if isinstance(positions, dict) else {}
 
 
-def reset_offloading_cache(manager) -> None:
+def reset_offloading_cache(manager: OffloadingManager) -> None:
     """OffloadingManager.reset_cache() as the OffloadingConnector does it: 0.33's tiering manager
     then holds promotions until on_reset_flushed() (its workers reported every job in flight at the
     reset); 0.32 has no such hook."""
@@ -147,11 +167,12 @@ def reset_offloading_cache(manager) -> None:
         flushed()
 
 
-_UNPACKERS: dict = {}  # (hash length, list length) -> Struct.unpack, shared by every converter
+# (hash length, list length) -> Struct.unpack, shared by every converter
+_UNPACKERS: dict[tuple[int, int], Callable[[bytes], tuple[Any, ...]]] = {}
 _UNPACK_MAX = 128  # longest list unpacked at once: longer ones go in pieces (bounded formats)
 
 
-def event_hash_converter():
+def event_hash_converter() -> Callable[[Sequence[bytes]], list[int]] | Callable[[Sequence[bytes]], list[bytes]]:
     """A list-at-a-time `maybe_convert_block_hash` (vllm/v1/core/kv_cache_utils.py): event hashes
     are the low 64 bits of the digest as an int, or the raw bytes when
     VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (the env lookup is done once, not per hash). The low 64
@@ -169,11 +190,11 @@ def event_hash_converter():
     from_bytes = int.from_bytes
     unpackers = _UNPACKERS
 
-    def unpacker(size: int, n: int):
+    def unpacker(size: int, n: int) -> Callable[[bytes], tuple[Any, ...]]:
         unpack = unpackers[(size, n)] = struct.Struct(">" + f"{size - 8}xQ" * n).unpack
         return unpack
 
-    def convert(hashes) -> list[int]:
+    def convert(hashes: Sequence[bytes]) -> list[int]:
         if not hashes:
             return []
         size, n = len(hashes[0]), len(hashes)
@@ -193,7 +214,8 @@ def event_hash_converter():
     return convert
 
 
-def plan_kv_cache(vllm_config, layer_specs: dict, memory: int):
+def plan_kv_cache(vllm_config: VllmConfig, layer_specs: dict[str, KVCacheSpec],
+                  memory: int) -> tuple[KVCacheConfig, KVCacheConfig, int, int]:
     """(worker KVCacheConfig, scheduler KVCacheConfig, scheduler block size, hash block size) for
     one worker's layer specs and KV memory, as vLLM's engine core plans them at startup (groups,
     padded pages, tensors shared by the groups). 0.33 groups the layers in a step of its own
@@ -204,7 +226,8 @@ def plan_kv_cache(vllm_config, layer_specs: dict, memory: int):
     if planning is not None:  # 0.32
         configs = planning(vllm_config, [layer_specs], [memory])
     else:  # 0.33
-        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+        from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found]  # 0.33 only
+            get_global_kv_cache_groups, get_kv_cache_configs)
 
         groups = get_global_kv_cache_groups(vllm_config, [layer_specs])
         configs = get_kv_cache_configs(vllm_config, [layer_specs], [memory], groups)
@@ -224,7 +247,7 @@ def plan_kv_cache(vllm_config, layer_specs: dict, memory: int):
     return worker, sched, block_size, hash_block_size
 
 
-def block_major_view(kv_cache, num_blocks: int):
+def block_major_view(kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """A layer's KV cache tensor as vLLM hands it to `register_kv_caches`, viewed with its blocks
     on dim 0. Read from how vLLM lays the views out, never guessed from sizes: every layer view is
     the logical [B, H, N, C] of `create_kv_cache_views` (v1/kv_cache_interface.py, 0.32 L377,

@@ -12,8 +12,13 @@ Environment (read when used, so tests and subprocesses can set them late):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import dataclasses
 import os
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 CONNECTOR_NAME = "KVBMConnector"
 DERIVED = ("pic_model",)  # KVBMConfig fields filled from the model, never from the user
@@ -133,7 +138,7 @@ def coarse_events() -> bool:
     return _flag("KVBM_COARSE_EVENTS", True)
 
 
-def connector_config(vllm_config) -> KVBMConfig | None:
+def connector_config(vllm_config: VllmConfig) -> KVBMConfig | None:
     """Our connector's validated config, or None when KVBMConnector is not configured.
 
     Unknown keys fail here, naming the valid ones, so a typo never silently changes nothing.

@@ -9,7 +9,7 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"vllm.kvbm.{name}")
 
 
-def redact_url(url) -> str:
+def redact_url(url: object) -> str:
     """`url` as every log line and error of ours shows a server address: a password in its user
     part or query string replaced by `***` (the user name stays)."""
     text = str(url)

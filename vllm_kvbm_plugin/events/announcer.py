@@ -30,6 +30,9 @@ import threading
 import time
 import uuid
 
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
 import msgspec
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, SPARSE_KINDS, storage_tier
@@ -45,6 +48,19 @@ _SCAN_COUNT = 1000
 _READ_BATCH = 256  # metadata reads per pipelined round trip
 
 
+EventId = tuple[bytes, bytes]  # an entry's (root hex, key hex)
+Slot = tuple[Any, int, Any]  # (ownership, group, vLLM hash) an announced event holds
+Publish = Callable[[list[Any]], None]  # takes vLLM BlockStored/BlockRemoved/AllBlocksCleared events
+
+
+class EventPublisher(Protocol):
+    """What we use of vLLM's EventPublisher (this module imports vLLM only inside functions)."""
+
+    def publish(self, events: Any) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class TopologyChanged(Exception):
     """The cluster's masters or their slots changed: subscribe again (on the new masters) and rescan."""
 
@@ -53,14 +69,14 @@ class _Nodes:
     """The server as the announcer uses it: a client per node (the one server, or every master of
     a cluster, whose notifications are its own), and the node owning a key."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str) -> None:
         import redis
         from redis.backoff import NoBackoff
         from redis.crc import key_slot
         from redis.retry import Retry
 
         # no silent retries: a reconnect must go through a rescan (notifications in between are lost)
-        self.opts = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
+        self.opts: dict[str, Any] = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
                          health_check_interval=0)
         self.where, self.owner, self.topology, self.key_slot = redact_url(url), None, None, key_slot
         if not url.startswith(resp.CLUSTER_SCHEMES):  # the URL's password, if any, wins
@@ -89,7 +105,7 @@ class _Nodes:
             self.owner[start:end + 1] = bytes([masters.index((h, p))]) * (end - start + 1)
 
     @staticmethod
-    def _slots(client) -> tuple:
+    def _slots(client: Any) -> tuple[tuple[int, int, str, int], ...]:
         """(start, end, master host, master port) of every slot range, sorted."""
         ranges = client.execute_command("CLUSTER", "SLOTS", NEVER_DECODE=True)
         out = []
@@ -98,7 +114,7 @@ class _Nodes:
             out.append((int(r[0]), int(r[1]), host or "127.0.0.1", int(r[2][1])))
         return tuple(sorted(out))
 
-    def of(self, name) -> int:
+    def of(self, name: str | bytes) -> int:
         """Index of the client holding key `name`."""
         if self.owner is None:
             return 0
@@ -148,10 +164,10 @@ class ServerRefused(RuntimeError):
 @dataclasses.dataclass
 class _Entry:
     """One entry of the tier: its values (one per tensor-parallel rank) and its events."""
-    ranks: set
-    events: list | None = None  # BlockStored per group, read from rank 0's metadata (until announced)
+    ranks: set[int]
+    events: list[Any] | None = None  # BlockStored per group, read from rank 0's metadata (until announced)
     end: int = 0
-    slots: list | None = None  # once announced: (ownership, group, vLLM hash) per group, for removals
+    slots: list[Slot] | None = None  # once announced: (ownership, group, vLLM hash) per group, for removals
 
     @property
     def announced(self) -> bool:
@@ -181,7 +197,8 @@ class RemoteAnnouncer:
     PROBE_TIMEOUT = 5.0  # s: our marker's notification must arrive within this
     MARKER_TTL = 3600  # s: refreshed every check_interval
 
-    def __init__(self, url: str, publish, rescan_interval: float = 60.0, check_interval: float = 1.0):
+    def __init__(self, url: str, publish: Publish, rescan_interval: float = 60.0,
+                 check_interval: float = 1.0) -> None:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         self.url, self.publish = url, publish
@@ -189,14 +206,14 @@ class RemoteAnnouncer:
         self.rescan_interval, self.check_interval = rescan_interval, check_interval
         self._stored, self._removed, self._cleared = BlockStored, BlockRemoved, AllBlocksCleared
         self._decode = msgspec.msgpack.Decoder(BlockStored).decode
-        self.entries: dict = {}  # (root hex, key hex) -> _Entry
-        self.world: dict = {}  # root hex -> ranks seen (max rank + 1)
-        self.held: dict = {}  # (ownership, group, vLLM hash) -> entry id announced with it
-        self.waiting: dict = {}  # parent's (ownership, group, hash) -> entries announced after it
+        self.entries: dict[EventId, _Entry] = {}
+        self.world: dict[bytes, int] = {}  # root hex -> ranks seen (max rank + 1)
+        self.held: dict[Slot, EventId] = {}  # the entry announced with each slot
+        self.waiting: dict[Slot, set[EventId]] = {}  # parent's slot -> entries announced after it
         self.marker = f"kvbm:announcer:{uuid.uuid4().hex}"
         self.counters = {"stored": 0, "removed": 0, "cleared": 0, "rescans": 0, "connects": 0}
         self.connected = threading.Event()  # set while subscribed and rescanned
-        self._out: list = []
+        self._out: list[Any] = []
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -287,7 +304,7 @@ class RemoteAnnouncer:
                            "rescan only", self.marker, e)
             return False
 
-    def _enable_notifications(self, client) -> str:
+    def _enable_notifications(self, client: Any) -> str:
         """Add our flags to notify-keyspace-events if they are missing; what happened, for errors."""
         import redis
 
@@ -392,10 +409,11 @@ class RemoteAnnouncer:
         to_read = []
         for eid, ranks in found.items():
             self.world[eid[0]] = max(self.world.get(eid[0], 1), max(ranks) + 1)
-            e = self.entries.get(eid)
-            if e is None:
+            known = self.entries.get(eid)
+            if known is None:
                 e = self.entries[eid] = _Entry(set(ranks))
             else:
+                e = known
                 e.ranks = set(ranks)
             if e.announced and not self._complete(eid, e):
                 self._unannounce(eid, e)
@@ -422,7 +440,7 @@ class RemoteAnnouncer:
                 if e is not None and len(blob) == n:
                     self._describe(eid, e, blob)
 
-    def _meta_range(self, eid, head: bytes) -> tuple[int, int] | None:
+    def _meta_range(self, eid: EventId, head: bytes) -> tuple[int, int] | None:
         if len(head) != block_file.HEADER_SIZE:
             return None
         h = block_file.parse_header(head)
@@ -430,7 +448,7 @@ class RemoteAnnouncer:
             return None
         return block_file.HEADER_SIZE + h.payload_bytes, h.meta_bytes
 
-    def _describe(self, eid, e: _Entry, blob: bytes) -> None:
+    def _describe(self, eid: EventId, e: _Entry, blob: bytes) -> None:
         info = block_file.decode_meta(blob)
         if info is None:
             return
@@ -444,11 +462,12 @@ class RemoteAnnouncer:
             e.events, e.end = events, info[0]
 
     # ---- announcing --------------------------------------------------------------------------
-    def _complete(self, eid, e: _Entry) -> bool:
+    def _complete(self, eid: EventId, e: _Entry) -> bool:
         return all(r in e.ranks for r in range(self.world.get(eid[0], 1)))
 
-    def _missing_parent(self, e: _Entry):
+    def _missing_parent(self, e: _Entry) -> Slot | None:
         """The first parent (ownership, group, hash) of `e` not announced, or None."""
+        assert e.events is not None  # described, not announced yet
         for ev in e.events:
             if ev.parent_block_hash is not None and ev.kv_cache_spec_kind not in SPARSE_KINDS:
                 slot = (ev.ownership, ev.group_idx, ev.parent_block_hash)
@@ -456,7 +475,7 @@ class RemoteAnnouncer:
                     return slot
         return None
 
-    def _announce_ready(self, candidates) -> None:
+    def _announce_ready(self, candidates: Iterable[EventId]) -> None:
         """Announce the complete, described `candidates` whose parents are announced (parents
         first); the others wait under their missing parent, announced when it is."""
         todo = sorted((self.entries[eid].end, eid) for eid in candidates if eid in self.entries)
@@ -480,7 +499,8 @@ class RemoteAnnouncer:
             e.events, e.slots = None, slots  # kept small: a removal needs the slots only
             self.counters["stored"] += 1
 
-    def _unannounce(self, eid, e: _Entry) -> None:
+    def _unannounce(self, eid: EventId, e: _Entry) -> None:
+        assert e.slots is not None  # announced
         for ownership, group, h in e.slots:
             if self.held.get((ownership, group, h)) == eid:
                 del self.held[(ownership, group, h)]
@@ -495,7 +515,7 @@ class RemoteAnnouncer:
             self.publish(events)
 
 
-def zmq_publisher(endpoint: str, replay_endpoint: str | None = None, topic: str = ""):
+def zmq_publisher(endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> EventPublisher:
     """vLLM's own ZmqEventPublisher (PUB + ROUTER replay, sequence numbers, replay buffer), always
     binding its endpoints: subscribers and routers connect to the announcer."""
     from vllm.distributed.kv_events import ZmqEventPublisher
@@ -508,7 +528,7 @@ def zmq_publisher(endpoint: str, replay_endpoint: str | None = None, topic: str 
     return _Bound(data_parallel_rank=0, endpoint=endpoint, replay_endpoint=replay_endpoint, topic=topic)
 
 
-def publish_to(publisher):
+def publish_to(publisher: EventPublisher) -> Publish:
     """`publish` for RemoteAnnouncer: one KVEventBatch per call, through `publisher`."""
     from vllm.distributed.kv_events import KVEventBatch
 

@@ -20,8 +20,10 @@ import ctypes.util
 import hashlib
 import os
 import pickle
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
+
+Digest = Callable[[bytes | memoryview], bytes]  # a hash function's digest of a buffer
 
 import numba
 import numpy as np
@@ -132,7 +134,7 @@ def _serialize_units(tokens, n_units, unit, fmt):
     return buf, offs
 
 
-def _int64(token_ids, n: int) -> np.ndarray:
+def _int64(token_ids: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
     """The first n token ids as int64 (array.array: ~2x faster than numpy from a list)."""
     if isinstance(token_ids, np.ndarray):
         return token_ids[:n].astype(np.int64, copy=False)
@@ -184,7 +186,7 @@ def _sha256_chain_kernel():
     return _sha_chain
 
 
-def _xxh3_128():
+def _xxh3_128() -> Digest | None:
     try:
         import xxhash
     except ImportError:
@@ -192,7 +194,7 @@ def _xxh3_128():
     return getattr(xxhash, "xxh3_128_digest", None)
 
 
-def _cbor_dumps():
+def _cbor_dumps() -> Callable[[Any], bytes] | None:
     try:
         import cbor2
     except ImportError:
@@ -209,43 +211,43 @@ class PromptHasher:
     One per worker of a KVIndex (a router's process), and used by tests and benchmarks; holds only
     the algorithm, seed and the seed's hash (`none_hash`)."""
 
-    def __init__(self, algo: str = "sha256", seed: str | None = None):
+    def __init__(self, algo: str = "sha256", seed: str | None = None) -> None:
         if algo not in ALGOS:
             raise ValueError(f"unknown prefix caching hash algorithm {algo!r}; one of {', '.join(ALGOS)}")
         self.algo, self.seed = algo, seed
         self.fmt = _CBOR if algo.endswith("_cbor") else _PICKLE
-        digest = hashlib.sha256 if algo.startswith("sha256") else _xxh3_128()
+        digest: Digest | None = (lambda b: hashlib.sha256(b).digest()) if algo.startswith("sha256") else _xxh3_128()
         dumps = _cbor_dumps() if self.fmt == _CBOR else (lambda o: pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL))
+        self.none_hash: bytes | None = None
         self.computable = (digest is not None and dumps is not None
                            and (algo.startswith("sha256") or seed is not None))
-        if not self.computable:
-            self.none_hash = None
+        if digest is None or dumps is None or not self.computable:
             return
-        self._digest = (lambda b: hashlib.sha256(b).digest()) if algo.startswith("sha256") else digest
-        self._dumps = dumps
+        self._digest = digest
+        self._dumps: Callable[[Any], bytes] = dumps
         self.none_hash = self.hash_fn(DEFAULT_NONE_HASH_SEED if seed is None else seed)
 
     def hash_fn(self, obj: Any) -> bytes:
         """vLLM's hash function of this algorithm (`vllm.utils.hashing`)."""
         return self._digest(self._dumps(obj))
 
-    def hashes(self, token_ids: Sequence[int], unit: int, n_units: int | None = None,
+    def hashes(self, token_ids: Sequence[int] | np.ndarray, unit: int, n_units: int | None = None,
                unit_keys: Sequence[tuple | None] | None = None) -> list[bytes]:
         """The digests of the first `n_units` units (all full units by default); `unit_keys`: vLLM's
         extra keys per unit (`generate_block_hash_extra_keys`), None entries for none."""
         buf, offs = self.serialized(token_ids, unit, n_units, unit_keys)
         if buf is None:
-            return self._hashes_python(token_ids, unit, len(offs) - 1 if offs is not None else n_units, unit_keys)
+            return self._hashes_python(token_ids, unit, len(offs) - 1, unit_keys)
         out = self._chain(buf, offs)
         return [bytes(row) for row in out]
 
-    def event_hashes(self, token_ids: Sequence[int], unit: int, n_units: int | None = None,
-                     unit_keys: Sequence[tuple | None] | None = None, as_int: bool = True) -> list:
+    def event_hashes(self, token_ids: Sequence[int] | np.ndarray, unit: int, n_units: int | None = None,
+                     unit_keys: Sequence[tuple | None] | None = None, as_int: bool = True) -> list[Any]:
         """The hashes as KV events carry them: the low 64 bits as an int (vLLM's default,
         `maybe_convert_block_hash`) or the digest bytes."""
         buf, offs = self.serialized(token_ids, unit, n_units, unit_keys)
         if buf is None:
-            digests = self._hashes_python(token_ids, unit, len(offs) - 1 if offs is not None else n_units, unit_keys)
+            digests = self._hashes_python(token_ids, unit, len(offs) - 1, unit_keys)
             if not as_int:
                 return digests
             return [int.from_bytes(d[-8:], "big") for d in digests]
@@ -255,13 +257,15 @@ class PromptHasher:
         w = out.shape[1]
         return out[:, w - 8:].copy().view(">u8").ravel().tolist()
 
-    def event_hash_chunks(self, token_ids, unit: int, n_units: int, as_int: bool = True, chunk: int = 64):
+    def event_hash_chunks(self, token_ids: Sequence[int] | np.ndarray, unit: int, n_units: int,
+                          as_int: bool = True, chunk: int = 64) -> Iterator[list[Any]]:
         """`event_hashes` in chunks of `chunk` units, computed only as far as they are consumed
         (a router stops at the first block nobody holds)."""
         tokens = _int64(token_ids, n_units * unit) if n_units else np.zeros(0, np.int64)
         if not (4 <= unit <= _MAX_FAST_UNIT) or (len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**31)):
             yield self.event_hashes(token_ids, unit, n_units, None, as_int)
             return
+        assert self.none_hash is not None, "hashes of an algorithm that cannot be computed"
         parent = np.frombuffer(self.none_hash, np.uint8)
         for start in range(0, n_units, chunk):
             end = min(start + chunk, n_units)
@@ -271,7 +275,8 @@ class PromptHasher:
             w = out.shape[1]
             yield out[:, w - 8:].copy().view(">u8").ravel().tolist() if as_int else [bytes(r) for r in out]
 
-    def serialized(self, token_ids, unit, n_units=None, unit_keys=None):
+    def serialized(self, token_ids: Sequence[int] | np.ndarray, unit: int, n_units: int | None = None,
+                   unit_keys: Sequence[tuple | None] | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         """(buffer, offsets) of the units' bytes for the numba path, or (None, None) when a unit
         needs the general path (extra keys, token ids out of range, odd unit sizes)."""
         if n_units is None:
@@ -289,14 +294,15 @@ class PromptHasher:
     def _chain(self, buf: np.ndarray, offs: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
         parent_at = _PARENT_AT[self.fmt]
         if first is None:
+            assert self.none_hash is not None, "hashes of an algorithm that cannot be computed"
             first = np.frombuffer(self.none_hash, np.uint8)
-        kernel = _sha256_chain_kernel() if self.algo.startswith("sha256") else False
+        kernel = _sha256_chain_kernel() if self.algo.startswith("sha256") else None
         if kernel:
             out = np.empty((len(offs) - 1, 32), np.uint8)
             kernel(buf, offs, parent_at, first, out)
             return out
         digest = self._digest
-        mv = memoryview(buf)
+        mv = buf.data
         parent, rows = bytes(first), []
         for u in range(len(offs) - 1):
             s = int(offs[u])
@@ -305,7 +311,8 @@ class PromptHasher:
             rows.append(parent)
         return np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), -1) if rows else np.empty((0, 32), np.uint8)
 
-    def _hashes_python(self, token_ids, unit, n_units, unit_keys) -> list[bytes]:
+    def _hashes_python(self, token_ids: Sequence[int] | np.ndarray, unit: int, n_units: int,
+                       unit_keys: Sequence[tuple | None] | None) -> list[bytes]:
         """vLLM's `hash_block_tokens` chain, one unit at a time (the reference for the kernel)."""
         parent, out = self.none_hash, []
         for u in range(n_units):
@@ -332,7 +339,7 @@ def unit_extra_keys(n_units: int, unit: int, images: Iterable[tuple[int, int, st
     return out if any(out) else None
 
 
-def event_extra_keys(keys: tuple | None):
+def event_extra_keys(keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
     """One unit's extra keys as KV events carry them (vLLM's `to_event_extra_keys`), hashable."""
     if keys is None:
         return None

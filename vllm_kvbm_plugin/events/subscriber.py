@@ -49,7 +49,7 @@ class Subscriber:
         start_seq: int | None = 0,
         replay_timeout_ms: int = 2000,
         context: zmq.Context | None = None,
-    ):
+    ) -> None:
         self._ctx = context or zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
@@ -65,7 +65,7 @@ class Subscriber:
     def __enter__(self) -> "Subscriber":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def poll(self, timeout_ms: int) -> list[tuple[int, KVEventBatch]]:
@@ -146,7 +146,7 @@ class SilenceWatch:
     (no error on either side). `expect()` starts the clock (a request served; or connecting, for a
     stream that must say something eventually); a delivered batch stops it. Warns once per silence."""
 
-    def __init__(self, worker: str | None, endpoint: str, after_s: float):
+    def __init__(self, worker: str | None, endpoint: str, after_s: float) -> None:
         self.worker, self.endpoint, self.after_s = worker, endpoint, after_s
         self.batches = 0
         self.since: float | None = None  # when events became due; None: not waiting for any

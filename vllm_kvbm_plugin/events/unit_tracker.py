@@ -11,8 +11,13 @@ keys, hash conversion) are handed in once per process by that patch (`UnitTracke
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+# vLLM's objects, by the names they have there: this module imports no vLLM (see the module docstring)
+BlockPool = Any
+Request = Any
+KVCacheBlock = Any
 
 
 class VllmEventApi(NamedTuple):
@@ -57,7 +62,7 @@ class UnitTracker:
     # any tracker is built: this module imports no vLLM
     vllm: VllmEventApi | None = None
 
-    def __init__(self, pool, units_per_block: dict[int, int], coarse: bool):
+    def __init__(self, pool: BlockPool, units_per_block: dict[int, int], coarse: bool) -> None:
         vllm = self.vllm
         if vllm is None:
             raise RuntimeError("UnitTracker.vllm is unset: patches/sub_block_events.py binds vLLM's event API")
@@ -85,7 +90,8 @@ class UnitTracker:
         self.removed_coarse: dict[int, list] = {}
         self.removed_units: dict[int, list] = {}
 
-    def cache(self, request, group: int, blocks: list, start: int, end: int, mask=None) -> None:
+    def cache(self, request: Request, group: int, blocks: list[KVCacheBlock], start: int, end: int,
+              mask: Sequence[bool] | None = None) -> None:
         """blocks[start:end] of the request now hold all their units.
 
         Hashes are converted for the whole range at once, but for the units the first block already
@@ -147,7 +153,7 @@ class UnitTracker:
                 parent = self.event_hashes(request, start * r - 1, start * r)[0]
         self._announce(request, group, r, block_runs, unit_runs, conv, tokens, parent)
 
-    def cache_partial(self, request, group: int, block, index: int, n: int) -> None:
+    def cache_partial(self, request: Request, group: int, block: KVCacheBlock, index: int, n: int) -> None:
         """Block `index` of the request now holds its first n units (vLLM's partial key at the
         prompt's last hash boundary, 0 < n < units per block). Only units the block did not hold
         yet are converted and announced: vLLM registers that boundary again at every later step
@@ -180,7 +186,7 @@ class UnitTracker:
         parent = held[k - 1] if k else before
         self._announce(request, group, r, (), [[first + k, first + n, 0]], held[k:], {}, parent)
 
-    def cache_hit(self, request, group: int, n: int) -> None:
+    def cache_hit(self, request: Request, group: int, n: int) -> None:
         """The request's first n units are a prefix-cache hit, to be announced again (vLLM's
         `kv_cache_report_mode` "full", for gateways that learn about hits): one unit event from
         the first unit, and coarse keys for the whole blocks among them."""
@@ -189,7 +195,7 @@ class UnitTracker:
         conv = self.event_hashes(request, 0, n)
         self._announce(request, group, r, block_runs, [[0, n, 0]], conv, {}, None)
 
-    def event_hashes(self, request, lo: int, hi: int) -> list:
+    def event_hashes(self, request: Request, lo: int, hi: int) -> list[Any]:
         """The request's unit hashes [lo, hi) in event form: a slice of those converted as vLLM
         computed them, or converted now (a request hashed before the tracker existed, or whose
         hashes vLLM truncated since)."""
@@ -199,7 +205,7 @@ class UnitTracker:
         return self.to_event_hashes(request.block_hashes[lo:hi])
 
     @staticmethod
-    def _join(heads: dict, holders, entry: tuple) -> int:
+    def _join(heads: dict[Any, Any], holders: Any, entry: tuple[Any, ...]) -> int:
         """Add a block's new entry to the other holders of its first unit; returns how many of
         its units they hold. The callers record a block alone at its first unit (the usual case)
         themselves, saving a call per cached block."""
@@ -273,8 +279,8 @@ class UnitTracker:
                 queue.append(removed(block_hashes=hashes, medium=medium, group_idx=group))
             pending.clear()
 
-    def _announce(self, request, group: int, r: int, block_runs, unit_runs, conv: list, tokens: dict,
-                  parent_before) -> None:
+    def _announce(self, request: Request, group: int, r: int, block_runs: Sequence[Any], unit_runs: Sequence[Any],
+                  conv: list[Any], tokens: dict[Any, Any], parent_before: Any) -> None:
         """One BlockStored per run of consecutive fresh keys, chained to the key before: first the
         runs of whole blocks (coarse keys of r units), then the runs of units. Pending removals
         are sent before.
@@ -331,7 +337,7 @@ class UnitTracker:
                 )
 
 
-def _shared(units: list, holders: list, skip=None) -> int:
+def _shared(units: list[Any], holders: list[Any], skip: object = None) -> int:
     """How many of `units` (a block's, from its first) other holders hold: the longest prefix
     any of them shares with it. Hashes chain, so two blocks agree at unit j exactly when they
     agree on every unit before it: a holder that differs at the best length so far is passed

@@ -43,8 +43,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Iterable
-from typing import IO
+from collections.abc import Hashable, Iterable
+from typing import IO, Any
 
 from vllm_kvbm_plugin.events.types import (
     LOCALITY_REMOTE,
@@ -139,7 +139,7 @@ class Validator:
     announcement looks (a block recomputed and announced twice)."""
 
     def __init__(self, max_problems_kept: int = 1000, prompts: Iterable[Prompt] | None = None,
-                 reuse_reports: bool = False):
+                 reuse_reports: bool = False) -> None:
         # index key (dp, medium, locality, ownership, group, stream) -> its index; dp and stream are
         # None for REMOTE tiers (shared by every publisher)
         self._held: dict[tuple, _Index] = {}
@@ -155,7 +155,8 @@ class Validator:
         # blocks placed on a prompt; kept after removal, since a hash names the same tokens forever
         self._placed: dict[tuple, tuple[int, dict[int, tuple]]] = {}
         self.prompt_blocks: Counter[str] = Counter()  # "checked", "with_images"
-        self._stream_tiers: dict = {}  # stream -> tiers it announced (for AllBlocksCleared)
+        # stream -> the tiers (medium, locality, ownership) it announced (for AllBlocksCleared)
+        self._stream_tiers: dict[Hashable, set[tuple[str | None, str | None, str | None]]] = {}
         self.reuse_reports: int | None = 0 if reuse_reports else None  # hashes announced again
 
     @property
@@ -175,7 +176,7 @@ class Validator:
                         out |= hashes
         return out
 
-    def apply(self, batch: KVEventBatch, seq: int | None = None, stream=None) -> None:
+    def apply(self, batch: KVEventBatch, seq: int | None = None, stream: Hashable = None) -> None:
         """Apply one batch of the publisher `stream` (any hashable name; None for one stream)."""
         self.batches += 1
         dp = batch.data_parallel_rank
@@ -195,14 +196,14 @@ class Validator:
                     if key[0] == dp and key[5] == stream and key[1] in (MEDIUM_GPU, None):
                         index.sizes = {}
 
-    def _key(self, dp, ev, stream) -> tuple:
+    def _key(self, dp: int | None, ev: BlockStored | BlockRemoved, stream: Hashable) -> tuple[Any, ...]:
         tier = (ev.medium, ev.locality, ev.ownership)
         self._stream_tiers.setdefault(stream, set()).add(tier)
         if ev.locality == LOCALITY_REMOTE:
             return (None, *tier, ev.group_idx, None)
         return (dp, *tier, ev.group_idx, stream)
 
-    def _stored(self, gkey: tuple, ev: BlockStored, seq) -> None:
+    def _stored(self, gkey: tuple[Any, ...], ev: BlockStored, seq: int | None) -> None:
         sparse = ev.kv_cache_spec_kind in SPARSE_KINDS
         index = self._held.get(gkey) or self._new_index(gkey)
         held = index.sizes.setdefault(ev.block_size, set())
@@ -246,11 +247,12 @@ class Validator:
         return ev.medium not in (None, MEDIUM_GPU) and bs > 0 and any(
             h in held for size, held in index.sizes.items() if size % bs == 0)
 
-    def _check_extra_keys(self, ev: BlockStored, seq) -> None:
+    def _check_extra_keys(self, ev: BlockStored, seq: int | None) -> None:
         """Place each block on the prompts its token chain is a prefix of and compare its extra_keys.
         A prompt stays "ok" along a chain while every block matched it, so a chain cannot borrow
         one block's images from a prompt and the next block's from another."""
         bs, prompts = ev.block_size, self.prompts
+        assert prompts is not None  # checked by the caller
         keys = ev.extra_keys or []
         parent = ev.parent_block_hash
         for i, h in enumerate(ev.block_hashes):
@@ -283,7 +285,7 @@ class Validator:
                 placed = {p: (b, True) for p, (b, _) in placed.items()}  # reported once, not per child
             self._placed[(bs, h)] = (start, placed)
 
-    def _removed(self, gkey: tuple, ev: BlockRemoved, seq) -> None:
+    def _removed(self, gkey: tuple[Any, ...], ev: BlockRemoved, seq: int | None) -> None:
         index = self._held.get(gkey) or self._new_index(gkey)
         sizes = index.sizes
         rest = ev.block_hashes
@@ -303,7 +305,7 @@ class Validator:
         index = self._held[gkey] = _Index()
         return index
 
-    def _problem(self, rule: str, seq, detail: str, gkey: tuple | None = None) -> None:
+    def _problem(self, rule: str, seq: int | None, detail: str, gkey: tuple[Any, ...] | None = None) -> None:
         self.counts[rule] += 1
         if len(self.problems) < self.max_problems_kept:
             self.problems.append(Problem(rule, seq, detail, _tier(gkey).label if gkey else None))
@@ -344,7 +346,7 @@ def _images_in(prompt: Prompt, start: int, bs: int) -> list[tuple[int, Image, in
             if im.offset < start + bs and start < im.offset + im.length]
 
 
-def _mm_keys(entry) -> list[tuple]:
+def _mm_keys(entry: Iterable[Any] | None) -> list[tuple[Any, ...]]:
     """The image pairs of one block's event extra_keys entry (other entries are bare values)."""
     return [tuple(k) for k in entry or () if isinstance(k, (list, tuple)) and len(k) == 2]
 
@@ -354,13 +356,13 @@ def _match(prompt: Prompt, start: int, bs: int, got: list[tuple], bound: tuple) 
     want = _images_in(prompt, start, bs)
     if len(want) != len(got):
         return None
-    bound = list(bound)
+    now = list(bound)
     for (k, im, off), (ident, got_off) in zip(want, got):
-        expected = im.identifier or bound[k]  # None: any identifier, bound from here on
+        expected = im.identifier or now[k]  # None: any identifier, bound from here on
         if got_off != off or (expected is not None and ident != expected):
             return None
-        bound[k] = ident
-    return tuple(bound)
+        now[k] = ident
+    return tuple(now)
 
 
 def _tier(gkey: tuple) -> Tier:
@@ -374,5 +376,5 @@ def _where(gkey: tuple) -> str:
             + (f" stream {stream}" if stream is not None else ""))
 
 
-def _short(h) -> str:
+def _short(h: object) -> str:
     return h.hex()[:16] if isinstance(h, bytes) else f"{h:#x}" if isinstance(h, int) else repr(h)

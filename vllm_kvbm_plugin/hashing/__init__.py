@@ -23,7 +23,7 @@ _encode = msgspec.msgpack.Encoder().encode  # the same bytes as spec's msgspec.m
 class Keyer:
     """Block keys under one 16-byte secret. Its repr never shows the secret."""
 
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes) -> None:
         k0, k1 = spec.secret_words(secret)
         self._secret = bytes(secret)
         self._k0, self._k1 = np.uint64(k0), np.uint64(k1)

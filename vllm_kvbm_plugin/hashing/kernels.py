@@ -72,7 +72,8 @@ def _after_tag(k0, k1, tag):
 
 
 @numba.njit(cache=True, nogil=True)
-def unit_keys(tokens, unit, root_a, root_b, extras, k0, k1):
+def unit_keys(tokens: np.ndarray, unit: int, root_a: np.uint64, root_b: np.uint64, extras: np.ndarray,
+              k0: np.uint64, k1: np.uint64) -> np.ndarray:
     """tokens: int64[n]; extras: uint64[n // unit, 2] (zeros = none) -> uint64[n // unit, 2].
 
     Token hashes do not depend on the parent, so they are computed first, two units at a time:
@@ -131,7 +132,8 @@ def _word(data, base, n):
 
 
 @numba.njit(cache=True, nogil=True)
-def siphash(data, k0, k1, c, d, wide):
+def siphash(data: bytes | np.ndarray, k0: np.uint64, k1: np.uint64, c: int, d: int,
+            wide: bool) -> tuple[np.uint64, np.uint64]:
     """spec.siphash of a bytes object (or uint8 array), as (first half, second half); the 64-bit
     output is the first half when not `wide`. For the published test vectors."""
     n = len(data)
@@ -150,7 +152,7 @@ def siphash(data, k0, k1, c, d, wide):
 
 
 @numba.njit(cache=True, nogil=True)
-def extra_hash(data, k0, k1):
+def extra_hash(data: bytes | np.ndarray, k0: np.uint64, k1: np.uint64) -> tuple[np.uint64, np.uint64]:
     """spec.extra_hash of already msgpack-encoded extra keys `data`: SipHash of the extra tag and
     `data`."""
     n = len(data)

@@ -17,6 +17,7 @@ its tier directory name to remove what spec 1 left on disk, and the tests show w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, overload
 
 import msgspec
 
@@ -57,7 +58,15 @@ def secret_words(secret: bytes) -> tuple[int, int]:
     return int.from_bytes(secret[:8], "little"), int.from_bytes(secret[8:], "little")
 
 
-def siphash(secret: bytes, data: bytes, c: int = C_ROUNDS, d: int = D_ROUNDS, wide: bool = True):
+@overload
+def siphash(secret: bytes, data: bytes, c: int = ..., d: int = ..., wide: Literal[True] = ...) -> Key: ...
+@overload
+def siphash(secret: bytes, data: bytes, c: int, d: int, wide: Literal[False]) -> int: ...
+@overload
+def siphash(secret: bytes, data: bytes, c: int = ..., d: int = ..., *, wide: Literal[False]) -> int: ...
+
+
+def siphash(secret: bytes, data: bytes, c: int = C_ROUNDS, d: int = D_ROUNDS, wide: bool = True) -> Key | int:
     """SipHash-c-d of `data` under the 16-byte key `secret`: with `wide`, the 128-bit output as
     (first 64-bit half, second half), else the 64-bit output. With c=2, d=4 this is the paper's
     SipHash-2-4 (tested against the published vectors)."""

@@ -18,10 +18,12 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 import numpy as np
-from vllm.v1.kv_offload.base import Medium, OffloadingEvent, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.base import Medium, OffloadingEvent, OffloadingSpec, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
 from vllm_kvbm_plugin.tiers.mac import mac_key
@@ -46,7 +48,7 @@ def file_key(key: bytes) -> tuple[int, int]:
     return int.from_bytes(d[:8], "big"), int.from_bytes(d[8:], "big")
 
 
-def layout_fingerprint(spec, chunk_bytes: int, secret: bytes) -> bytes:
+def layout_fingerprint(spec: OffloadingSpec, chunk_bytes: int, secret: bytes) -> bytes:
     """16 bytes naming everything that makes a chunk's bytes mean what they mean: model, dtype,
     groups, chunk geometry, parallelism, KV layout, keyed by the tier secret. Stable across
     restarts of the same setup."""
@@ -72,8 +74,9 @@ class ChunkTier(SecondaryTierManager):
 
     medium = Medium.STORAGE
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, kind: str,
-                 enable_kv_events: bool, secret: bytes, backpressure_detector=None):
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str, kind: str,
+                 enable_kv_events: bool, secret: bytes,
+                 backpressure_detector: BackpressureDetector | None = None) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.chunk_bytes = self.block_size_bytes
         rows = np.asarray(primary_kv_view)
@@ -83,7 +86,8 @@ class ChunkTier(SecondaryTierManager):
         self.ownership = f"{kind}:{self.fingerprint.hex()}"
         events_on = bool(enable_kv_events) and offloading_spec.kv_events_config.enable_kv_cache_events
         self._events: list[OffloadingEvent] | None = [] if events_on else None
-        self._jobs: dict[int, tuple[list[concurrent.futures.Future], bool, list]] = {}
+        # job id -> (futures, is a load, the work as the tier's completion reads it)
+        self._jobs: dict[int, tuple[list[concurrent.futures.Future[Any]], bool, Any]] = {}
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()

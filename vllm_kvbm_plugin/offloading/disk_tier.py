@@ -35,17 +35,20 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
 
 import msgspec
-from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext
+import numpy as np
+from vllm.v1.kv_offload.base import Locality, LookupResult, OffloadingSpec, OffloadKey, ReqContext
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.offloading.chunks import ChunkMeta, ChunkTier, decode_meta, encode_meta, file_key
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request
 from vllm_kvbm_plugin.tiers import block_dir, block_file
-from vllm_kvbm_plugin.tiers.index import TierIndex
+from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 from vllm_kvbm_plugin.tiers.pinned import PinnedStores, restore
 from vllm_kvbm_plugin.tiers.policies import make_policy
 from vllm_kvbm_plugin.tiers.secret import tier_secret
@@ -59,11 +62,11 @@ class KVBMDiskTier(ChunkTier):
     SecondaryTierFactory in the EngineCore process; its index, pins and events live on the
     scheduler thread, its pool threads only read and write files."""
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, path: str,
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str, path: str,
                  bytes_to_use: int, eviction_policy: str = "lineage", threads: int = 8,
                  fsync: bool = False, direct_io: bool = False, enable_kv_events: bool = True,
                  locality: str | None = None,
-                 backpressure_detector=None):
+                 backpressure_detector: BackpressureDetector | None = None) -> None:
         self.root = os.path.abspath(path)
         super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-disk", enable_kv_events,
                          tier_secret(None, self.root).key, backpressure_detector)
@@ -86,10 +89,10 @@ class KVBMDiskTier(ChunkTier):
                     self.base, self.index.capacity, self.chunk_bytes, eviction_policy, len(self.index))
 
     # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
-    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         return LookupResult.HIT if self.index.ready(key) is not None else LookupResult.MISS
 
-    def touch(self, keys, req_context: ReqContext) -> None:
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
             if key in self.index:
                 self.index.touch(key)
@@ -133,10 +136,11 @@ class KVBMDiskTier(ChunkTier):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
-        self._rows = None  # vLLM closes the primary tier's mmap next: no view of it may remain
+        self._rows = np.empty((0, 0), np.uint8)  # vLLM closes the primary tier's mmap next: no view of it may remain
 
     # ---- completions (scheduler thread) -------------------------------------------------------
-    def _finish_store(self, job_id: int, work: list, ok_keys: set, seconds) -> JobResult:
+    def _finish_store(self, job_id: int, work: list[tuple[OffloadKey, int, bytes]], ok_keys: set[OffloadKey],
+                      seconds: float | None) -> JobResult:
         stored = []
         for key, _, _ in work:
             if self._stores.settle(key, key in ok_keys)[0] is not None:
@@ -148,7 +152,8 @@ class KVBMDiskTier(ChunkTier):
         return JobResult(job_id, success=len(ok_keys) == len(work), transfer_time=seconds,
                          transfer_bytes=len(ok_keys) * self.chunk_bytes)
 
-    def _finish_load(self, job_id: int, keys: tuple, ok_keys: set, seconds) -> JobResult:
+    def _finish_load(self, job_id: int, keys: tuple[list[OffloadKey], list[Entry]], ok_keys: set[OffloadKey],
+                     seconds: float | None) -> JobResult:
         job_keys, pinned = keys
         self.index.unpin_all(pinned)
         bad = [e.key for e in pinned if e.key not in ok_keys and self.index.entries.get(e.key) is e]
@@ -183,7 +188,8 @@ class KVBMDiskTier(ChunkTier):
         except OSError:
             pass
 
-    def _spread(self, fn, work: list) -> list[concurrent.futures.Future]:
+    def _spread(self, fn: Callable[[list[Any]], tuple[set[OffloadKey], float]],
+                work: list[Any]) -> list[concurrent.futures.Future[tuple[set[OffloadKey], float]]]:
         """fn over `work` on the pool, in up to `threads` parts of at least _PART files (a part
         per thread lets a job's file creations and reads wait in the file system side by side)."""
         n = max(1, min(self.threads, len(work) // _PART))

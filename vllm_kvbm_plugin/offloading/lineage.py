@@ -8,8 +8,13 @@ request's ReqContext. The parent of a key is the key of the same group that ends
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from vllm_kvbm_plugin import compat
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 
 
 @dataclasses.dataclass
@@ -17,17 +22,17 @@ class _RequestLineage:
     """Per request (kept in its ReqContext): each key's parent, rebuilt when the connector has
     named more keys since (once per step and request, not once per stored chunk)."""
     known: int = 0
-    parents: dict = dataclasses.field(default_factory=dict)  # key -> parent key or None
+    parents: dict[OffloadKey, OffloadKey | None] = dataclasses.field(default_factory=dict)  # key -> parent key or None
 
 
-def _parents(req_context) -> dict:
+def _parents(req_context: ReqContext) -> dict[OffloadKey, OffloadKey | None]:
     positions = compat.offload_key_positions(req_context)
     state = req_context.get_state(_RequestLineage)
     if state is None or state.known != len(positions):
-        by_group: dict = {}
+        by_group: dict[bytes, list[tuple[int, OffloadKey]]] = {}
         for k, p in positions.items():
             by_group.setdefault(k[-4:], []).append((p, k))
-        parents: dict = {}
+        parents: dict[OffloadKey, OffloadKey | None] = {}
         for items in by_group.values():
             items.sort()
             before, last, last_pos = None, None, None
@@ -41,7 +46,7 @@ def _parents(req_context) -> dict:
     return state.parents
 
 
-def parent_in_request(key: bytes, req_context) -> bytes | None:
+def parent_in_request(key: OffloadKey, req_context: ReqContext | None) -> OffloadKey | None:
     """The key of `key`'s group that ends right before it in this request, or None (the first
     chunk, or positions unknown)."""
     if req_context is None:
@@ -49,7 +54,8 @@ def parent_in_request(key: bytes, req_context) -> bytes | None:
     return _parents(req_context).get(key)
 
 
-def parents_in_request(keys, req_context) -> dict:
+def parents_in_request(keys: Iterable[OffloadKey],
+                       req_context: ReqContext | None) -> dict[OffloadKey, OffloadKey | None]:
     """{key: parent_in_request(key)} for each of `keys`, in their order."""
     if req_context is None:
         return dict.fromkeys(keys)

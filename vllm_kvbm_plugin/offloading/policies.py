@@ -19,15 +19,14 @@ loaded) and finds a stored chunk's parent from the request's key positions (line
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from typing import cast
 
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
 from vllm_kvbm_plugin.offloading.lineage import parent_in_request, parents_in_request
-from vllm_kvbm_plugin.tiers.policies import Lineage, MultiLRU, InEither
-
-
-_UNKNOWN = object()  # a key on_store_miss did not name
+from vllm_kvbm_plugin.tiers.policies import EvictionPolicy, InEither, Lineage, MultiLRU
 
 
 class _PolicyAdapter(CachePolicy):
@@ -35,58 +34,60 @@ class _PolicyAdapter(CachePolicy):
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self.chunks: dict[bytes, ChunkStatus] = {}
-        self._busy: set[bytes] = set()  # ref_cnt != 0: never a victim
-        self._parents: dict[bytes, bytes | None] = {}  # of the last store miss's keys
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self._busy: set[OffloadKey] = set()  # ref_cnt != 0: never a victim
+        self._parents: dict[OffloadKey, OffloadKey | None] = {}  # of the last store miss's keys
         self.policy = self._new_policy()
-        self.get = self.chunks.get  # vLLM's manager asks per key: no Python frame per call
+        # vLLM's manager asks per key: the dict's own get, no Python frame per call
+        self.get = self.chunks.get  # type: ignore[method-assign, assignment]
 
-    def _new_policy(self):
+    def _new_policy(self) -> EvictionPolicy:
         raise NotImplementedError
 
-    def get(self, key):
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
 
-    def insert(self, key, chunk: ChunkStatus, req_context=None) -> None:
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext | None = None) -> None:
         # vLLM 0.33 passes the storing request's context; 0.32 does not (on_store_miss told us)
-        parent = self._parents.pop(key, _UNKNOWN)
-        if parent is _UNKNOWN:
+        if key in self._parents:
+            parent = self._parents.pop(key)
+        else:
             parent = parent_in_request(key, req_context)
         self.chunks[key] = chunk
         if chunk.ref_cnt != 0:
             self._busy.add(key)
         self._add(key, parent)
 
-    def _add(self, key, parent) -> None:
+    def _add(self, key: OffloadKey, parent: OffloadKey | None) -> None:
         self.policy.add(key, parent)
 
-    def remove(self, key) -> None:
+    def remove(self, key: OffloadKey) -> None:
         self.chunks.pop(key, None)
         self._busy.discard(key)
         self.policy.remove(key)
 
-    def touch(self, keys: Iterable, req_context=None) -> None:
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext | None = None) -> None:
         # head last, so a prefix's first chunk ends up the most recent (as vLLM's lru)
         for key in reversed(list(keys)):
             self.policy.touch(key)
 
-    def on_store_miss(self, keys: Iterable, req_context=None) -> None:
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext | None = None) -> None:
         """Called by vLLM right before the misses are inserted: note each one's parent."""
         self._parents = parents_in_request(keys, req_context)
 
-    def evict(self, n: int, protected: set):
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
         victims = self.policy.victims(n, InEither(self._busy, protected))
         if victims is None or not self._admit(victims):
             return None
-        out = []
-        for key in victims:
+        out: list[tuple[OffloadKey, ChunkStatus]] = []
+        for key in cast("list[OffloadKey]", victims):  # the policy holds our keys
             out.append((key, self.chunks.pop(key)))
             self.policy.remove(key)
         return out
 
-    def _admit(self, victims: list) -> bool:
+    def _admit(self, victims: list[Hashable]) -> bool:
         return True
 
     def clear(self) -> None:
@@ -95,36 +96,38 @@ class _PolicyAdapter(CachePolicy):
         self._parents.clear()
         self.policy = self._new_policy()
 
-    def mark_evictable(self, key) -> None:
+    def mark_evictable(self, key: OffloadKey) -> None:
         self._busy.discard(key)
 
-    def mark_non_evictable(self, key) -> None:
+    def mark_non_evictable(self, key: OffloadKey) -> None:
         self._busy.add(key)
 
 
 class LineageCachePolicy(_PolicyAdapter):
     """Leaf-first LRU: never evicts a chunk whose child is held (tiers.policies.Lineage)."""
 
-    def _new_policy(self):
+    def _new_policy(self) -> EvictionPolicy:
         return Lineage()
 
 
 class MultiLRUCachePolicy(_PolicyAdapter):
     """Frequency levels with TinyLFU admission (tiers.policies.MultiLRU)."""
 
-    def _new_policy(self):
+    policy: MultiLRU
+
+    def _new_policy(self) -> MultiLRU:
         return MultiLRU()
 
-    def on_store_miss(self, keys: Iterable, req_context=None) -> None:
-        keys = list(keys)
-        super().on_store_miss(keys, req_context)
-        for key in keys:
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext | None = None) -> None:
+        listed = list(keys)
+        super().on_store_miss(listed, req_context)
+        for key in listed:
             self.policy.record_miss(key)  # the access that asks for the store
 
-    def _add(self, key, parent) -> None:
+    def _add(self, key: OffloadKey, parent: OffloadKey | None) -> None:
         self.policy.add_counted(key)  # its store miss was the access
 
-    def _admit(self, victims: list) -> bool:
+    def _admit(self, victims: list[Hashable]) -> bool:
         """Each newcomer (hottest first) against the victim it displaces (coldest first)."""
         incoming = [k for k in self._parents if k not in self.chunks]
         if not incoming:
@@ -132,8 +135,8 @@ class MultiLRUCachePolicy(_PolicyAdapter):
         incoming.sort(key=self.policy.sketch.estimate, reverse=True)
         return all(self.policy.admit(incoming[min(i, len(incoming) - 1)], v) for i, v in enumerate(victims))
 
-    def on_request_finished(self, key_groups: Sequence[Sequence], insertion_only_keys: set,
-                            reused_keys: set, req_context=None) -> None:
+    def on_request_finished(self, key_groups: Sequence[Sequence[OffloadKey]], insertion_only_keys: set[OffloadKey],
+                            reused_keys: set[OffloadKey], req_context: ReqContext | None = None) -> None:
         """A reuse is an access; a chunk this request only inserted was counted at its miss."""
         for keys in key_groups:
             self.touch([k for k in keys if k in reused_keys], req_context)

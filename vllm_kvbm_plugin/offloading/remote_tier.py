@@ -30,9 +30,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext
+import numpy as np
+from vllm.v1.kv_offload.base import Locality, LookupResult, OffloadingSpec, OffloadKey, ReqContext, ScheduleEndContext
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
@@ -44,6 +47,9 @@ from vllm_kvbm_plugin.tiers.breaker import Breaker
 from vllm_kvbm_plugin.tiers.secret import tier_secret
 
 logger = get_logger("offloading")
+
+
+T = TypeVar("T")
 
 
 class _Exists(AsyncLookupManager):
@@ -73,7 +79,7 @@ class _Exists(AsyncLookupManager):
             return [False] * len(keys)
 
 
-def _remember(keys: collections.OrderedDict, key, limit: int) -> None:
+def _remember(keys: collections.OrderedDict[OffloadKey, bool], key: OffloadKey, limit: int) -> None:
     """Add `key` (as the newest), forgetting the oldest beyond `limit`."""
     keys[key] = True
     keys.move_to_end(key)
@@ -88,8 +94,8 @@ class KVBMRemoteTier(ChunkTier):
 
     MAX_ANNOUNCED = 1 << 20  # announced keys remembered (for their removals)
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str, url: str,
-                 enable_kv_events: bool = True, backpressure_detector=None):
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str, url: str,
+                 enable_kv_events: bool = True, backpressure_detector: BackpressureDetector | None = None) -> None:
         resp.check_url(url)
         secret = tier_secret(url, None)
         super().__init__(offloading_spec, primary_kv_view, tier_type, "kvbm-remote", enable_kv_events,
@@ -101,10 +107,10 @@ class KVBMRemoteTier(ChunkTier):
         self.prefix = remote_value.key_prefix(root, 0)
         self.breakers = {side: Breaker(f"offloading {side}", url) for side in ("lookup", "load", "store")}
         self._io = {op: concurrent.futures.ThreadPoolExecutor(1, f"kvbm-remote-{op}") for op in ("load", "store")}
-        self._clients: dict = {}  # "load" / "store" -> the client its thread uses
+        self._clients: dict[str, Any] = {}  # "load" / "store" -> the client its thread uses
         # keys this instance announced: Stored once each, Removed only for those (a value another
         # instance wrote is announced in that instance's stream)
-        self._announced: collections.OrderedDict = collections.OrderedDict()
+        self._announced: collections.OrderedDict[OffloadKey, bool] = collections.OrderedDict()
         self.failed_writes = self.failed_loads = 0
         self._lookups = _Exists(self)
         logger.info("KVBMRemoteTier: %s, chunks of %d bytes under %s*", redact_url(url), self.chunk_bytes,
@@ -115,13 +121,13 @@ class KVBMRemoteTier(ChunkTier):
         return self.prefix + block_dir.key_hex(file_key(key))
 
     # ---- vLLM's SecondaryTierManager verbs (scheduler thread) --------------------------------
-    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         found = self._lookups.lookup(key, req_context)
         if found is None:
             return LookupResult.RETRY
         return LookupResult.HIT if found else LookupResult.MISS
 
-    def on_schedule_end(self, context) -> None:
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._lookups.flush()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -172,10 +178,10 @@ class KVBMRemoteTier(ChunkTier):
         self._lookups.shutdown()
         for pool in self._io.values():
             pool.shutdown(wait=True)
-        self._rows = None  # vLLM closes the primary tier's mmap next: no view of it may remain
+        self._rows = np.empty((0, 0), np.uint8)  # vLLM closes the primary tier's mmap next: no view of it may remain
 
     # ---- I/O (one thread per direction) -------------------------------------------------------
-    def _call(self, op: str, fn):
+    def _call(self, op: str, fn: Callable[[Any], T]) -> T | None:
         """fn(client) on `op`'s connection, through its breaker; None when the server failed."""
         breaker = self.breakers[op]
         if self.off or not breaker.allow():
@@ -197,7 +203,7 @@ class KVBMRemoteTier(ChunkTier):
         the slot's rows, not joined, on a redis:// or unix:// server)."""
         t0 = time.perf_counter()
 
-        def write(client) -> set:
+        def write(client: Any) -> set[OffloadKey]:
             names = [self.name(w[0]) for w in work]
             held = {w[0] for w, r in zip(work, resp.run(client, [("EXISTS", n) for n in names])) if r == 1}
             missing = [(w, n) for w, n in zip(work, names) if w[0] not in held]

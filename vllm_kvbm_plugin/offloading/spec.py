@@ -24,11 +24,22 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
 from vllm.platforms import current_platform
-from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingManager,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -41,7 +52,7 @@ MODULE = "vllm_kvbm_plugin.offloading"
 DEFAULT_DISK_BYTES = 10 << 30
 
 
-def with_defaults(extra: dict) -> dict:
+def with_defaults(extra: Mapping[str, Any]) -> dict[str, Any]:
     """kv_connector_extra_config with our defaults filled in."""
     extra = dict(extra)
     # tier events with hashes, parents, tokens and (patches/offload_events.py) image keys, as a
@@ -69,24 +80,26 @@ class KVBMOffloadingSpec(TieringOffloadingSpec):
     our defaults (policies, KVBMDiskTier/KVBMRemoteTier as secondary tiers) and, on the CPU platform
     where vLLM has no worker, our KVBMCPUWorker. Built in the scheduler and in each worker."""
 
-    def __init__(self, config):
+    def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(dataclasses.replace(config, extra_config=with_defaults(config.extra_config)))
 
-    def get_manager(self):
+    def get_manager(self) -> OffloadingManager:
         manager = super().get_manager()
         if not vllm_has_a_worker():  # our worker knows the name may be gone (KVBMCPUWorker.shutdown)
             release_region_name(getattr(self, "_scheduler_mmap", None))
         return manager
 
-    def get_worker(self, kv_caches):
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if vllm_has_a_worker():
             return super().get_worker(kv_caches)
         if self._worker is None:
-            self._worker = cpu_platform_worker(self, kv_caches)
+            # vLLM's slot for its CPU worker holds ours on the CPU platform (where it has none)
+            self._worker = cpu_platform_worker(self, kv_caches)  # type: ignore[assignment]
+        assert self._worker is not None
         return self._worker
 
 
-def release_region_name(region) -> None:
+def release_region_name(region: SharedOffloadRegion | None) -> None:
     """Unlink the primary tier's /dev/shm file once the scheduler side has mapped it: every worker
     mapped it before (the engine registers the workers' KV caches before it builds the scheduler),
     so the name is no longer needed and the memory goes back when the engine's processes exit,
@@ -102,7 +115,7 @@ def release_region_name(region) -> None:
         logger.info("KVBMOffloadingSpec: unlinked %s (mapped by every process that uses it)", region.mmap_path)
 
 
-def cpu_platform_worker(spec, kv_caches) -> "KVBMCPUWorker":
+def cpu_platform_worker(spec: TieringOffloadingSpec, kv_caches: CanonicalKVCaches) -> KVBMCPUWorker:
     """A KVBMCPUWorker over the shared-memory primary tier of `spec` (vLLM's CPUOffloadingSpec or a
     subclass), where vLLM's own CPUOffloadingWorker would put its pages."""
     if spec.config.canonical_layout:
@@ -135,11 +148,13 @@ class KVBMCPUWorker(OffloadingWorker):
     memory (a chunk row holds every worker's pages; this worker's part of tensor t at the offset
     SharedOffloadRegion gives it, the chunk's `blocks_per_chunk` pages of t one after another)."""
 
-    def __init__(self, kv_caches, region: SharedOffloadRegion, blocks_per_chunk: int = 1):
-        self.region = region
+    def __init__(self, kv_caches: CanonicalKVCaches, region: SharedOffloadRegion, blocks_per_chunk: int = 1) -> None:
+        self.region: SharedOffloadRegion | None = region
         self.per_chunk = int(blocks_per_chunk)
         self.pool_words = _words(region.base_tensor, "the shared offload region")
-        self.pages, self.page_words, self.offsets = [], [], []
+        self.pages: list[np.ndarray] = []
+        self.page_words: list[int] = []
+        self.offsets: list[int] = []
         row_stride = None
         for i, t in enumerate(kv_caches.tensors):
             page = t.page_size_bytes
@@ -154,11 +169,13 @@ class KVBMCPUWorker(OffloadingWorker):
         self.refs = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
         self.finished: list[TransferResult] = []
 
-    def _pages_of(self, gpu_spec, chunks: np.ndarray):
+    def _pages_of(self, gpu_spec: GPULoadStoreSpec,
+                  chunks: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
         """Per group: (KV block ids, their chunks, their page index within the chunk), or None when
         the spec's counts do not add up. A group's blocks fill its chunks in order, the first
         chunk from page block_index % blocks_per_chunk on (vLLM's rule)."""
-        k, out, start, used = self.per_chunk, [], 0, 0
+        k, start, used = self.per_chunk, 0, 0
+        out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
         sizes, firsts = list(gpu_spec.group_sizes), gpu_spec.block_indices
         firsts = [0] * len(sizes) if firsts is None else list(firsts)
@@ -174,8 +191,9 @@ class KVBMCPUWorker(OffloadingWorker):
             start, used = start + size, used + n
         return out if used == len(chunks) else None
 
-    def _copy(self, job_id: int, gpu_spec, cpu_spec, to_pool: bool) -> bool:
+    def _copy(self, job_id: int, gpu_spec: GPULoadStoreSpec, cpu_spec: LoadStoreSpec, to_pool: bool) -> bool:
         t0 = time.perf_counter()
+        assert isinstance(cpu_spec, BlockIDsLoadStoreSpec)  # the primary tier's chunks
         chunks = np.asarray(cpu_spec.block_ids, dtype=np.int64)
         groups = self._pages_of(gpu_spec, chunks)
         if groups is None:
@@ -203,21 +221,22 @@ class KVBMCPUWorker(OffloadingWorker):
         self.finished.append(TransferResult(job_id, ok, nbytes if ok else None, time.perf_counter() - t0))
         return True
 
-    def submit_store(self, job_id, src_spec, dst_spec) -> bool:
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._copy(job_id, src_spec, dst_spec, to_pool=True)
 
-    def submit_load(self, job_id, src_spec, dst_spec, expedited: bool = False) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
         return self._copy(job_id, dst_spec, src_spec, to_pool=False)
 
     def get_finished(self) -> list[TransferResult]:
         done, self.finished = self.finished, []
         return done
 
-    def wait(self, job_ids) -> None:
+    def wait(self, job_ids: set[int]) -> None:
         return  # every copy is done when submit returns
 
     def shutdown(self) -> None:
-        self.pages, self.pool_words = [], None
+        self.pages, self.pool_words = [], np.empty(0, np.uint64)  # no view of the region may remain
         if self.region is not None:
             if not os.path.exists(self.region.mmap_path):  # released (release_region_name): nothing to unlink
                 self.region._creator = False

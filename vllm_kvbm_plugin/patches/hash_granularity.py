@@ -16,8 +16,14 @@ An explicit --prefix-match-unit always wins; KVBMConnector's `hash_block_size` c
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm_kvbm_plugin import __version__, config
 from vllm_kvbm_plugin.patches.wrapping import APPLIED, logger, wrap_method
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.engine.core import EngineCore
 
 NAME = "hash_granularity"
 _RECORD = "_kvbm_user_block_size"
@@ -73,7 +79,7 @@ def _wrap_init_kv_caches(orig):
     return _initialize_kv_caches
 
 
-def _preferred_unit(engine_core, vllm_config) -> int | None:
+def _preferred_unit(engine_core: EngineCore, vllm_config: VllmConfig) -> int | None:
     """The hash granularity to impose, or None to leave vLLM's choice alone."""
     if config.plugin_disabled():
         return None

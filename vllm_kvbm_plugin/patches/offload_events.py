@@ -30,9 +30,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     OffloadingEventsTracker,
     _OffloadEventMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
-from vllm.v1.core.kv_cache_utils import resolve_block_hashes, to_event_extra_keys
-from vllm.v1.kv_offload.base import Medium
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+    GroupOffloadConfig,
+    OffloadingConnectorScheduler,
+)
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    BlockHashListWithBlockSize,
+    resolve_block_hashes,
+    to_event_extra_keys,
+)
+from vllm.v1.kv_offload.base import Medium, OffloadingEvent
+from vllm.v1.request import Request
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.patches.wrapping import add_class_default, logger, wrap_method
@@ -75,7 +84,7 @@ def _wrap_placeholder(orig):
     return _placeholder_stored
 
 
-def _fill_extra_keys(meta, req, start: int) -> None:
+def _fill_extra_keys(meta: _OffloadEventMetadata, req: Request, start: int) -> None:
     """Per block of `meta` (tokens from `start` on): the keys vLLM hashed it with."""
     if meta.extra_keys is not None or not compat.has_extra_keys(req):
         return
@@ -104,13 +113,13 @@ def _wrap_partial_tail(orig):
     return _record_partial_tail
 
 
-def _chunk_metadata(req, g, chunk_idx: int):
+def _chunk_metadata(req: Request, g: GroupOffloadConfig, chunk_idx: int) -> _OffloadEventMetadata:
     """vLLM's `_build_event_metadata` payload of one whole chunk (its hashes at block size, the
     hash before it as parent, its tokens), built without its checks, with our image keys."""
     per_chunk, tokens = g.hashes_per_chunk, g.tokens_per_chunk
     first = chunk_idx * per_chunk
     hashes = req.block_hashes
-    chunk_hashes = hashes[first: first + per_chunk]
+    chunk_hashes: list[BlockHash] | BlockHashListWithBlockSize = hashes[first: first + per_chunk]
     per_hash = tokens // per_chunk
     if per_hash != g.tokens_per_block:
         chunk_hashes = resolve_block_hashes(chunk_hashes, per_hash, g.tokens_per_block)
@@ -138,12 +147,12 @@ def _wrap_take_stored(orig):
     return _take_stored_event
 
 
-def _self_describing_stored(tracker, event) -> list:
+def _self_describing_stored(tracker: OffloadingEventsTracker, event: OffloadingEvent) -> list[BlockStored]:
     """vLLM's BlockStored of each key of a store event, its hashes converted a list at a time."""
     global _warned_no_payload
-    convert = tracker._kvbm_convert
+    convert = tracker._kvbm_convert  # type: ignore[attr-defined]  # ours: add_class_default
     if convert is None:
-        convert = tracker._kvbm_convert = compat.event_hash_converter()
+        convert = tracker._kvbm_convert = compat.event_hash_converter()  # type: ignore[attr-defined]
     pending = tracker._pending_event_metadata
     locality = event.locality.value if event.locality is not None else None
     medium, ownership = event.medium, event.ownership
@@ -191,21 +200,22 @@ def _wrap_take_events(orig):
     return take_events
 
 
-def parents_first(stored: list) -> list:
+def parents_first(stored: list[BlockStored]) -> list[BlockStored]:
     """`stored` reordered so that an event whose parent another of them stores (same medium,
     ownership and group) comes after that one; otherwise in the given order."""
     if len(stored) < 2:
         return stored
-    by_last = {}
+    by_last: dict[tuple[str | None, str | None, int | None, object], int] = {}
     for i, ev in enumerate(stored):
         if ev.block_hashes:
             by_last[(ev.medium, ev.ownership, ev.group_idx, ev.block_hashes[-1])] = i
     if all(by_last.get((ev.medium, ev.ownership, ev.group_idx, ev.parent_block_hash), -1) < i
            for i, ev in enumerate(stored)):
         return stored  # already parents first (a request's chunks come in order): what emit() gives
-    out, done = [], [False] * len(stored)
+    out: list[BlockStored] = []
+    done = [False] * len(stored)
 
-    def emit(i: int) -> None:
+    def emit(i: int | None) -> None:
         chain = []
         while i is not None and not done[i]:
             done[i] = True  # marked before its parent: a cycle cannot loop

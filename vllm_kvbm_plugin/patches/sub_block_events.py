@@ -60,7 +60,7 @@ def _attach(manager: KVCacheManager) -> None:
         logger.warning("KVBM sub-block events are off: EAGLE hash lookahead is not supported yet")
         return
     coarse = config.coarse_events()
-    tracker = pool._kvbm_units = UnitTracker(pool, units_per_block, coarse)
+    tracker = pool._kvbm_units = UnitTracker(pool, units_per_block, coarse)  # type: ignore[attr-defined]  # ours: add_class_default
     convert = tracker.to_event_hashes  # `list` when event hashes are vLLM's bytes: nothing to keep
     UnitTracker.convert_on_hashing = None if convert is list else convert
     logger.info(

@@ -41,7 +41,7 @@ def is_wrapped(cls: type, name: str) -> bool:
     return hasattr(getattr(raw, "__func__", raw), _WRAPPED)
 
 
-def add_class_default(cls: type, name: str, value) -> bool:
+def add_class_default(cls: type, name: str, value: object) -> bool:
     """Give `cls` a class attribute `name`, once: the default of per-instance state that our
     wrappers then read as `self.name`. Never read a vLLM object's `__dict__` instead: on CPython
     3.11 that turns the instance's inline attribute values into a dict for good, and every

@@ -77,11 +77,10 @@ class RopeSpec:
         wavelen = 2 * math.pi / inv
         low_wavelen = self.original_max_position / self.low_freq_factor
         high_wavelen = self.original_max_position / self.high_freq_factor
+        smooth: torch.Tensor | float = 0.0
         if self.low_freq_factor != self.high_freq_factor:
             smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
                 self.high_freq_factor - self.low_freq_factor)
-        else:
-            smooth = 0
         blended = (1 - smooth) * inv / self.factor + smooth * inv
         return torch.where(wavelen < high_wavelen, inv,
                            torch.where(wavelen > low_wavelen, inv / self.factor, blended))

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import traceback
+from typing import Any
 
 
 def _child(job: dict) -> None:
@@ -68,24 +69,27 @@ def main() -> None:
 class ForkServer:
     """The client: starts the server (own session, stderr to `log_path`) and runs jobs on it."""
 
-    def __init__(self, log_path):
+    def __init__(self, log_path: str | os.PathLike[str]) -> None:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, bufsize=0, start_new_session=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # PIPEs
+        self._jobs, self._answers = self.proc.stdin, self.proc.stdout
 
-    def _answer(self, timeout: float) -> dict | None:
+    def _answer(self, timeout: float) -> dict[str, Any] | None:
         """The next answer line, or None after `timeout` seconds (unbuffered: select sees it all)."""
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+        if not select.select([self._answers], [], [], timeout)[0]:
             return None
-        line = self.proc.stdout.readline()
+        line = self._answers.readline()
         if not line:
             raise RuntimeError(f"the engine fork server died; its log: {self.log.name}")
-        return json.loads(line)
+        answer: dict[str, Any] = json.loads(line)
+        return answer
 
-    def run(self, job: dict, timeout: float) -> int | None:
+    def run(self, job: dict[str, Any], timeout: float) -> int | None:
         """Run one scenario; its exit code, or None if it ran out of time (then killed)."""
-        self.proc.stdin.write((json.dumps(job) + "\n").encode())
+        self._jobs.write((json.dumps(job) + "\n").encode())
         started = self._answer(120)  # the first job waits for the server's imports
         if started is None:
             raise RuntimeError(f"the engine fork server did not start a scenario; its log: {self.log.name}")
@@ -97,7 +101,7 @@ class ForkServer:
         return ended["rc"]
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self._jobs.close()
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

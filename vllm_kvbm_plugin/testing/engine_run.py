@@ -29,6 +29,13 @@ import os
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import LLM, RequestOutput, SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from vllm_kvbm_plugin.events.subscriber import Subscriber
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -40,7 +47,7 @@ def _model_dir(name: str) -> str:
     return str(tiny_models.build(name)) if name in tiny_models.KINDS else name
 
 
-def _prompt(p):
+def _prompt(p: list[int] | dict[str, Any]) -> Any:
     from vllm.inputs import TokensPrompt
 
     if isinstance(p, dict):
@@ -55,16 +62,16 @@ def _prompt(p):
     return TokensPrompt(prompt_token_ids=p)
 
 
-def _worker_hash_block_size(worker) -> int | None:
+def _worker_hash_block_size(worker: Any) -> int | None:
     return worker.vllm_config.cache_config.hash_block_size
 
 
-def metric_totals(prefix: str = "vllm:kvbm_") -> dict:
+def metric_totals(prefix: str = "vllm:kvbm_") -> dict[str, float]:
     """Our counters in prometheus_client's registry (vLLM's Prometheus stat logger), summed over
     the engine labels: {"name{label=value,...}": total}."""
     import prometheus_client
 
-    out: dict = {}
+    out: dict[str, float] = {}
     for metric in prometheus_client.REGISTRY.collect():
         for s in metric.samples:
             if s.name.startswith(prefix) and s.name.endswith("_total"):
@@ -74,7 +81,7 @@ def metric_totals(prefix: str = "vllm:kvbm_") -> dict:
     return out
 
 
-def _settle(llm, connector, timeout_s: float = 20.0) -> None:
+def _settle(llm: LLM, connector: KVConnectorBase_V1, timeout_s: float = 20.0) -> None:
     """Step the engine (one-token requests that store nothing) while the connector has pending
     push work: writes behind (disk, remote) finish and are announced in a later step. An engine
     core's busy loop keeps stepping while that holds, but an in-process `LLM.generate` returns as
@@ -89,7 +96,7 @@ def _settle(llm, connector, timeout_s: float = 20.0) -> None:
         time.sleep(0.01)
 
 
-def _offload_tier_counters(kv_connector) -> list:
+def _offload_tier_counters(kv_connector: KVConnectorBase_V1 | None) -> list[dict[str, Any]]:
     """Per secondary tier of vLLM's OffloadingConnector (in-process): its type and our tiers'
     failure counters (loads of damaged or foreign entries, failed writes); [] for other connectors."""
     sched = getattr(kv_connector, "connector_scheduler", None)
@@ -98,7 +105,7 @@ def _offload_tier_counters(kv_connector) -> list:
              "failed_writes": getattr(t, "failed_writes", None)} for t in tiers]
 
 
-def start_engine(spec: dict):
+def start_engine(spec: dict[str, Any]) -> tuple[LLM, Subscriber | None]:
     """(LLM, Subscriber of its KV events or None) for a scenario spec's "model", "llm" and "events"."""
     from vllm import LLM
 
@@ -109,7 +116,7 @@ def start_engine(spec: dict):
     # The SSM state in float32 whatever the CPU: vLLM's CPU platform keeps it in bfloat16 only
     # without AVX-512 BF16, and a smaller state page makes a hybrid model's attention block smaller
     # (tiny Qwen3-Next: 96 tokens instead of 160), so scenarios would depend on the machine.
-    kwargs = dict(dtype="bfloat16", max_model_len=2048, enforce_eager=True, block_size=32,
+    kwargs: dict[str, Any] = dict(dtype="bfloat16", max_model_len=2048, enforce_eager=True, block_size=32,
                   enable_prefix_caching=True, seed=0, max_num_seqs=8, mamba_ssm_cache_dtype="float32")
     kwargs.update(spec.get("llm", {}))
     if spec.get("events", True):
@@ -121,18 +128,19 @@ def start_engine(spec: dict):
     return llm, sub
 
 
-def _output(o) -> dict:
-    out = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-           "prompt_len": len(o.prompt_token_ids)}
+def _output(o: RequestOutput) -> dict[str, Any]:
+    out: dict[str, Any] = {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                           "prompt_len": len(o.prompt_token_ids or ())}
     if o.outputs[0].logprobs:
         out["logprobs"] = [[t, lp.logprob] for t, lp in o.outputs[0].logprobs[0].items()]
     return out
 
 
-def _generate_flipping_held(llm, prompts: list, sp) -> tuple[list, int]:
+def _generate_flipping_held(llm: LLM, prompts: list[Any], sp: SamplingParams) -> tuple[list[Any], int]:
     """The prompts' outputs, the engine stepped by hand; after the first step that leaves block files
     open here (held for direct loads), a byte of each is flipped in place. Returns (outputs, files flipped)."""
-    engine, done, flipped = llm.llm_engine, {}, 0
+    engine, flipped = llm.llm_engine, 0
+    done: dict[str, Any] = {}
     for i, p in enumerate(prompts):
         engine.add_request(f"flip-{i}", p, sp)
     while engine.has_unfinished_requests():
@@ -165,7 +173,7 @@ def _flip_held_files() -> int:
     return len(held)
 
 
-def _scale_mamba_state(llm, factor: float) -> int:
+def _scale_mamba_state(llm: LLM, factor: float) -> int:
     """Multiply the state pages of every Mamba group's layers in place; returns the tensors touched."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -181,21 +189,22 @@ def _scale_mamba_state(llm, factor: float) -> int:
     return touched
 
 
-def _offload_shm_named(llm) -> bool:
+def _offload_shm_named(llm: LLM) -> bool:
     """Whether the OffloadingConnector CPU tier's /dev/shm file still has a name while the engine
     runs (a killed engine would leave it behind)."""
     ktc = llm.llm_engine.vllm_config.kv_transfer_config
     return ktc is not None and os.path.exists(f"/dev/shm/vllm_offload_{ktc.engine_id}.mmap")
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_kvbm_plugin.events import recording
 
     llm, sub = start_engine(spec)
-    records, steps = [], []
+    records: list[Any] = []
+    steps: list[dict[str, Any]] = []
 
     def drain(idle_ms: int) -> None:
         if sub is not None:
@@ -236,7 +245,7 @@ def run(spec: dict) -> dict:
         if side is not None:  # KVBMConnector's tier accounting, for "idle means nothing pinned"
             connector = side.accounting()  # a leak (an entry still pinned) shows here
     else:
-        metadata = core.call_utility("get_kv_cache_group_metadata")
+        metadata = core.call_utility("get_kv_cache_group_metadata")  # type: ignore[attr-defined]  # SyncMPClient (engine core in its own process)
         hbs = bs = connector = None
         offload_tiers = []
     drain(1000)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import os
 import subprocess
 import sys
 
+if TYPE_CHECKING:
+    import numpy as np
 
-def locked_writer(path: str, seconds: int) -> subprocess.Popen:
+
+def locked_writer(path: str, seconds: int) -> subprocess.Popen[str]:
     """A process that creates `path` the way a block writer makes its temporary file (O_EXCL,
     0600) and holds an exclusive flock on it for `seconds`; returns once the lock is held."""
     writer = subprocess.Popen([sys.executable, "-c", (
@@ -16,6 +21,7 @@ def locked_writer(path: str, seconds: int) -> subprocess.Popen:
         "fcntl.flock(fd, fcntl.LOCK_EX)\n"
         "print('locked', flush=True)\n"
         f"time.sleep({seconds})\n")], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None  # stdout=PIPE
     if writer.stdout.readline().strip() != "locked":
         writer.kill()
         raise RuntimeError(f"the writer could not lock {path}")
@@ -40,7 +46,7 @@ def write_reference(path: str, parts: list) -> None:
     os.replace(tmp, path)
 
 
-def reference_mac(key, head: bytes, payload: bytes, meta: bytes) -> int:
+def reference_mac(key: np.ndarray, head: bytes, payload: bytes, meta: bytes) -> int:
     """The block MAC (tiers/mac.py) written from its definition with numpy and Python integers:
     the reference the numba kernels are compared against."""
     import numpy as np

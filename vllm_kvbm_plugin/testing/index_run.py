@@ -11,6 +11,7 @@ SPEC as for engine_run ("model", "llm", "steps"), where a step is {"prompt": [to
 from __future__ import annotations
 
 import json
+from typing import Any
 import os
 import sys
 
@@ -18,7 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def run(spec: dict) -> dict:
+def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -26,7 +27,9 @@ def run(spec: dict) -> dict:
     from vllm_kvbm_plugin.testing.engine_run import start_engine
 
     llm, sub = start_engine({**spec, "events": True})
-    records, steps = [], []
+    assert sub is not None  # events on
+    records: list[Any] = []
+    steps: list[dict[str, Any]] = []
 
     def drain(idle_ms: int) -> None:
         while got := sub.poll(idle_ms):
@@ -45,7 +48,8 @@ def run(spec: dict) -> dict:
         steps.append({"prompt": step["prompt"], "events_before": before,
                       "num_cached_tokens": out.num_cached_tokens})
     drain(1000)
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    core: Any = llm.llm_engine.engine_core  # in-process (InprocClient): its engine_core is the EngineCore
+    sched = core.engine_core.scheduler
     result = {
         "steps": steps,
         "events": [json.loads(recording.dump_line(s, b)) for s, b in records],

@@ -18,14 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.config import KVTransferConfig
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
 from vllm.v1.outputs import KVConnectorOutput
 
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness
+from vllm_kvbm_plugin.testing.scheduler import HarnessConfig, SchedulerHarness, Spans
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_offload.base import OffloadingManager
 
 SPEC_MODULE = "vllm_kvbm_plugin.offloading"
 
@@ -37,7 +47,7 @@ class OffloadingHarnessConfig(HarnessConfig):
     KVBMOffloadingSpec (else vLLM's default CPUOffloadingSpec). Hybrid: `mamba_layers` state
     layers (one group each) and one attention layer; dense: two attention layers in one group."""
 
-    offloading: dict = dataclasses.field(default_factory=dict)
+    offloading: dict[str, Any] = dataclasses.field(default_factory=dict)
     kvbm_spec: bool = True
     mamba_layers: int = 2
     block_size: int = 64
@@ -54,8 +64,9 @@ class OffloadingHarness(SchedulerHarness):
     tier's shared memory."""
 
     cfg: OffloadingHarnessConfig
+    workers: list[OffloadingWorkerStandIn]  # type: ignore[assignment]  # its own, driven by its own steps
 
-    def __init__(self, cfg: OffloadingHarnessConfig):
+    def __init__(self, cfg: OffloadingHarnessConfig) -> None:
         # what the plugin applies in every engine process: our patch of vLLM's offloading events
         # (inert for vLLM's own spec), so benchmarks time what users run
         from vllm_kvbm_plugin.patches import offload_events
@@ -71,11 +82,11 @@ class OffloadingHarness(SchedulerHarness):
         return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
                                 kv_connector_extra_config=extra)
 
-    def _kv_cache_config(self):
+    def _kv_cache_config(self) -> tuple[KVCacheConfig, int, int]:
         cfg, bs = self.cfg, self.cfg.block_size
         # the layout the engine core resolves for OffloadingConnector (its required layout)
         self.vllm_config.cache_config.kv_cache_layout = "LBHNC"
-        specs = {}
+        specs: dict[str, KVCacheSpec] = {}
         if cfg.hybrid:
             for i in range(cfg.mamba_layers):
                 specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
@@ -92,21 +103,27 @@ class OffloadingHarness(SchedulerHarness):
         self.worker_kv_cache_config = worker
         return sched, sched_bs, hbs
 
-    def _workers(self, kv_cache_config) -> list:
+    def _workers(self, kv_cache_config: KVCacheConfig) -> list[OffloadingWorkerStandIn]:  # type: ignore[override]
         self.preempted = 0  # requests vLLM preempted so far
         return [OffloadingWorkerStandIn(self.vllm_config, self.worker_kv_cache_config, self.cfg.oracle)]
 
-    def _run_workers(self, out, rids):
+    def _run_workers(self, out: SchedulerOutput, rids: list[str]) -> KVConnectorOutput:
         self.preempted += len(out.preempted_req_ids or ())
         return self.workers[0].run_step(out, self._spans(out, rids))
 
     @property
-    def offloading(self):
-        """vLLM's OffloadingConnectorScheduler."""
-        return self.scheduler.connector.connector_scheduler
+    def _connector(self) -> OffloadingConnector:
+        connector = self.scheduler.connector
+        assert isinstance(connector, OffloadingConnector)
+        return connector
 
     @property
-    def manager(self):
+    def offloading(self) -> OffloadingConnectorScheduler:
+        """vLLM's OffloadingConnectorScheduler."""
+        return self._connector.scheduler
+
+    @property
+    def manager(self) -> OffloadingManager:
         """The spec's OffloadingManager (vLLM's tiering manager with KVBMOffloadingSpec)."""
         return self.offloading.manager
 
@@ -124,7 +141,7 @@ class OffloadingHarness(SchedulerHarness):
         a step late, secondary tiers write in the background)."""
         deadline = time.monotonic() + timeout
         self.step()
-        while self.scheduler.connector.has_pending_push_work() or self._tiers_busy():
+        while self._connector.has_pending_push_work() or self._tiers_busy():
             assert time.monotonic() < deadline, "offloading work did not settle"
             self.step()
             time.sleep(0.002)
@@ -142,12 +159,12 @@ class OffloadingHarness(SchedulerHarness):
     def reset_tiers(self) -> None:
         """Drop the CPU primary tier as the connector's reset_cache does (secondary tiers keep
         their entries and promote hits back)."""
-        self.scheduler.connector.reset_cache()
+        self._connector.reset_cache()
         self.settle()
 
     def close(self) -> None:
         self.workers[0].connector.shutdown()
-        self.scheduler.connector.shutdown()
+        self._connector.shutdown()
 
 
 class OffloadingWorkerStandIn:
@@ -155,9 +172,8 @@ class OffloadingWorkerStandIn:
     this harness's KV cache config, driven like the model runner drives it, with a stand-in
     forward and the KV oracle `check` (module docstring)."""
 
-    def __init__(self, vllm_config, kv_cache_config, oracle: bool = True):
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, oracle: bool = True) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
         from vllm.v1.worker.utils import allocate_kv_cache
 
         from vllm_kvbm_plugin.offloading.spec import KVBMOffloadingSpec, cpu_platform_worker
@@ -166,7 +182,9 @@ class OffloadingWorkerStandIn:
         self.oracle = oracle
         self.kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"),
                                            vllm_config.cache_config.get_resolved_kv_cache_layout())
-        self.attention, self.state = [], []  # (group index, float32 view) per layer
+        # (group index, float32 view) per layer
+        self.attention: list[tuple[int, torch.Tensor]] = []
+        self.state: list[tuple[int, torch.Tensor]] = []
         for g, group in enumerate(kv_cache_config.kv_cache_groups):
             for name in group.layer_names:
                 t = self.kv_caches[name]
@@ -179,13 +197,14 @@ class OffloadingWorkerStandIn:
         self.loaded = [0] * len(kv_cache_config.kv_cache_groups)  # KV blocks loaded, per offloaded group
         self.connector = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         worker = self.connector.connector_worker
+        assert worker is not None
         if not isinstance(worker.spec, KVBMOffloadingSpec):
             # vLLM's CPU spec refuses a worker on the CPU platform: ours copies into its region
-            spec = worker.spec
+            spec: Any = worker.spec  # a CPUOffloadingSpec (its primary tier's attributes)
             spec.get_worker = lambda kv: cpu_platform_worker(spec, kv)
         self.connector.register_kv_caches(self.kv_caches)
 
-    def run_step(self, out, spans: dict) -> KVConnectorOutput:
+    def run_step(self, out: SchedulerOutput, spans: Spans) -> KVConnectorOutput:
         """One step in the model runner's order: preemption flushes, zeroed new blocks and
         copy-on-write copies, the connector's loads (sync ones before the forward, the rest
         after it), the forward, the connector's stores (queued for the next step)."""
@@ -193,6 +212,7 @@ class OffloadingWorkerStandIn:
 
         c = self.connector
         meta = out.kv_connector_metadata
+        assert isinstance(meta, OffloadingConnectorMetadata)  # the OffloadingConnector's scheduler side's
         c.handle_preemptions(meta)
         if out.new_block_ids_to_zero:
             ids = torch.tensor(out.new_block_ids_to_zero)
@@ -201,17 +221,18 @@ class OffloadingWorkerStandIn:
         copy_kv_cache_blocks_inplace(self.kv_caches.values(), self.num_blocks,
                                      getattr(out, "kv_cache_block_copies", None) or ())
         for job in meta.load_jobs.values():
+            assert isinstance(job.dst_spec, GPULoadStoreSpec)  # a load lands in the KV cache
             for g, n in enumerate(job.dst_spec.group_sizes):
                 self.loaded[g] += n
         c.bind_connector_metadata(meta)
         if out.has_sync_kv_loads:
-            c.start_load_kv(None)
+            c.start_load_kv(None)  # type: ignore[arg-type]  # the OffloadingConnector reads no forward context
         if self.oracle:
             self.check(spans)
             for tokens, start, end, block_ids, _new in spans.values():
                 self._forward(tokens, start, end, block_ids)
         if not out.has_sync_kv_loads:
-            c.start_load_kv(None)
+            c.start_load_kv(None)  # type: ignore[arg-type]
         c.wait_for_save()
         results = c.get_transfer_results(out.finished_req_ids)
         output = KVConnectorOutput(finished_sending=results.finished_sending,
@@ -222,10 +243,10 @@ class OffloadingWorkerStandIn:
         return output
 
     @staticmethod
-    def _state(tokens, end: int, layer: int) -> list[float]:
+    def _state(tokens: Sequence[int], end: int, layer: int) -> list[float]:
         return [float(end), float(sum(tokens[:end]) % 65536), float(layer + 1)]
 
-    def _forward(self, tokens, start: int, end: int, block_ids) -> None:
+    def _forward(self, tokens: Sequence[int], start: int, end: int, block_ids: tuple[list[int], ...]) -> None:
         for g, t in self.attention:
             B, ids = self.block_size[g], block_ids[g]
             pos = torch.arange(start, end)
@@ -236,7 +257,7 @@ class OffloadingWorkerStandIn:
             block = block_ids[g][(end - 1) // self.block_size[g]]
             t[block, :3] = torch.tensor(self._state(tokens, end, layer))
 
-    def check(self, spans: dict) -> None:
+    def check(self, spans: Spans) -> None:
         """Before the forward: every token a scheduled request already has (computed before, hit
         in vLLM's prefix cache or loaded from a tier) sits in its attention block with its id and
         position, and every state layer's page the request resumes from holds the state at its
@@ -257,7 +278,7 @@ class OffloadingWorkerStandIn:
                                          f"{got[p, 0].tolist()}, expected {[tokens[p], p]}")
             for layer, (g, t) in enumerate(self.state):
                 block = block_ids[g][(start - 1) // self.block_size[g]]
-                got, want = t[block, :3].tolist(), self._state(tokens, start, layer)
-                if got != want:
+                state, expected = t[block, :3].tolist(), self._state(tokens, start, layer)
+                if state != expected:
                     raise AssertionError(f"{rid}: state layer {layer} at {start} (group {g} block {block}) "
-                                         f"is {got}, expected {want}")
+                                         f"is {state}, expected {expected}")

@@ -25,25 +25,32 @@ import functools
 import json
 import os
 import sys
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.inputs import TokensPrompt
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
-def _layer0_blocks(worker, block_ids):
+def _layer0_blocks(worker: Any, block_ids: list[int]) -> torch.Tensor:
     """The first attention layer's KV of `block_ids` (runs in the worker, in-process)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    from vllm_kvbm_plugin.connector import KVBMConnector
     from vllm_kvbm_plugin.connector.layout import KV
 
-    side = get_kv_transfer_group()._worker
+    side = cast(KVBMConnector, get_kv_transfer_group())._worker
+    assert side is not None  # a worker process
     g = side.layout.groups[KV][0]
     names = side.layout.layer_names[g]
     (i,) = [i for i, n in enumerate(names) if ".layers.0." in n]
     return side.layers[KV][0][i].tensor[list(block_ids)].clone()
 
 
-def _record_kept(worker) -> None:
+def _record_kept(worker: Any) -> None:
     """Record each blended step's kept rows (after the compute saving's gather) on this worker
     (`worker.kvbm_kept`: RPC'd functions of a `python -m` module travel by value, their globals too)."""
     from vllm_kvbm_plugin.patches.pic_blend import BlendPlan
@@ -51,14 +58,15 @@ def _record_kept(worker) -> None:
     kept = worker.kvbm_kept = []
     gather = BlendPlan.gather
 
-    def recording(self, *args, **kwargs):
+    def recording(self: BlendPlan, *args: Any, **kwargs: Any) -> None:
         gather(self, *args, **kwargs)
+        assert self.kept is not None  # gather sets it
         kept.append(self.kept.tolist())
 
-    BlendPlan.gather = recording
+    BlendPlan.gather = recording  # type: ignore[method-assign]  # recorded in this worker only
 
 
-def _blend_stats(worker) -> dict:
+def _blend_stats(worker: Any) -> dict[str, Any]:
     """patches.pic_blend.STATS of a worker process (each tensor-parallel rank has its own) and the
     rows `_record_kept` recorded."""
     from vllm_kvbm_plugin.patches import pic_blend
@@ -66,17 +74,20 @@ def _blend_stats(worker) -> dict:
     return {**pic_blend.STATS, "kept": worker.kvbm_kept}
 
 
-def _set_ratio(worker, ratio: float) -> None:
+def _set_ratio(worker: Any, ratio: float) -> None:
     """This worker's pic_recompute_ratio from now on (a test's engine serves several ratios)."""
     import dataclasses
 
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    side = get_kv_transfer_group()._worker
+    from vllm_kvbm_plugin.connector import KVBMConnector
+
+    side = cast(KVBMConnector, get_kv_transfer_group())._worker
+    assert side is not None  # a worker process
     side.cfg = dataclasses.replace(side.cfg, pic_recompute_ratio=ratio)
 
 
-def _record_eager(worker) -> None:
+def _record_eager(worker: Any) -> None:
     """Count the model's forwards that run its layers' Python code (`worker.kvbm_eager`): in a
     compiled model only the steps that skip the graph do (the graph's code replaces the model's
     forward, not its layers'). Applied after the graph was traced."""
@@ -87,7 +98,7 @@ def _record_eager(worker) -> None:
     worker.kvbm_eager = [0]
 
     @functools.wraps(forward)  # keeps our patch's mark (pic_blend.compute_saving_applied reads it)
-    def counting(self, *args, **kwargs):
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self is first:
             worker.kvbm_eager[0] += 1
         return forward(self, *args, **kwargs)
@@ -95,31 +106,41 @@ def _record_eager(worker) -> None:
     cls.forward = counting
 
 
-def _eager_count(worker) -> int:
-    return worker.kvbm_eager[0]
+def _eager_count(worker: Any) -> int:
+    count: int = worker.kvbm_eager[0]
+    return count
 
 
-def _margin(logprobs: dict) -> float:
+def _margin(logprobs: dict[int, Any]) -> float:
     """A generated token's top-2 margin (log-probability of the best minus the second best)."""
     top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
     return top[0] - top[1]
 
 
-def run(spec: dict, out_dir: str) -> dict:
+def _prompt(ids: list[int], salt: str | None) -> TokensPrompt:
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=ids)
+    if salt:
+        prompt["cache_salt"] = salt
+    return prompt
+
+
+def run(spec: dict[str, Any], out_dir: str) -> dict[str, Any]:
     import torch
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from vllm_kvbm_plugin.testing.engine_run import metric_totals, start_engine
 
     llm, _ = start_engine({**spec, "events": False})
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    core: Any = llm.llm_engine.engine_core  # in-process (InprocClient): its engine_core is the EngineCore
+    sched = core.engine_core.scheduler
     connector = sched.connector
-    finished: list = []
+    finished: list[Any] = []
     if connector is not None:  # the block ids of each finished request, as vLLM hands them over
         original = connector.request_finished_all_groups
 
-        def request_finished_all_groups(request, block_ids):
+        def request_finished_all_groups(request: Any, block_ids: Any) -> Any:
             finished.append(block_ids)
             return original(request, block_ids)
 
@@ -130,7 +151,7 @@ def run(spec: dict, out_dir: str) -> dict:
 
     llm.collective_rpc(_record_kept)
     llm.collective_rpc(_record_eager)
-    steps = []
+    steps: list[dict[str, Any]] = []
     for step in spec["steps"]:
         if step.get("reset"):
             steps.append({"reset": llm.reset_prefix_cache()})
@@ -140,16 +161,13 @@ def run(spec: dict, out_dir: str) -> dict:
             steps.append({"ratio": step["ratio"]})
             continue
         if step.get("batch"):  # several requests in one generate call (scheduled together)
-            prompts = [TokensPrompt(prompt_token_ids=b["prompt"], **({"cache_salt": b["salt"]} if b.get("salt") else {}))
-                       for b in step["batch"]]
+            prompts = [_prompt(b["prompt"], b.get("salt")) for b in step["batch"]]
             outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
             steps.append({"batch_tokens": [list(o.outputs[0].token_ids) for o in outs],
                           "pic": dict(pic.stats) if pic is not None else None, "segments": dict(pic_segments.STATS),
                           "blend": dict(pic_blend.STATS), "eager": llm.collective_rpc(_eager_count)[0]})
             continue
-        prompt = TokensPrompt(prompt_token_ids=step["prompt"])
-        if step.get("salt"):
-            prompt["cache_salt"] = step["salt"]
+        prompt = _prompt(step["prompt"], step.get("salt"))
         if pic is not None:  # false: one step per loaded run past a gap, as without patches/pic_segments.py
             pic.one_forward = step.get("one_forward", one_forward)
         sp = SamplingParams(max_tokens=step.get("max_tokens", 8), temperature=0, ignore_eos=True,
@@ -160,9 +178,10 @@ def run(spec: dict, out_dir: str) -> dict:
                       "segments": dict(pic_segments.STATS),  # split forwards so far (worker: this process)
                       "blend": dict(pic_blend.STATS), "eager": llm.collective_rpc(_eager_count)[0]})
         if step.get("logprobs"):
-            first = o.outputs[0].logprobs[0]
+            logprobs: Any = o.outputs[0].logprobs  # per generated token: {token id: Logprob}
+            first = logprobs[0]
             steps[-1]["logprobs"] = [first[t].logprob for t in range(len(first))]
-            steps[-1]["margins"] = [_margin(lps) for lps in o.outputs[0].logprobs]
+            steps[-1]["margins"] = [_margin(lps) for lps in logprobs]
         if step.get("capture"):
             (kv,) = llm.collective_rpc(_layer0_blocks, args=(finished[-1][0],))
             torch.save(kv, os.path.join(out_dir, f"{step['capture']}.pt"))

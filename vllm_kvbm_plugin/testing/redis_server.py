@@ -10,6 +10,10 @@ import socket
 import subprocess
 import tempfile
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import redis
 
 
 def server_binary() -> str | None:
@@ -54,11 +58,12 @@ class RedisServer:
     """A redis-server (or valkey-server) child process on a free loopback port, for tests and
     benchmarks: started, restarted empty and stopped by PID; never a shared server."""
 
-    def __init__(self, maxmemory: str = "256mb", port: int | None = None, extra_args: tuple = (),
-                 binary: str | None = None):
-        self.binary = binary or server_binary()
-        if self.binary is None:
+    def __init__(self, maxmemory: str = "256mb", port: int | None = None, extra_args: tuple[str, ...] = (),
+                 binary: str | None = None) -> None:
+        found = binary or server_binary()
+        if found is None:
             raise RuntimeError("no redis-server or valkey-server on PATH (scripts/setup.sh installs Debian's)")
+        self.binary: str = found
         self.port = port or _free_ports(1)[0]
         self.maxmemory = maxmemory
         self.extra_args = list(extra_args)
@@ -85,7 +90,7 @@ class RedisServer:
         self.kill()
         raise RuntimeError(f"{self.binary} did not answer on port {self.port}")
 
-    def client(self):
+    def client(self) -> redis.Redis:
         import redis
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
@@ -112,12 +117,13 @@ class RedisClusterServers:
     `redis-cli --cluster create`; each node is a RedisServer (kill / start one to take it down
     and back: it rejoins from its nodes file)."""
 
-    def __init__(self, n: int = 3, maxmemory: str = "128mb"):
-        self.cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
-        if self.cli is None:
+    def __init__(self, n: int = 3, maxmemory: str = "128mb") -> None:
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if cli is None:
             raise RuntimeError("no redis-cli or valkey-cli on PATH (Debian's redis-server brings redis-cli)")
+        self.cli: str = cli
         self.dir = tempfile.mkdtemp(prefix="kvbm-cluster-")
-        self.nodes = []
+        self.nodes: list[RedisServer] = []
         ports = _free_ports(2 * n)  # a client and a cluster bus port per node
         for port, bus in zip(ports[::2], ports[1::2]):
             self.nodes.append(RedisServer(maxmemory, port, ("--cluster-enabled", "yes", "--dir", self.dir,

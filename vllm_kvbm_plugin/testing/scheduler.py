@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.config import (
@@ -30,6 +32,7 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -39,6 +42,15 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from vllm_kvbm_plugin.events import types as ev
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_kvbm_plugin.connector.metadata import KVBMMetadata
+    from vllm_kvbm_plugin.connector.scheduler import SchedulerSide
+
+# request id -> (its tokens, first and end position computed this step, its block ids per group, new)
+Spans = dict[str, tuple[Sequence[int], int, int, tuple[list[int], ...], bool]]
 
 
 @dataclasses.dataclass
@@ -83,7 +95,7 @@ def _config_only_model(max_len: int) -> str:
     return d
 
 
-def vllm_config_of(cfg: HarnessConfig, kv_transfer_config) -> VllmConfig:
+def vllm_config_of(cfg: HarnessConfig, kv_transfer_config: KVTransferConfig | None) -> VllmConfig:
     """vLLM's config for a harness: the model, scheduler and cache settings of `cfg`."""
     bs = cfg.block_size
     model_dir = cfg.model_dir or _config_only_model(cfg.max_model_len)
@@ -116,7 +128,7 @@ class SchedulerHarness:
     a connector configured the SimulatedWorkers that run the connector's plans. Tests and
     benchmarks drive it: `add` requests, `step` / `run` / `serve`, read `batches`."""
 
-    def __init__(self, cfg: HarnessConfig):
+    def __init__(self, cfg: HarnessConfig) -> None:
         self.cfg = cfg
         self.vllm_config = vllm_config_of(cfg, self._kv_transfer_config())
         kv_cache_config, sched_bs, hbs = self._kv_cache_config()
@@ -134,8 +146,8 @@ class SchedulerHarness:
         fn = get_hash_fn_by_name(self.vllm_config.cache_config.prefix_caching_hash_algo)
         init_none_hash(fn)
         self._hasher = get_request_block_hasher(hbs, fn)
-        self._published: list = []  # vLLM's batches, as the publisher receives them
-        self.scheduler.kv_event_publisher.publish = self._published.append
+        self._published: list[Any] = []  # vLLM's batches, as the publisher receives them
+        self.scheduler.kv_event_publisher.publish = self._published.append  # type: ignore[method-assign, assignment]
         # room for simulated image encoder outputs (the config-only model is text-only, which
         # would leave vLLM no encoder budget and stall requests that carry mm_features)
         self.scheduler.max_num_encoder_input_tokens = cfg.max_num_batched_tokens
@@ -146,20 +158,22 @@ class SchedulerHarness:
         self.workers = self._workers(kv_cache_config)
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
-        return None if self.cfg.connector is None else KVTransferConfig(
-            kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
-            kv_role="kv_both", kv_connector_extra_config=self.cfg.connector,
-            **({"kv_load_failure_policy": self.cfg.kv_load_failure_policy} if self.cfg.kv_load_failure_policy else {}))
+        if self.cfg.connector is None:
+            return None
+        policy: dict[str, Any] = (
+            {"kv_load_failure_policy": self.cfg.kv_load_failure_policy} if self.cfg.kv_load_failure_policy else {})
+        return KVTransferConfig(kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm_plugin.connector",
+                                kv_role="kv_both", kv_connector_extra_config=self.cfg.connector, **policy)
 
-    def _workers(self, kv_cache_config) -> list:
+    def _workers(self, kv_cache_config: KVCacheConfig) -> list[SimulatedWorker]:
         return [] if self.cfg.connector is None else [
             SimulatedWorker(self.vllm_config, kv_cache_config, rank) for rank in range(self.cfg.workers)]
 
-    def _kv_cache_config(self):
+    def _kv_cache_config(self) -> tuple[KVCacheConfig, int, int]:
         """(scheduler KVCacheConfig, scheduler block size, hash block size): a Mamba group (hybrid)
         and an attention group of one layer each, every group's block `block_size`."""
         cfg, bs = self.cfg, self.cfg.block_size
-        groups = []
+        groups: list[KVCacheGroupSpec] = []
         if cfg.hybrid:
             groups.append(KVCacheGroupSpec(["model.layers.0.mixer"], MambaSpec(
                 block_size=bs, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")))
@@ -180,8 +194,8 @@ class SchedulerHarness:
         enc = msgspec.msgpack.Encoder()
         return [ev.decode_batch(enc.encode(b)) for b in self._published]
 
-    def add(self, prompt: list[int], max_tokens: int = 4, extra_args: dict | None = None,
-            **request_kwargs) -> str:
+    def add(self, prompt: list[int], max_tokens: int = 4, extra_args: dict[str, Any] | None = None,
+            **request_kwargs: Any) -> str:
         """Queue a request; extra_args go to its SamplingParams (e.g. kv_cache_report_mode),
         request_kwargs to vLLM's Request (e.g. cache_salt, mm_features)."""
         rid = f"r{next(self._ids)}"
@@ -213,7 +227,7 @@ class SchedulerHarness:
             sampled_token_ids=sampled, kv_connector_output=kv_output))
         return out.total_num_scheduled_tokens
 
-    def _run_workers(self, out, rids: list[str]) -> KVConnectorOutput | None:
+    def _run_workers(self, out: SchedulerOutput, rids: list[str]) -> KVConnectorOutput | None:
         """The workers' part of a step: the connector's plans and the simulated forward."""
         if not self.workers:
             return None
@@ -229,14 +243,14 @@ class SchedulerHarness:
         return KVConnectorOutput(kv_connector_worker_meta=meta, invalid_block_ids=invalid,
                                  finished_recving=recved or None, failed_recving=failed & (recved or set()))
 
-    def _spans(self, out, rids: list[str]) -> dict:
+    def _spans(self, out: SchedulerOutput, rids: list[str]) -> Spans:
         """request id -> (its tokens, first and end position computed this step, its block ids per
         group, whether it is new this step)."""
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         new_ids = set(computed)
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        spans = {}
+        spans: Spans = {}
         for rid in rids:
             req = self.scheduler.requests[rid]
             start = computed[rid]
@@ -251,9 +265,13 @@ class SchedulerHarness:
         self.step()
 
     @property
-    def connector(self):
+    def connector(self) -> SchedulerSide:
         """KVBMConnector's scheduler side (SchedulerSide)."""
-        return self.scheduler.connector._sched
+        from vllm_kvbm_plugin.connector import KVBMConnector
+
+        connector = self.scheduler.connector
+        assert isinstance(connector, KVBMConnector) and connector._sched is not None
+        return connector._sched
 
     def run(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -261,7 +279,7 @@ class SchedulerHarness:
             self.step()
             assert deadline is None or time.monotonic() < deadline, "requests did not finish"
 
-    def serve(self, tokens: list[int], max_tokens: int = 2, **request_kwargs) -> int:
+    def serve(self, tokens: list[int], max_tokens: int = 2, **request_kwargs: Any) -> int:
         """One request to completion (every step checks the KV it finds) and its background
         writes settled; the tokens it started with (prefix cache + tiers)."""
         rid = self.add(tokens, max_tokens=max_tokens, **request_kwargs)
@@ -283,7 +301,7 @@ class SimulatedWorker:
     holds with what that forward would have written: a tier load of wrong bytes, or into the
     wrong block, fails it."""
 
-    def __init__(self, vllm_config, kv_cache_config, rank: int):
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, rank: int) -> None:
         from vllm_kvbm_plugin.config import connector_config
         from vllm_kvbm_plugin.connector.layout import Layout
         from vllm_kvbm_plugin.connector.pic_model import with_model_support
@@ -292,8 +310,9 @@ class SimulatedWorker:
         cfg = with_model_support(connector_config(vllm_config), vllm_config)  # as KVBMConnector builds it
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg, decide=False)  # follows the first step's
         n = kv_cache_config.num_blocks
-        self.tensors = {}
-        self.attention, self.state = [], []
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.attention: list[torch.Tensor] = []
+        self.state: list[torch.Tensor] = []
         for group in kv_cache_config.kv_cache_groups:
             spec = group.kv_cache_spec
             for name in group.layer_names:
@@ -301,6 +320,7 @@ class SimulatedWorker:
                     self.tensors[name] = torch.zeros(n, *spec.shapes[0], dtype=torch.float32)
                     self.state.append(self.tensors[name])
                 else:
+                    assert isinstance(spec, AttentionSpec)
                     self.tensors[name] = torch.zeros(n, spec.num_kv_heads, spec.block_size, 2 * spec.head_size,
                                                      dtype=torch.float32)
                     self.attention.append(self.tensors[name])
@@ -309,7 +329,7 @@ class SimulatedWorker:
         self.side = WorkerSide(layout, cfg, rank)
         self.side.register_kv_caches(self.tensors)
 
-    def run_step(self, out, spans: dict):
+    def run_step(self, out: SchedulerOutput, spans: Spans) -> Any:
         """One step as vLLM's model runner orders it: zero new blocks, copy-on-write copies of
         partial prefix-cache hits, the connector's loads, the forward, the connector's stores."""
         for t in self.tensors.values():
@@ -317,7 +337,7 @@ class SimulatedWorker:
                 t[torch.tensor(out.new_block_ids_to_zero)] = 0
             for copy in getattr(out, "kv_cache_block_copies", None) or ():
                 t[copy.dst_block_id] = t[copy.src_block_id]
-        meta = out.kv_connector_metadata
+        meta = cast("KVBMMetadata | None", out.kv_connector_metadata)  # KVBMConnector's scheduler side's
         if meta:
             self.side.start_load_kv(meta)
         self.check(spans)
@@ -330,12 +350,12 @@ class SimulatedWorker:
             self.side.wait_for_save(meta)
         return self.side.build_worker_meta()
 
-    def _kv_group(self):
+    def _kv_group(self) -> int:
         from vllm_kvbm_plugin.connector.layout import KV
 
         return self.groups[KV][0]
 
-    def _forward(self, tokens, start: int, end: int, block_ids) -> None:
+    def _forward(self, tokens: Sequence[int], start: int, end: int, block_ids: tuple[list[int], ...]) -> None:
         B, ids = self.block_size, block_ids[self._kv_group()]
         pos = torch.arange(start, end)
         blocks = torch.tensor([ids[p // B] for p in range(start, end)])
@@ -349,7 +369,7 @@ class SimulatedWorker:
             for t in self.state:
                 t[block].view(-1)[:2] = torch.tensor([end, sum(tokens[:end]) % 65536], dtype=torch.float32)
 
-    def check(self, spans: dict) -> None:
+    def check(self, spans: Spans) -> None:
         """Before the forward: every token a request already has (computed before, hit in vLLM's
         prefix cache or loaded from a tier) sits in its block with its id and position, and a new
         request that starts after a hit finds the state at the hit. A request's tokens from a
@@ -357,9 +377,9 @@ class SimulatedWorker:
         B, failed = self.block_size, self.side.load_errors
         for rid, (tokens, start, _end, block_ids, new) in spans.items():
             ids = block_ids[self._kv_group()]
-            bad = [i for i in range(-(-start // B)) if ids[i] in failed] if failed else ()
-            if bad:
-                start, new = bad[0] * B, False
+            lost = [i for i in range(-(-start // B)) if ids[i] in failed] if failed else []
+            if lost:
+                start, new = lost[0] * B, False
             if start == 0:
                 continue
             pos = torch.arange(start)
@@ -367,16 +387,16 @@ class SimulatedWorker:
             want_tokens = torch.tensor(tokens[:start], dtype=torch.float32)
             for t in self.attention:
                 got = t[blocks, 0, pos % B]
-                bad = ((got[:, 0] != want_tokens) | (got[:, 1] != pos.to(torch.float32))).nonzero()
-                if len(bad):
-                    p = int(bad[0])
+                wrong = ((got[:, 0] != want_tokens) | (got[:, 1] != pos.to(torch.float32))).nonzero()
+                if len(wrong):
+                    p = int(wrong[0])
                     raise AssertionError(f"{rid}: KV of token {p} (block {ids[p // B]}) is {got[p, :2].tolist()}, "
                                          f"expected {[tokens[p], p]}")
             if self.state and new:
                 from vllm_kvbm_plugin.connector.layout import STATE
 
                 block = block_ids[self.groups[STATE][0]][(start - 1) // B]
-                got = self.state[0][block].view(-1)[:2].tolist()
+                state = self.state[0][block].view(-1)[:2].tolist()
                 want = [start, sum(tokens[:start]) % 65536]
-                if got != want:
-                    raise AssertionError(f"{rid}: state at {start} (block {block}) is {got}, expected {want}")
+                if state != want:
+                    raise AssertionError(f"{rid}: state at {start} (block {block}) is {state}, expected {want}")

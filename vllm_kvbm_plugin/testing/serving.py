@@ -15,6 +15,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
+from typing import Any
+
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, labels) -> value, as scraped
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VLLM = pathlib.Path(sys.executable).with_name("vllm")
@@ -39,7 +43,7 @@ def free_port() -> int:
 
 
 def kv_transfer_config(server: str, cpu_bytes: int, disk_path: str | None = None, disk_bytes: int = 0,
-                       remote_url: str | None = None) -> dict | None:
+                       remote_url: str | None = None) -> dict[str, Any] | None:
     """The --kv-transfer-config of one of SERVERS (None: no connector)."""
     if server not in SERVERS:
         raise ValueError(f"unknown server {server!r}; valid: {', '.join(SERVERS)}")
@@ -47,7 +51,7 @@ def kv_transfer_config(server: str, cpu_bytes: int, disk_path: str | None = None
     if kind is None:
         return None
     if kind == "kvbm":
-        extra = {"cpu_bytes_to_use": cpu_bytes}
+        extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes}
         if "disk" in tiers:
             extra |= {"disk_path": disk_path, "disk_bytes_to_use": disk_bytes}
         if "remote" in tiers:
@@ -55,7 +59,7 @@ def kv_transfer_config(server: str, cpu_bytes: int, disk_path: str | None = None
         return {"kv_connector": "KVBMConnector", "kv_connector_module_path": MODULE, "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     extra = {"spec_name": "KVBMOffloadingSpec", "spec_module_path": OFFLOADING, "cpu_bytes_to_use": cpu_bytes}
-    secondary = []
+    secondary: list[dict[str, Any]] = []
     if "disk" in tiers:
         secondary.append({"type": "KVBMDiskTier", "module_path": OFFLOADING, "path": disk_path,
                           "bytes_to_use": disk_bytes})
@@ -70,8 +74,9 @@ class Serve:
     """One `vllm serve` (started with `start()`, restartable with the same arguments)."""
 
     def __init__(self, model: str, log: pathlib.Path, *, dtype: str = "float32", block_size: int = 32,
-                 num_gpu_blocks: int | None = None, max_model_len: int = 4096, ktc: dict | None = None,
-                 events_endpoint: str | None = None, env: dict | None = None, extra: tuple = ()):
+                 num_gpu_blocks: int | None = None, max_model_len: int = 4096, ktc: dict[str, Any] | None = None,
+                 events_endpoint: str | None = None, env: dict[str, str] | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -160,7 +165,7 @@ class Serve:
             self.kill()
 
 
-def cpu_seconds(pids) -> float:
+def cpu_seconds(pids: Iterable[int]) -> float:
     """User + system CPU seconds the live processes `pids` used so far (threads included)."""
     ticks = 0
     for pid in pids:
@@ -186,7 +191,7 @@ _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$')
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
+def scrape(url: str) -> Metrics:
     """/metrics as {(name, ((label, value), ...)): value}."""
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
@@ -200,20 +205,20 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def total(metrics: dict, name: str, **labels) -> float:
+def total(metrics: Metrics, name: str, **labels: str) -> float:
     """Sum of `name` over the samples whose labels include `labels`."""
     return sum(v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= set(ls))
 
 
-def delta(after: dict, before: dict) -> dict:
+def delta(after: Metrics, before: Metrics) -> Metrics:
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
-def summarize(m: dict) -> dict:
+def summarize(m: Metrics) -> dict[str, Any]:
     """Hit rates (vLLM's own prefix cache, the connector's) and bytes moved per tier and direction."""
     q, h = total(m, "vllm:prefix_cache_queries_total"), total(m, "vllm:prefix_cache_hits_total")
     eq, eh = total(m, "vllm:external_prefix_cache_queries_total"), total(m, "vllm:external_prefix_cache_hits_total")
-    moved = {}
+    moved: dict[str, float] = {}
     for (name, labels), v in m.items():
         lab = dict(labels)
         if name == "vllm:kvbm_bytes_total" and v:

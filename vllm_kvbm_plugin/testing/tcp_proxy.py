@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Collection
 
 
 class RefusingProxy:
     """Listens on 127.0.0.1:`port`; connection i (0-based) is closed at once if i is in `refuse`,
     else forwarded to `upstream` byte for byte. `accepted` counts every connection."""
 
-    def __init__(self, upstream: tuple[str, int], refuse: set[int] = frozenset({0})):
+    def __init__(self, upstream: tuple[str, int], refuse: Collection[int] = frozenset({0})) -> None:
         self.upstream, self.refuse = upstream, set(refuse)
         self.accepted = 0
         self._listener = socket.create_server(("127.0.0.1", 0))

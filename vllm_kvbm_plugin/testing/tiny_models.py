@@ -11,6 +11,8 @@ import json
 import os
 import pathlib
 import random
+from collections.abc import Sequence
+from typing import Any
 
 SPEC_VERSION = 1
 KINDS = ("llama", "llama-wide", "qwen3next", "llama-big", "llama-local", "qwen2vl", "llava", "granite-hybrid")
@@ -31,7 +33,7 @@ def _corpus(n_lines: int = 4000) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(n_lines)]
 
 
-def _build_tokenizer(out: pathlib.Path, vocab_size: int, extra_special: list[str] = ()):
+def _build_tokenizer(out: pathlib.Path, vocab_size: int, extra_special: Sequence[str] = ()) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +54,7 @@ def _build_tokenizer(out: pathlib.Path, vocab_size: int, extra_special: list[str
     return fast
 
 
-def _config(kind: str):
+def _config(kind: str) -> Any:
     if kind == "llama-wide":  # another tiny model: tests that models sharing a disk never mix
         from transformers import LlamaConfig
 
@@ -180,7 +182,7 @@ def _config(kind: str):
 LOCAL_WINDOW = 16  # llama-local: layer 0 attends to the last 16 tokens
 
 
-def _make_local(model, window: int) -> None:
+def _make_local(model: Any, window: int) -> None:
     """llama-local's weights: layer 0 attends only to the last `window` tokens (whatever they are),
     the top layer to everything. That is the structure selective recompute relies on (CacheBlend's
     premise: a reused chunk's KV deviates in a few tokens), here exactly: a document reused at

@@ -186,7 +186,9 @@ def _read_verified(fd, expect, plen, meta, dst, buf, mac_key):
 
 
 @numba.njit(cache=True, nogil=True)
-def read_files(names, name_at, expect, plens, dsts, keep_open, max_meta, mac_key):
+def read_files(names: np.ndarray, name_at: np.ndarray, expect: np.ndarray, plens: np.ndarray, dsts: np.ndarray,
+               keep_open: bool, max_meta: int,
+               mac_key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Open, check and read the block files named in `names` (NUL-terminated, starting at
     name_at[i]); expect[i] holds the first 48 header bytes file i must have, plens[i] its payload
     length, dsts[i] the address its payload goes to (0: verify only), mac_key the tier's MAC key
@@ -297,8 +299,10 @@ def _write_direct(fd, head, payload, meta, buf, align):
 
 
 @numba.njit(cache=True, nogil=True)
-def write_files(dirs, dir_at, tmps, tmp_at, finals, final_at, heads, srcs, plens, metas, meta_at,
-                direct, align, fsync, mac_key):
+def write_files(dirs: np.ndarray, dir_at: np.ndarray, tmps: np.ndarray, tmp_at: np.ndarray, finals: np.ndarray,
+                final_at: np.ndarray, heads: np.ndarray, srcs: np.ndarray, plens: np.ndarray, metas: np.ndarray,
+                meta_at: np.ndarray, direct: np.ndarray, align: int, fsync: bool,
+                mac_key: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
     """Write block files, each to a new temporary file tmps[i] (0600, flock'ed until renamed) in the
     directory dirs[i] (opened without following a symlink), renamed to finals[i]. heads[i] is the
     header with a zero MAC, filled in here (under mac_key) from the header, the payload (plens[i]

@@ -31,7 +31,7 @@ def cudart() -> ctypes.CDLL | None:
 class CudaHost:
     """The three runtime calls a pinned pool needs (tests pass a recording stand-in: no GPU here)."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]

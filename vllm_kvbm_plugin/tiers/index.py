@@ -8,7 +8,7 @@ entry, so a late unpin after the key was removed and stored anew never touches t
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -34,7 +34,7 @@ class TierIndex:
     victims among the unpinned. Pure; owned by a tier's scheduler side (TierManager,
     offloading/disk_tier.py) on the scheduler thread."""
 
-    def __init__(self, capacity: int, policy: EvictionPolicy):
+    def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity = capacity
@@ -48,20 +48,21 @@ class TierIndex:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self.entries
 
-    def ready(self, key) -> Entry | None:
+    def ready(self, key: Hashable) -> Entry | None:
         e = self.entries.get(key)
         return e if e is not None and e.ready else None
 
-    def touch(self, key) -> None:
+    def touch(self, key: Hashable) -> None:
         self.policy.touch(key)
 
-    def touch_all(self, keys) -> None:
+    def touch_all(self, keys: Iterable[Hashable]) -> None:
         self.policy.touch_all(keys)
 
-    def reserve(self, key, parent=None, meta=None) -> tuple[Entry | None, list[tuple[Hashable, Entry]]]:
+    def reserve(self, key: Hashable, parent: Hashable | None = None,
+                meta: Any = None) -> tuple[Entry | None, list[tuple[Hashable, Entry]]]:
         """A slot for `key` (not ready until `complete`), evicting as needed.
 
         Returns (entry or None when nothing can be evicted or admission refuses, evicted entries).
@@ -69,12 +70,14 @@ class TierIndex:
         """
         if key in self.entries:
             return None, []
-        evicted = []
+        evicted: list[tuple[Hashable, Entry]] = []
         while not self._free and self._next >= self.capacity:
             victim = self.policy.victim(self._pinned)
             if victim is None or not self.policy.admit(key, victim):
                 return None, evicted
-            evicted.append((victim, self.remove(victim)))
+            gone = self.remove(victim)
+            assert gone is not None  # the policy names held keys only
+            evicted.append((victim, gone))
         if self._free:
             slot = self._free.pop()
         else:
@@ -85,14 +88,14 @@ class TierIndex:
         self.policy.add(key, parent)
         return entry, evicted
 
-    def reserve_chain(self, keys, parent=None) -> list[Entry]:
+    def reserve_chain(self, keys: Sequence[Hashable], parent: Hashable | None = None) -> list[Entry]:
         """reserve() of each of `keys` in turn, each under the key before it (the first under
         `parent`), for as long as free slots last: the same entries, slots and policy order, in one
         call. Stops before the first key held already or the first that would need an eviction
         (the caller goes on with reserve, which evicts); returns the entries made, in order."""
         entries, free = self.entries, self._free
         room = len(free) + max(0, self.capacity - self._next)
-        made = []
+        made: list[Entry] = []
         for key in keys:
             if len(made) == room or key in entries:
                 break
@@ -114,9 +117,10 @@ class TierIndex:
         meanwhile: then None) and its reservation's pin is released."""
         return self.complete_all((entry,))[0]
 
-    def complete_all(self, entries) -> list:
+    def complete_all(self, entries: Iterable[Entry | None]) -> list[Entry | None]:
         """complete() of each of `entries` in order (None: skipped, None out)."""
-        get, out = self.entries.get, []
+        get = self.entries.get
+        out: list[Entry | None] = []
         for e in entries:
             if e is None:
                 out.append(None)
@@ -131,14 +135,14 @@ class TierIndex:
             out.append(e if live else None)
         return out
 
-    def pin(self, key) -> Entry:
+    def pin(self, key: Hashable) -> Entry:
         """Pin the entry of `key` (held: KeyError otherwise); unpin() that entry to release it."""
         e = self.entries[key]
         e.pins += 1
         self._pinned.add(key)
         return e
 
-    def pin_all(self, keys) -> list[Entry]:
+    def pin_all(self, keys: Collection[Hashable]) -> list[Entry]:
         """pin() of each of `keys`: their entries."""
         entries = self.entries
         out = [entries[key] for key in keys]
@@ -152,7 +156,7 @@ class TierIndex:
         frees its slot."""
         self.unpin_all((entry,))
 
-    def unpin_all(self, entries) -> None:
+    def unpin_all(self, entries: Iterable[Entry | None]) -> None:
         """unpin() of each of `entries`."""
         get = self.entries.get
         for e in entries:
@@ -169,7 +173,7 @@ class TierIndex:
             self._free.append(entry.slot)
             self._removed_pinned -= 1
 
-    def remove(self, key) -> Entry | None:
+    def remove(self, key: Hashable) -> Entry | None:
         """Forget `key`'s entry; its slot is free now, or once its last pin is released."""
         e = self.entries.pop(key, None)
         if e is not None:

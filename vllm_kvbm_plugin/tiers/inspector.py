@@ -26,6 +26,7 @@ import re
 import stat
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +35,9 @@ from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
 from vllm_kvbm_plugin.tiers import secret as tiersecret
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.secret import FILE_NAME as SECRET_FILE
+
+if TYPE_CHECKING:
+    import redis
 
 AGES = ((60, "<1m"), (3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (float("inf"), ">=7d"))
 BATCH = 512  # entries verified or asked about per call / round trip
@@ -45,14 +49,15 @@ class Report:
     """The totals, per layout and per age bucket; `progress(n)` is called now and then."""
 
     def __init__(self, target: str, kind: str, age_basis: str, verify: bool,
-                 progress: Callable[[int], None] | None = None):
-        self.out = {"target": target, "kind": kind, "entries": 0, "bytes": 0, "layouts": {},
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.out: dict[str, Any] = {"target": target, "kind": kind, "entries": 0, "bytes": 0, "layouts": {},
                     "age": {"basis": age_basis, "histogram": {name: 0 for _, name in AGES}, "unknown": 0,
                             "oldest_s": None},
                     "skipped": 0, "verify": {"checked": 0, "failed": 0, "other_fingerprint": 0} if verify else None}
-        self.mac_key = None  # the tier's MAC key, to verify with
+        self.mac_key: np.ndarray | None = None  # the tier's MAC key, to verify with
         self._progress, self._next = progress, time.monotonic() + 0.5  # short scans print nothing
-        self._fingerprints: dict = {}  # (layout, rank) -> {fingerprint: [entries naming it, of them verified]}
+        # (layout, rank) -> {fingerprint: [entries naming it, of them verified]}
+        self._fingerprints: dict[tuple[str, int], dict[bytes, list[int]]] = {}
 
     def add(self, fingerprint: str, rank: int, nbytes: int, age: float | None) -> None:
         o = self.out
@@ -84,7 +89,7 @@ class Report:
             counts[0] += 1
             counts[1] += ok
 
-    def finish(self) -> dict:
+    def finish(self) -> dict[str, Any]:
         """The report, with each rank's fingerprint: the layout name when its entries name it, else
         the one most of them name; its intact entries naming another one fail too."""
         v = self.out["verify"]
@@ -98,7 +103,7 @@ class Report:
         return self.out
 
 
-def _real_dirs(path: str, pattern) -> tuple[list[str], int]:
+def _real_dirs(path: str, pattern: re.Pattern[str]) -> tuple[list[str], int]:
     """Names of the real directories (lstat: no symlink) in `path` named by `pattern`, and how many
     other entries there are (the tier secret's regular file is ours: not counted)."""
     names, other = [], 0
@@ -111,7 +116,8 @@ def _real_dirs(path: str, pattern) -> tuple[list[str], int]:
     return sorted(names), other
 
 
-def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
+def inspect_disk(disk_path: str, verify: bool = False,
+                 progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The report of a disk tier's directory (the `disk_path` setting)."""
     if not stat.S_ISDIR(os.lstat(disk_path).st_mode):
         raise NotADirectoryError(f"{disk_path} is not a directory (a symlink is not followed)")
@@ -125,12 +131,12 @@ def inspect_disk(disk_path: str, verify: bool = False, progress=None) -> dict:
         rep.out["skipped"] += other
         for rank in ranks:
             base = os.path.join(disk_path, fp, rank)
-            stats: dict = {}
+            stats: dict[str, Any] = {}
             found = block_dir.scan(base, tidy=False, stats=stats)
             rep.out["skipped"] += stats.get("skipped", 0)
             for (key, size), st in zip(found, stats.get("st", [])):
                 rep.add(fp, int(rank[1:]), size, max(0.0, now - st.st_mtime))
-            if verify:
+            if mk is not None:
                 for i in range(0, len(found), BATCH):
                     for named, ok in _verify_files(base, mk, [k for k, _ in found[i:i + BATCH]]):
                         rep.verified(fp, int(rank[1:]), named, ok)
@@ -142,13 +148,13 @@ def _mac_key(kept: Callable[[], bytes | None]) -> np.ndarray:
     raw = os.environ.get(tiersecret.ENV)
     if raw:
         return mac_key(tiersecret.parse(raw, tiersecret.ENV))
-    kept = kept()
-    if kept is None:
+    secret = kept()
+    if secret is None:
         raise ValueError(f"verifying needs the tier secret: set {tiersecret.ENV} (the tier keeps none)")
-    return mac_key(kept)
+    return mac_key(secret)
 
 
-def _verify_files(base: str, mk: np.ndarray, keys: list) -> list[tuple[bytes | None, bool]]:
+def _verify_files(base: str, mk: np.ndarray, keys: list[tuple[int, int]]) -> list[tuple[bytes | None, bool]]:
     """For each block file, the fingerprint its header names (None: no header of this format) and
     whether the file verifies under it and the MAC key, read as a load reads it (open_verified);
     each fd is closed at once."""
@@ -170,12 +176,13 @@ def _verify_files(base: str, mk: np.ndarray, keys: list) -> list[tuple[bytes | N
     return list(zip(named, ok))
 
 
-def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
+def inspect_remote(url: str, verify: bool = False,
+                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """The report of the values under `kvbm:` on a Redis / Valkey server (or cluster)."""
     resp.check_url(url)
     client = resp.connect(url)
     rep = Report(redact_url(url), "remote", "idle", verify, progress)
-    names = []
+    names: list[bytes] = []
     try:
         if verify:
             rep.mac_key = _mac_key(lambda: _remote_secret(client))
@@ -191,12 +198,14 @@ def inspect_remote(url: str, verify: bool = False, progress=None) -> dict:
     return rep.finish()
 
 
-def _remote_secret(client) -> bytes | None:
+def _remote_secret(client: redis.Redis | redis.RedisCluster) -> bytes | None:
     kept = client.get(tiersecret.REMOTE_NAME)
-    return tiersecret.parse(kept.decode("ascii", "replace"), tiersecret.REMOTE_NAME) if kept else None
+    if not isinstance(kept, bytes) or not kept:
+        return None
+    return tiersecret.parse(kept.decode("ascii", "replace"), tiersecret.REMOTE_NAME)
 
 
-def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
+def _remote_batch(client: redis.Redis | redis.RedisCluster, names: list[bytes], rep: Report, verify: bool) -> None:
     parsed = [remote_value.parse_value_name(n) for n in names]
     ours = [(n, p) for n, p in zip(names, parsed) if p is not None]
     rep.out["skipped"] += len(names) - len(ours)  # our other keys (announcer marker, secret), other versions
@@ -212,12 +221,13 @@ def _remote_batch(client, names: list, rep: Report, verify: bool) -> None:
         rep.add(root.decode(), rank, int(size), None if isinstance(idle, Exception) or idle is None else float(idle))
         kept.append((name, root, rank, key_hex))
     if verify and kept:
+        assert rep.mac_key is not None  # set by inspect_remote when verifying
         values = resp.run(client, [("GET", n) for n, _, _, _ in kept])
         for v, (_, root, rank, key_hex) in zip(values, kept):
             rep.verified(root.decode(), rank, *_verify_value(v, key_hex, rep.mac_key))
 
 
-def _verify_value(value, key_hex: bytes, mk: np.ndarray) -> tuple[bytes | None, bool]:
+def _verify_value(value: object, key_hex: bytes, mk: np.ndarray) -> tuple[bytes | None, bool]:
     """The fingerprint the value's header names (None: no header of this format) and whether the
     value verifies under it and the MAC key."""
     if not isinstance(value, (bytes, bytearray)) or len(value) < block_file.HEADER_SIZE:
@@ -230,7 +240,7 @@ def _verify_value(value, key_hex: bytes, mk: np.ndarray) -> tuple[bytes | None, 
     return h.fingerprint, remote_value.read_value(value, key, h.fingerprint, mk, out)
 
 
-def inspect(target: str, verify: bool = False, progress=None) -> dict:
+def inspect(target: str, verify: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     """A tier's report: `target` is a remote_url or a disk_path."""
     if target.startswith(resp.URL_SCHEMES + resp.CLUSTER_SCHEMES):
         return inspect_remote(target, verify, progress)

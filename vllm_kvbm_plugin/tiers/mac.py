@@ -99,7 +99,8 @@ def _nh(acc, key, words, w):
 
 
 @numba.njit(cache=True, nogil=True)
-def mac_update(acc, key, data, offset, copy_to=None):
+def mac_update(acc: np.ndarray, key: np.ndarray, data: np.ndarray, offset: int,
+               copy_to: np.ndarray | None = None) -> None:
     """Feed uint8 `data`, which starts `offset` bytes (a multiple of 8) into the payload, into
     `acc` (uint64[3], zeros to start). Pieces come in order; only the last may end off a word
     boundary (zero-padded). With `copy_to` (as long as `data`), data is then copied there, with
@@ -121,7 +122,7 @@ def mac_update(acc, key, data, offset, copy_to=None):
 
 
 @numba.njit(cache=True, nogil=True)
-def mac_final(acc, key, head, meta):
+def mac_final(acc: np.ndarray, key: np.ndarray, head: np.ndarray, meta: np.ndarray) -> np.uint64:
     """The tag of a payload fed into `acc`, with the header `head` (its first 52 bytes: magic to
     the lengths) and the metadata `meta` (uint8 arrays)."""
     if ((_le8(head, 40, 8) + np.uint64(7)) // _B8) % np.uint64(CHUNK_WORDS):  # a partial last chunk
@@ -153,7 +154,7 @@ def _le8(buf, at, n):
 
 
 @numba.njit(cache=True, nogil=True)
-def block_mac(key, head, payload, meta):
+def block_mac(key: np.ndarray, head: np.ndarray, payload: np.ndarray, meta: np.ndarray) -> np.uint64:
     """The tag of a whole payload (uint8 arrays)."""
     acc = np.zeros(3, dtype=np.uint64)
     mac_update(acc, key, payload, 0)

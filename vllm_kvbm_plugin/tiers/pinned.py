@@ -9,7 +9,8 @@ each one's tokens end). Pure: no vLLM, no files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
 
@@ -20,11 +21,13 @@ class PinnedStores:
     KVBMDiskTier), on the scheduler thread. Holds no reference back to its owner: no cycle keeps a
     tier alive."""
 
-    def __init__(self, index: TierIndex):
+    def __init__(self, index: TierIndex) -> None:
         self.index = index
-        self.stores: dict = {}  # key -> (its entry, its parent's entry pinned until settled, or None)
+        # key -> (its entry, its parent's entry pinned until settled, or None)
+        self.stores: dict[Hashable, tuple[Entry, Entry | None]] = {}
 
-    def reserve(self, key, parent=None, meta=None) -> tuple[Entry | None, list]:
+    def reserve(self, key: Hashable, parent: Hashable | None = None,
+                meta: Any = None) -> tuple[Entry | None, list[tuple[Hashable, Entry]]]:
         """(an entry for `key`, pinned, not ready, under `parent`, pinned until `settle`; or None
         when the tier has no room, and the (key, Entry) pairs evicted by the policy meanwhile)."""
         index = self.index
@@ -36,7 +39,7 @@ class PinnedStores:
             self.stores[key] = (entry, held)
         return entry, evicted
 
-    def reserve_chain(self, keys, parent=None) -> list[Entry]:
+    def reserve_chain(self, keys: Sequence[Hashable], parent: Hashable | None = None) -> list[Entry]:
         """reserve() of each of `keys` in turn, each under the key before it (the first under
         `parent`), while the index has free slots (TierIndex.reserve_chain): a request's run of
         new blocks in one call. Returns the entries made; the caller reserves the rest one by one."""
@@ -48,7 +51,7 @@ class PinnedStores:
             self.stores.update(zip(keys, zip(made, parents)))
         return made
 
-    def settle_landed(self, keys) -> list:
+    def settle_landed(self, keys: Iterable[Hashable]) -> list[tuple[Entry | None, Hashable | None]]:
         """settle(key, True) of each of `keys` in order: [(the ready entry or None, its parent)]."""
         pop = self.stores.pop
         settled = [pop(key, (None, None)) for key in keys]
@@ -57,7 +60,7 @@ class PinnedStores:
         done = index.complete_all([entry for entry, _ in settled])
         return [(e, held.key if held is not None else None) for e, (_, held) in zip(done, settled)]
 
-    def settle(self, key, ok: bool):
+    def settle(self, key: Hashable, ok: bool) -> tuple[Entry | None, Hashable | None]:
         """The store of `key` ended: ready (ok) or dropped; its parent is released. Returns (the
         ready entry or None, the parent it was stored under)."""
         entry, held = self.stores.pop(key, (None, None))

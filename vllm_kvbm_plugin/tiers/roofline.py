@@ -15,13 +15,19 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import redis
+    import torch
 
 DIRECTIONS = {"cpu_store": "copy_to_pool", "cpu_load": "copy_from_pool", "disk_write": "disk_write",
               "disk_read": "disk_read", "disk_load": "disk_read", "remote_write": "remote_write",
               "remote_read": "remote_read"}
 
 
-def _best(reps: int, run) -> float:
+def _best(reps: int, run: Callable[[], object]) -> float:
     """Seconds of the fastest of `reps` runs of `run()`."""
     best = float("inf")
     for _ in range(reps):
@@ -31,7 +37,7 @@ def _best(reps: int, run) -> float:
     return max(best, 1e-9)
 
 
-def copy_peaks(kv_bytes, pool_bytes, reps: int = 3) -> dict[str, float]:
+def copy_peaks(kv_bytes: torch.Tensor, pool_bytes: torch.Tensor, reps: int = 3) -> dict[str, float]:
     """Bytes/s of one contiguous copy each way between two uint8 tensors of the same length (a
     stretch of the KV cache's storage and of the pool). The KV stretch is restored afterwards from
     a host copy (no device memory beyond what vLLM allocated)."""
@@ -79,7 +85,7 @@ def disk_peaks(directory: str, nbytes: int = 64 << 20, chunk: int = 4 << 20, rep
         os.unlink(path)
 
 
-def remote_peaks(client, value_bytes: int, count: int = 32, reps: int = 2) -> dict[str, float]:
+def remote_peaks(client: redis.Redis | redis.RedisCluster, value_bytes: int, count: int = 32, reps: int = 2) -> dict[str, float]:
     """Bytes/s of one pipelined burst of `count` SETs, then GETs, of `value_bytes`-byte values under
     keys of our own (removed afterwards) on a redis-py client."""
     keys = [f"kvbm:roofline:{uuid.uuid4().hex}:{i}".encode() for i in range(count)]

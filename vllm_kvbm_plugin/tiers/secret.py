@@ -34,6 +34,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Mapping
 
 from vllm_kvbm_plugin.log import get_logger, redact_url
 
@@ -181,10 +182,9 @@ def _read(path: str) -> bytes:
     return parse(data[:-1].decode("ascii", "replace"), where)
 
 
-def load(remote_url: str | None, disk_path: str | None, env: dict | None = None) -> TierSecret:
+def load(remote_url: str | None, disk_path: str | None, env: Mapping[str, str] | None = None) -> TierSecret:
     """The secret for a connector with these tiers (see the module docstring), not cached."""
-    env = os.environ if env is None else env
-    raw = env.get(ENV)
+    raw = (os.environ if env is None else env).get(ENV)
     if raw:
         return TierSecret(parse(raw, ENV), "env")
     remote_off = False
