@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec, LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput, ReqContext, ScheduleEndContext,
+    make_offload_key)
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingEvent
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+Fill = Callable[[list[int], list[OffloadKey]], object]  # the worker's copy of chunks (ids, keys)
 
 
-def chunk_key(name: str, group: int = 0) -> bytes:
+def chunk_key(name: str, group: int = 0) -> OffloadKey:
     """A made-up OffloadKey: a 32-byte block hash (as vLLM's sha256 hashes) of `name`."""
     return make_offload_key(hashlib.sha256(name.encode()).digest(), group)
 
@@ -23,7 +36,7 @@ class Request:
 
     _ids = 0
 
-    def __init__(self, manager, keys: list[bytes], tokens_per_chunk: int = 16):
+    def __init__(self, manager: OffloadingManager, keys: list[OffloadKey], tokens_per_chunk: int = 16) -> None:
         Request._ids += 1
         self.manager = manager
         self.keys = keys
@@ -32,7 +45,8 @@ class Request:
             self.ctx.set_offload_key_position(key, (i + 1) * tokens_per_chunk)
         manager.on_new_request(self.ctx)
 
-    def store(self, keys: list[bytes] | None = None, fill=None, success: bool = True):
+    def store(self, keys: list[OffloadKey] | None = None, fill: Fill | None = None,
+              success: bool = True) -> PrepareStoreOutput | None:
         """prepare_store + (the worker's copy: fill(chunk_ids, keys)) + complete_store. Returns the
         PrepareStoreOutput (None: refused)."""
         keys = self.keys if keys is None else keys
@@ -40,17 +54,19 @@ class Request:
         if out is None or not out.keys_to_store:
             return out
         if fill is not None:
+            assert isinstance(out.store_spec, BlockIDsLoadStoreSpec)  # the CPU tier's chunks
             fill(list(out.store_spec.block_ids), list(out.keys_to_store))
         self.manager.complete_store(out.keys_to_store, self.ctx, success)
         return out
 
-    def lookup(self, keys: list[bytes] | None = None) -> list[LookupResult]:
+    def lookup(self, keys: list[OffloadKey] | None = None) -> list[LookupResult]:
         return [self.manager.lookup(k, self.ctx) for k in (self.keys if keys is None else keys)]
 
-    def load(self, keys: list[bytes], read=None) -> None:
+    def load(self, keys: list[OffloadKey], read: Fill | None = None) -> None:
         """prepare_load + (the worker's copy: read(chunk_ids, keys)) + complete_load."""
         spec = self.manager.prepare_load(keys, self.ctx)
         if read is not None:
+            assert isinstance(spec, BlockIDsLoadStoreSpec)  # the CPU tier's chunks
             read(list(spec.block_ids), list(keys))
         self.manager.complete_load(keys, self.ctx)
 
@@ -58,11 +74,11 @@ class Request:
         self.manager.on_request_finished(self.ctx)
 
 
-def end_step(manager) -> None:
+def end_step(manager: OffloadingManager) -> None:
     manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
 
-def lookup_until_settled(manager, req: Request, keys: list[bytes], timeout: float = 10.0) -> list[LookupResult]:
+def lookup_until_settled(manager: OffloadingManager, req: Request, keys: list[OffloadKey], timeout: float = 10.0) -> list[LookupResult]:
     """Look `keys` up step after step, as the connector does while a tier promotes them, until
     no answer is pending (HIT_PENDING / RETRY)."""
     deadline = time.monotonic() + timeout
@@ -78,7 +94,7 @@ def lookup_until_settled(manager, req: Request, keys: list[bytes], timeout: floa
 
 def offloading_config(extra_config: dict, chunk_bytes: int = 4096, tokens_per_block: int = 16,
                       engine_id: str = "kvbm-test", events: bool = True, model: str = "tiny-test",
-                      blocks_per_chunk: int = 1):
+                      blocks_per_chunk: int = 1) -> OffloadingConfig:
     """vLLM's OffloadingConfig for one full-attention group on one worker, chunks of
     `blocks_per_chunk` blocks of `chunk_bytes` (the same constructor on 0.32 and 0.33: 0.33's new
     fields have defaults)."""
@@ -101,7 +117,8 @@ def offloading_config(extra_config: dict, chunk_bytes: int = 4096, tokens_per_bl
 
 
 def tiering_manager(secondary_tiers: list, cpu_chunks: int, chunk_bytes: int = 4096, eviction_policy: str = "lru",
-                    engine_id: str = "kvbm-test", events: bool = True, **extra):
+                    engine_id: str = "kvbm-test", events: bool = True,
+                    **extra: object) -> tuple[TieringOffloadingSpec, TieringOffloadingManager]:
     """(spec, manager): vLLM's TieringOffloadingSpec and its TieringOffloadingManager (a CPU
     primary tier of `cpu_chunks` chunks in shared memory, then `secondary_tiers`). Call
     manager.shutdown() when done (it removes the shared-memory file)."""
@@ -112,22 +129,22 @@ def tiering_manager(secondary_tiers: list, cpu_chunks: int, chunk_bytes: int = 4
     if eviction_policy not in ("lru", "arc"):
         extra_config["cache_policy_module_path"] = "vllm_kvbm_plugin.offloading"
     spec = TieringOffloadingSpec(offloading_config(extra_config, chunk_bytes, engine_id=engine_id, events=events))
-    return spec, spec.get_manager()
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    manager = spec.get_manager()
+    assert isinstance(manager, TieringOffloadingManager)
+    return spec, manager
 
 
-def primary_rows(manager):
+def primary_rows(manager: TieringOffloadingManager) -> np.ndarray:
     """The CPU primary tier's chunks as a (chunks, bytes) uint8 array (vLLM's shared memory)."""
-    import numpy as np
-
     view = manager.primary_tier.get_kv_memoryview()
     rows = np.asarray(view)
     return rows.view(np.uint8).reshape(rows.shape[0], -1)
 
 
-def payload(key: bytes, size: int = 4096):
+def payload(key: bytes, size: int = 4096) -> np.ndarray:
     """Made-up chunk bytes of `key` (the same every time)."""
-    import numpy as np
-
     return np.random.default_rng(int.from_bytes(key[:8], "big")).integers(0, 256, size, dtype=np.uint8)
 
 
@@ -135,7 +152,7 @@ class Tiered:
     """vLLM's tiering manager with one secondary tier (`tier`: its secondary_tiers entry), and the
     calls the connector makes: `store` cascades through the CPU primary tier, `load` promotes hits."""
 
-    def __init__(self, tier: dict, cpu_chunks: int = 8, chunk_bytes: int = 4096, cpu_policy: str = "lru"):
+    def __init__(self, tier: dict, cpu_chunks: int = 8, chunk_bytes: int = 4096, cpu_policy: str = "lru") -> None:
         import uuid
 
         self.chunk_bytes = chunk_bytes
@@ -143,7 +160,7 @@ class Tiered:
                                             engine_id=f"kvbm-test-{uuid.uuid4().hex[:8]}")
         self.tier = self.m.secondary_tiers[0]
         self.rows = primary_rows(self.m)
-        self.events = []
+        self.events: list[OffloadingEvent] = []
 
     def settle(self) -> None:
         for _ in range(2000):
@@ -186,5 +203,5 @@ class Tiered:
         return [k for e in self.events if e.medium is Medium.STORAGE and e.removed == removed for k in e.keys]
 
     def close(self) -> None:
-        self.rows = None
+        del self.rows  # vLLM's shared memory, which shutdown closes
         self.m.shutdown()
