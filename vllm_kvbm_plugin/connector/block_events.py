@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from vllm.distributed.kv_events import BlockStored
-from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import ExternalBlockHash, to_event_extra_keys
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout
@@ -25,7 +25,7 @@ class Announce(msgspec.Struct, gc=False):
     place; no events: an internal entry, never announced. Kept as long as the entry, so like the
     entry untracked by the garbage collector, with events whose fields are tuples (`compact`)."""
     events: tuple
-    vhash: object = None  # vLLM's event hash of the entry, for BlockRemoved
+    vhash: ExternalBlockHash | None = None  # vLLM's event hash of the entry, for BlockRemoved
     announced: bool = False
 
 
