@@ -21,7 +21,7 @@ the `tier_module_paths` setting); neither side branches on a tier's name.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -122,7 +122,9 @@ class PrimaryTier(SchedulerTier, Protocol):
     """The CPU tier (cpu_tier.py): the slots every load into the KV cache comes from and every
     store goes to first. Entries are pinned between prepare_* and complete_*."""
 
-    entries: Mapping[Key, Entry]  # what it holds (membership tests on the hot path)
+    @property
+    def entries(self) -> Mapping[Hashable, Entry]:
+        """What it holds, by key (membership tests on the hot path); a TierIndex's."""
 
     def __contains__(self, key: Key) -> bool: ...
 
