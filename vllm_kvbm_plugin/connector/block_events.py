@@ -135,9 +135,8 @@ class StepEvents:
         if have <= first:
             return [Announce(())] * (upto - first)
         picked = [hashes[(i + 1) * r - 1] for i in range(first - 1 if first else 0, have)]
-        converted = b.to_event_hashes(picked)
-        if not first:
-            converted.insert(0, None)
+        converted: list[ExternalBlockHash | None] = [] if first else [None]  # the first block's parent
+        converted += b.to_event_hashes(picked)
         extras = compat.has_extra_keys(request)
         tokens = tuple(request.all_token_ids[first * B : have * B])
         pool = b.pool

@@ -11,7 +11,8 @@ import dataclasses
 import os
 import resource
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 from vllm.distributed.kv_events import BlockStored
@@ -234,10 +235,10 @@ class DiskTier(TierManager):
         self.remove(key)
 
     # ---- files ---------------------------------------------------------------------------
-    def _evicted(self, evicted: list[tuple[Key, Entry | None]]) -> None:
+    def _evicted(self, evicted: Sequence[tuple[Hashable, Entry | None]]) -> None:
         super()._evicted(evicted)
         for key, _ in evicted:
-            self._unlink(key)
+            self._unlink(cast(Key, key))  # the index holds this tier's keys
 
     def _unlink(self, key: Key) -> None:
         for base in self.bases:

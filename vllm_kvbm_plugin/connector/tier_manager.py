@@ -12,6 +12,8 @@ or store, and from where, is the planner's business (scheduler.py).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from vllm_kvbm_plugin.connector.base import Key, TierJobs, TierOp
@@ -34,7 +36,7 @@ class TierManager:
         self.name = name
         self.index = TierIndex(capacity, make_policy(policy))
         self.stores = PinnedStores(self.index)  # each store in flight pins its parent
-        self.waiting: dict[Key, list[Key]] = {}  # key -> children stored before it was announced (announced after it)
+        self.waiting: dict[Hashable, list[Hashable]] = {}  # key -> children stored before it was announced (announced after it)
         # keys prepared for a store whose outcome the workers owe -> the announcer of its events,
         # built when first needed (`events_of`: the store landed, or a child waits on it), not for
         # stores that fail
@@ -198,7 +200,7 @@ class TierManager:
             self.events += a.events
             a.announced = True
 
-    def _announce_after(self, key: Key, entry: Entry, parent: Key | None) -> None:
+    def _announce_after(self, key: Hashable, entry: Entry, parent: Hashable | None) -> None:
         """Announce `key` once its parent is announced here (a router drops a block whose parent
         it does not hold): now, after the parent, or never when the parent left unannounced
         (e.g. its bytes never came); the entry serves loads all the same."""
@@ -217,7 +219,7 @@ class TierManager:
             if c is not None:
                 self._announce_after(child, c, None)
 
-    def _evicted(self, evicted: list[tuple[Key, Entry | None]]) -> None:
+    def _evicted(self, evicted: Sequence[tuple[Hashable, Entry | None]]) -> None:
         """Entries that left the tier: announce their removals, one event per group."""
         by_group: dict[int, list] = {}
         for key, e in evicted:
