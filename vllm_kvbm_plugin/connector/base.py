@@ -21,7 +21,7 @@ the `tier_module_paths` setting); neither side branches on a tier's name.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
@@ -122,7 +122,9 @@ class PrimaryTier(SchedulerTier, Protocol):
     """The CPU tier (cpu_tier.py): the slots every load into the KV cache comes from and every
     store goes to first. Entries are pinned between prepare_* and complete_*."""
 
-    entries: Mapping[Key, Entry]  # what it holds (membership tests on the hot path)
+    @property
+    def entries(self) -> Mapping[Hashable, Entry]:
+        """What it holds, by key (membership tests on the hot path); a TierIndex's."""
 
     def __contains__(self, key: Key) -> bool: ...
 
@@ -203,13 +205,27 @@ class WorkerContext(Protocol):
     pool: torch.Tensor | None  # the CPU tier's slots, a row each (uint8), once the KV caches are registered
     slot_bytes: int
     fingerprint: bytes | None  # of an entry's exact byte layout (a block file's or value's header)
-    mac_key: bytes | None  # of the tier entries' MACs (tiers/mac.py)
+    mac_key: np.ndarray | None  # of the tier entries' MACs (tiers/mac.mac_key), once the decision is known
 
     def record(self, tier: str, direction: str, blocks: int, t0: float) -> None:
         """Count `blocks` moved since perf_counter() `t0` in the stats (stats.py)."""
 
     def failed(self, tier: str, operation: str) -> None:
         """Count one failed operation of the tier in the stats."""
+
+
+class Registered(NamedTuple):
+    """What a worker half's jobs copy with: known once the KV caches are registered."""
+    pool: torch.Tensor
+    fingerprint: bytes
+    mac_key: np.ndarray
+
+
+def registered(side: WorkerContext) -> Registered:
+    """The pool, fingerprint and MAC key of `side`: every job comes after register_kv_caches."""
+    if side.pool is None or side.fingerprint is None or side.mac_key is None:
+        raise RuntimeError("KVBMConnector: a tier job before the KV caches are registered")
+    return Registered(side.pool, side.fingerprint, side.mac_key)
 
 
 class WorkerTier(Protocol):

@@ -4,15 +4,20 @@ token ids, extra keys, LoRA fields), so a router can join them with the GPU even
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from vllm.distributed.kv_events import BlockStored
-from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import ExternalBlockHash, to_event_extra_keys
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout
 from vllm_kvbm_plugin.events.types import Tier
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.request import Request
 
 
 class Announce(msgspec.Struct, gc=False):
@@ -20,7 +25,7 @@ class Announce(msgspec.Struct, gc=False):
     place; no events: an internal entry, never announced. Kept as long as the entry, so like the
     entry untracked by the garbage collector, with events whose fields are tuples (`compact`)."""
     events: tuple
-    vhash: object = None  # vLLM's event hash of the entry, for BlockRemoved
+    vhash: ExternalBlockHash | None = None  # vLLM's event hash of the entry, for BlockRemoved
     announced: bool = False
 
 
@@ -35,7 +40,7 @@ def compact(event: BlockStored) -> BlockStored:
 Announcer = Callable[[Tier], Announce]  # the events of an entry, named for a tier
 
 
-def renamed(events, name: Tier) -> tuple:
+def renamed(events: Iterable[BlockStored], name: Tier) -> tuple[BlockStored, ...]:
     """`events` named for another tier (the copy of their entry there)."""
     return tuple(msgspec.structs.replace(ev, medium=name.medium, locality=name.locality, ownership=name.ownership)
                  for ev in events)
@@ -48,22 +53,22 @@ class EventBuilder:
     """Builds the events of a request's tokens for the tiers that store them. Owned by
     SchedulerSide (EngineCore process), which hands its `announcer`s to the tiers' stores."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self.to_event_hashes = compat.event_hash_converter()
-        self.pool = None  # vLLM's BlockPool, bound with the KV cache manager (extra keys, medium)
+        self.pool: BlockPool | None = None  # vLLM's BlockPool, bound with the KV cache manager (extra keys, medium)
 
-    def step_events(self, request, first: int) -> "StepEvents":
+    def step_events(self, request: Request, first: int) -> "StepEvents":
         """The events of the request's whole KV blocks from block `first` on that one step stores
         (`StepEvents.announcer(i)` per block), built together once the first of them is needed."""
         return StepEvents(self, request, first)
 
-    def announcer(self, request, start: int, end: int, kind: EntryKind) -> Announcer:
+    def announcer(self, request: Request, start: int, end: int, kind: EntryKind) -> Announcer:
         """The BlockStored events (one per group of `kind`) of the tokens [start, end), named for
         the tier that stores them."""
         return lambda name: self._announce(request, start, end, kind, name)
 
-    def _announce(self, request, start: int, end: int, kind: EntryKind, name: Tier) -> Announce:
+    def _announce(self, request: Request, start: int, end: int, kind: EntryKind, name: Tier) -> Announce:
         hashes, unit = request.block_hashes, self.layout.hash_unit
         if len(hashes) < end // unit:
             return Announce(())
@@ -71,11 +76,11 @@ class EventBuilder:
             parent, vhash = self.to_event_hashes([hashes[start // unit - 1], hashes[end // unit - 1]])
         else:
             parent, vhash = None, self.to_event_hashes([hashes[end // unit - 1]])[0]
-        extra = None
+        keys = None
         if compat.has_extra_keys(request):
-            extra = to_event_extra_keys([compat.block_extra_keys(self.pool, request, start, end, 0)[0]])
+            keys = to_event_extra_keys([compat.block_extra_keys(self.pool, request, start, end, 0)[0]])
         # tuples, not lists: the events are kept with the tier entry (see compact)
-        extra = tuple(extra) if extra else (None,)
+        extra = tuple(keys) if keys else (None,)
         token_ids = tuple(request.all_token_ids[start:end])
         events = []
         for g in self.layout.groups[kind]:
@@ -96,17 +101,17 @@ class StepEvents:
 
     __slots__ = ("builder", "request", "first", "upto", "built")
 
-    def __init__(self, builder: EventBuilder, request, first: int):
+    def __init__(self, builder: EventBuilder, request: Request, first: int) -> None:
         self.builder, self.request, self.first = builder, request, first
         self.upto = first  # blocks [first, upto) were handed out
-        self.built: dict = {}  # tier name -> [Announce of block first, first + 1, ...]
+        self.built: dict[Tier, list[Announce]] = {}  # tier name -> [Announce of block first, first + 1, ...]
 
     def announcer(self, block: int) -> Announcer:
         if block >= self.upto:
             self.upto = block + 1
         return BlockAnnouncer(self, block)
 
-    def announcers(self, block: int, n: int) -> list:
+    def announcers(self, block: int, n: int) -> list[Announcer]:
         """announcer() of blocks block, ..., block + n - 1."""
         if block + n > self.upto:
             self.upto = block + n
@@ -120,7 +125,7 @@ class StepEvents:
             built += self._build(name, self.first + len(built))
         return built[block - self.first]
 
-    def _build(self, name: Tier, first: int) -> list:
+    def _build(self, name: Tier, first: int) -> list[Announce]:
         """The Announces of blocks [first, upto) for tier `name`."""
         b, request, upto = self.builder, self.request, self.upto
         layout = b.layout
@@ -130,9 +135,8 @@ class StepEvents:
         if have <= first:
             return [Announce(())] * (upto - first)
         picked = [hashes[(i + 1) * r - 1] for i in range(first - 1 if first else 0, have)]
-        converted = b.to_event_hashes(picked)
-        if not first:
-            converted.insert(0, None)
+        converted: list[ExternalBlockHash | None] = [] if first else [None]  # the first block's parent
+        converted += b.to_event_hashes(picked)
         extras = compat.has_extra_keys(request)
         tokens = tuple(request.all_token_ids[first * B : have * B])
         pool = b.pool
@@ -155,7 +159,7 @@ class StepEvents:
             return out + [Announce(())] * (upto - have)
         for j in range(have - first):
             parent, vhash = converted[j], converted[j + 1]
-            extra = (None,)
+            extra: tuple[Any, ...] = (None,)
             if extras:
                 start = (first + j) * B
                 extra = tuple(to_event_extra_keys([compat.block_extra_keys(pool, request, start, start + B, 0)[0]])
@@ -171,7 +175,7 @@ class BlockAnnouncer:
 
     __slots__ = ("events", "block")
 
-    def __init__(self, events: StepEvents, block: int):
+    def __init__(self, events: StepEvents, block: int) -> None:
         self.events, self.block = events, block
 
     def __call__(self, name: Tier) -> Announce:

@@ -11,19 +11,24 @@ import dataclasses
 import os
 import resource
 import time
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 from vllm.distributed.kv_events import BlockStored
 
 from vllm_kvbm_plugin.connector.block_events import Announce, Announcer, compact, renamed
-from vllm_kvbm_plugin.connector.base import TierJob, TierOp, Verb
+from vllm_kvbm_plugin.connector.base import Key, TierJob, TierJobs, TierOp, Verb
 from vllm_kvbm_plugin.connector.tier_manager import TierManager
-from vllm_kvbm_plugin.connector.layout import Layout, remove_v1_tier_dir
+from vllm_kvbm_plugin.connector.layout import Layout, rank_dir, remove_v1_tier_dir
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers.index import Entry
 from vllm_kvbm_plugin.tiers.pinned import restore
 from vllm_kvbm_plugin.tiers import block_dir, block_file
+
+if TYPE_CHECKING:
+    from vllm_kvbm_plugin.config import KVBMConfig
 
 logger = get_logger("connector")
 
@@ -45,7 +50,7 @@ class _Held:
     """A disk entry the workers verify and keep open for a direct load."""
     entry: Entry  # pinned while held
     ready: bool = False  # every worker verified it
-    requests: set = dataclasses.field(default_factory=set)  # the requests waiting for it
+    requests: set[str] = dataclasses.field(default_factory=set)  # the requests waiting for it
 
 
 class DiskTier(TierManager):
@@ -63,47 +68,50 @@ class DiskTier(TierManager):
     CLOSE, WRITE = TierOp(label, Verb.CLOSE), TierOp(label, Verb.WRITE)
 
     @classmethod
-    def create(cls, layout: Layout, cfg) -> "DiskTier | None":
+    def create(cls, layout: Layout, cfg: KVBMConfig) -> DiskTier | None:
         if not layout.disk_path:
             return None
         if layout.v1_root is not None:  # once per engine (the scheduler side), not in every worker process
             remove_v1_tier_dir(layout.disk_path, layout.v1_root)
         return cls(layout, cfg.eviction_policy)
 
-    def __init__(self, layout: Layout, policy: str):
-        root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
-        super().__init__(storage_tier(f"kvbm-disk:{root_hex}"),
+    def __init__(self, layout: Layout, policy: str) -> None:
+        if not layout.disk_path:
+            raise ValueError("KVBMConnector: the disk tier needs disk_path")
+        root = layout.decided_root()
+        super().__init__(storage_tier(f"kvbm-disk:{root[0]:016x}{root[1]:016x}"),
                          layout.disk_slots, policy)
         self.path = layout.disk_path
-        self.bases = [layout.rank_dir(r) for r in range(layout.world)]
+        self.bases = [rank_dir(self.path, root, r) for r in range(layout.world)]
         self.meta_bytes = layout.disk_meta_bytes  # what a file's metadata may take (disk_slots counts it)
         self.oversized = 0  # entries not written: their metadata would take more
         self.writes_resume = 0.0  # monotonic time stores resume after a worker's disk failed
-        self.prefetching: dict[tuple, Entry] = {}  # key -> its entry, pinned while read into a CPU slot
-        self.held: dict = {}  # key -> _Held
-        self.opens: list = []  # to send with the next metadata
-        self.closes: list = []
+        self.prefetching: dict[Key, Entry] = {}  # key -> its entry, pinned while read into a CPU slot
+        self.held: dict[Key, _Held] = {}
+        self.opens: list[Key] = []  # to send with the next metadata
+        self.closes: list[Key] = []
         self._load_index()
 
     # ---- the contract (base.SecondaryTier) -----------------------------------------------------
     def describe(self) -> str:
         return f"disk tier {self.index.capacity} slots under {self.path}"
 
-    def prepare_lookup(self, req_id: str, keys: list) -> bool:
+    def prepare_lookup(self, req_id: str, keys: list[Key]) -> bool:
         return True  # its index answers at once
 
-    def submit_load(self, key, slot: int, meta) -> None:
+    def submit_load(self, key: Key, slot: int, meta: TierJobs) -> None:
         self.prefetch(key)
         meta.jobs.append(TierJob(self.FETCH, key, slot))
 
-    def submit_store(self, key, parent, end: int, announce: Announcer, slot: int, meta) -> bool:
+    def submit_store(self, key: Key, parent: Key | None, end: int, announce: Announcer, slot: int,
+                     meta: TierJobs) -> bool:
         blob = self.prepare_write(key, parent, end, announce)
         if blob is None:
             return False
         meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
         return True
 
-    def settle(self, op: TierOp, key, ok: bool) -> None:
+    def settle(self, op: TierOp, key: Key, ok: bool) -> None:
         if op.verb is Verb.FETCH:
             self.prefetched(key, ok)
         elif op.verb is Verb.OPEN:
@@ -114,7 +122,7 @@ class DiskTier(TierManager):
     def on_request_finished(self, req_id: str) -> None:
         self.release(req_id)
 
-    def on_schedule_end(self, meta) -> None:
+    def on_schedule_end(self, meta: TierJobs) -> None:
         self.close_idle()
         meta.jobs += [TierJob(self.OPEN, key) for key in self.opens]
         meta.jobs += [TierJob(self.CLOSE, key) for key in self.closes]
@@ -123,19 +131,20 @@ class DiskTier(TierManager):
     def worker_failed(self) -> None:
         self.stop_writes()
 
-    def accounting(self) -> dict:
+    def accounting(self) -> dict[str, object]:
         return {self.label: {"blocks": len(self), "busy": self.busy()}, "prefetching": len(self.prefetching),
                 "direct": len(self.held)}
 
     # ---- stores --------------------------------------------------------------------------
-    def prepare_write(self, key, parent, end: int, announce: Announcer) -> bytes | None:
+    def prepare_write(self, key: Key, parent: Key | None, end: int, announce: Announcer) -> bytes | None:
         """prepare_store for a write-through from a CPU slot: the file's metadata blob (where the
         entry ends and its events, announced again after a restart), or None."""
         if time.monotonic() < self.writes_resume or key in self or (parent is not None and parent not in self):
             return None
         if self.prepare_store(key, parent, announce) is None:
             return None
-        events = self.events_of(key).events
+        announced = self.events_of(key)
+        events = announced.events if announced is not None else ()
         blob = block_file.encode_meta(end, [_ENCODE(e) for e in events])
         if len(blob) > self.meta_bytes:  # the file would go beyond its share of disk_bytes_to_use
             self.complete_store(key, False)
@@ -156,21 +165,21 @@ class DiskTier(TierManager):
         self.writes_resume = time.monotonic() + block_file.WRITE_PAUSE_S
 
     # ---- loads: prefetches into CPU slots, and direct loads from open files --------------
-    def prefetch(self, key) -> None:
+    def prefetch(self, key: Key) -> None:
         self.prefetching[key] = self.prepare_load(key)
 
-    def prefetched(self, key, ok: bool) -> None:
+    def prefetched(self, key: Key, ok: bool) -> None:
         entry = self.prefetching.pop(key, None)
         self.complete_load(entry)
         if not ok and entry is not None and self.index.entries.get(key) is entry:
             self.lost(key)
 
-    def busy_loading(self, key) -> bool:
+    def busy_loading(self, key: Key) -> bool:
         """Whether `key` is still being verified by the workers (its request waits a step)."""
         h = self.held.get(key)
         return key in self.prefetching or (h is not None and not h.ready)
 
-    def hold(self, key, req_id: str) -> bool:
+    def hold(self, key: Key, req_id: str) -> bool:
         """Ask the workers to verify `key` and keep its file open (if not asked yet) for `req_id`;
         False when MAX_DIRECT files are held already."""
         h = self.held.get(key)
@@ -182,12 +191,12 @@ class DiskTier(TierManager):
         h.requests.add(req_id)
         return True
 
-    def ready_direct(self, key) -> bool:
+    def ready_direct(self, key: Key) -> bool:
         """Verified by every worker and held open: ready for a direct load."""
         h = self.held.get(key)
         return h is not None and h.ready
 
-    def opened(self, key, ok: bool) -> None:
+    def opened(self, key: Key, ok: bool) -> None:
         if ok:
             if key in self.held:
                 self.held[key].ready = True
@@ -207,7 +216,7 @@ class DiskTier(TierManager):
         for k in [k for k, h in self.held.items() if h.ready and not h.requests]:
             self._close(k)
 
-    def _close(self, key) -> None:
+    def _close(self, key: Key) -> None:
         h = self.held.pop(key, None)
         if h is not None:
             self.complete_load(h.entry)
@@ -220,18 +229,18 @@ class DiskTier(TierManager):
         return bool(self.storing or self.prefetching or self.closes
                     or any(not h.ready or not h.requests for h in self.held.values()))
 
-    def lost(self, key) -> None:
+    def lost(self, key: Key) -> None:
         logger.warning("KVBMConnector: disk block %s is corrupt or missing; dropped (a miss)",
                        block_dir.key_hex(key))
         self.remove(key)
 
     # ---- files ---------------------------------------------------------------------------
-    def _evicted(self, evicted: list) -> None:
+    def _evicted(self, evicted: Sequence[tuple[Hashable, Entry | None]]) -> None:
         super()._evicted(evicted)
         for key, _ in evicted:
-            self._unlink(key)
+            self._unlink(cast(Key, key))  # the index holds this tier's keys
 
-    def _unlink(self, key) -> None:
+    def _unlink(self, key: Key) -> None:
         for base in self.bases:
             try:
                 os.unlink(block_dir.block_path(base, key))
@@ -259,7 +268,7 @@ class DiskTier(TierManager):
         # more files than disk_bytes_to_use allows: the policy evicts some
         kept = [self.index.entries[k] for k in restore(self.index, readable, self._evicted)]
         described = [e for e in kept if e.meta is not None]
-        held = set()
+        held: set[tuple[int, object]] = set()
         for e in described:
             if all(ev.kv_cache_spec_kind in SPARSE_KINDS or ev.parent_block_hash is None
                    or (ev.group_idx, ev.parent_block_hash) in held for ev in e.meta.events):

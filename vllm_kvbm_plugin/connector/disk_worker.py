@@ -11,18 +11,23 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, Verb, WorkerContext
+from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, Verb, WorkerContext, registered
 from vllm_kvbm_plugin.connector.disk_scheduler import DiskTier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import block_dir, block_file
 
+if TYPE_CHECKING:
+    from vllm_kvbm_plugin.config import KVBMConfig
+
 logger = get_logger("connector.worker")
 
 
-def run_batches(jobs: queue.SimpleQueue, limit: int, run) -> None:
+def run_batches(jobs: queue.SimpleQueue, limit: int, run: Callable[[list], object]) -> None:
     """run(batch) on what `jobs` holds, up to `limit` jobs at a time, until a None arrives."""
     while True:
         batch, job = [], jobs.get()
@@ -50,10 +55,10 @@ class DiskWorker:
 
     @classmethod
     def open(cls, side: WorkerContext) -> DiskWorker | None:
-        base = side.layout.rank_dir(side.rank)
-        return cls(side, base) if base is not None else None
+        disk_path, base = side.layout.disk_path, side.layout.rank_dir(side.rank)
+        return cls(side, disk_path, base) if disk_path and base is not None else None
 
-    def __init__(self, side: WorkerContext, base: str):
+    def __init__(self, side: WorkerContext, disk_path: str, base: str) -> None:
         self.side, self.base = side, base
         self.reports: list[Report] = []
         self.held: dict[Key, int] = {}  # key -> open, verified block file (direct loads)
@@ -64,7 +69,7 @@ class DiskWorker:
         self._resume = 0.0  # monotonic time writes resume after failing as a whole
         self._failed = False  # such a failure, not yet reported to the scheduler side
         try:  # 0700 whatever the umask; existing tier directories are tightened (logged)
-            block_dir.prepare_block_dir(side.layout.disk_path, base)
+            block_dir.prepare_block_dir(disk_path, base)
         except OSError as e:
             self._broken = True
             logger.warning("KVBMConnector: disk tier directory %s unusable (%s); no more disk writes", base, e)
@@ -86,7 +91,8 @@ class DiskWorker:
         fetches = [j for j in jobs if j.op.verb is Verb.FETCH]
         if opens:  # verified and kept open for a direct load next step, all in one call
             t0 = time.perf_counter()
-            opened = block_file.open_verified_blocks(self._paths(opens), opens, side.fingerprint, side.mac_key,
+            reg = registered(side)
+            opened = block_file.open_verified_blocks(self._paths(opens), opens, reg.fingerprint, reg.mac_key,
                                                   side.slot_bytes)
             for key, o in zip(opens, opened):
                 if o is not None:
@@ -99,14 +105,15 @@ class DiskWorker:
         if fetches:  # read and verified straight into their (not yet ready) slots
             t0 = time.perf_counter()
             keys = [j.key for j in fetches]
-            metas = block_file.read_blocks(self._paths(keys), keys, side.fingerprint, side.mac_key,
-                                        [side.pool[j.slot].numpy() for j in fetches])
+            reg = registered(side)
+            metas = block_file.read_blocks(self._paths(keys), keys, reg.fingerprint, reg.mac_key,
+                                        [reg.pool[j.slot].numpy() for j in fetches])
             self.reports += [Report(DiskTier.FETCH, key, m is not None) for key, m in zip(keys, metas)]
             self._done("read", sum(m is not None for m in metas), len(keys), t0)
 
     def read_held(self, key: Key, parts: list[np.ndarray]) -> bool:
         fd = self.held.get(key)
-        return fd is not None and block_file.read_payload(fd, parts, self.side.mac_key)
+        return fd is not None and block_file.read_payload(fd, parts, registered(self.side).mac_key)
 
     def close(self, keys: list[Key]) -> None:
         for key in keys:
@@ -142,12 +149,13 @@ class DiskWorker:
         t0 = time.perf_counter()
         if self._writes_on():
             keys = [j.key for j in jobs]
+            reg = registered(side)
             try:
-                errors = block_file.write_blocks(self._paths(keys), keys, side.fingerprint, side.mac_key,
-                                              [side.pool[j.slot].numpy() for j in jobs],
+                errors = block_file.write_blocks(self._paths(keys), keys, reg.fingerprint, reg.mac_key,
+                                              [reg.pool[j.slot].numpy() for j in jobs],
                                               [j.meta for j in jobs], fsync=side.cfg.disk_fsync)
-            except OSError as e:
-                errors = [e] * len(jobs)
+            except OSError as failure:
+                errors = [failure] * len(jobs)
             for i, (key, e) in enumerate(zip(keys, errors)):
                 if e is None:
                     ok[i] = True
@@ -190,7 +198,7 @@ class DiskWorker:
         self.close(list(self.held))
 
 
-def disk_peaks(cfg, slot_bytes: int) -> dict[str, float]:
+def disk_peaks(cfg: KVBMConfig, slot_bytes: int) -> dict[str, float]:
     """The disk tier's peak speeds on disk_path's file system (measure_roofline)."""
     from vllm_kvbm_plugin.tiers import roofline
 

@@ -18,12 +18,18 @@ import dataclasses
 import enum
 import hashlib
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.hashing.spec import v1_root_key
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import block_dir, block_file
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from vllm_kvbm_plugin.config import KVBMConfig
 
 logger = get_logger("layout")
 
@@ -46,7 +52,7 @@ class Layout:
     hold KV and which recurrent state, block and hash-unit sizes, slot size and counts, the key root
     and (scheduler side) the Keyer. Built once per process from vLLM's config (`from_vllm`)."""
 
-    groups: dict  # EntryKind -> tuple of KV cache group indices
+    groups: dict[EntryKind, tuple[int, ...]]  # KV cache group indices per kind
     spec_kinds: tuple[str, ...]  # vLLM's kv_cache_spec_kind per group (for events)
     layer_names: tuple[tuple[str, ...], ...]  # per group
     num_blocks: int  # vLLM's KV cache blocks (finds the block dimension of a KV tensor)
@@ -78,13 +84,20 @@ class Layout:
 
     @property
     def tier_dir(self) -> str | None:
-        return tier_dir(self.disk_path, self.root) if self.disk_path else None
+        return tier_dir(self.disk_path, self.decided_root()) if self.disk_path else None
 
     def rank_dir(self, rank: int) -> str | None:
-        return rank_dir(self.disk_path, self.root, rank) if self.disk_path else None
+        return rank_dir(self.disk_path, self.decided_root(), rank) if self.disk_path else None
+
+    def decided_root(self) -> tuple[int, int]:
+        """The key root; a worker's is known once it follows the scheduler side's decision."""
+        if self.root is None:
+            raise RuntimeError("KVBMConnector: the key root is used before the scheduler side decided it")
+        return self.root
 
     @classmethod
-    def from_vllm(cls, vllm_config, kv_cache_config, cfg, decide: bool = True) -> "Layout":
+    def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: KVBMConfig,
+                  decide: bool = True) -> "Layout":
         """The layout of this engine. `decide` (the scheduler side): also read the tier secret and
         derive the key root from it. A worker passes False: it follows the scheduler side's
         decision (`decision()`, sent with the first step), never reads the secret itself."""
@@ -124,7 +137,7 @@ class Layout:
 
     def decision(self) -> TierDecision:
         """What the workers must follow (scheduler side)."""
-        return TierDecision(self.secret, self.root, not self.remote_off, self.secret_source)
+        return TierDecision(self.secret, self.decided_root(), not self.remote_off, self.secret_source)
 
     def following(self, decision: TierDecision) -> "Layout":
         """A worker's layout once it follows `decision`."""
@@ -148,7 +161,7 @@ class TierDecision(NamedTuple):
         return f"TierDecision(root={self.root[0]:016x}{self.root[1]:016x}, remote={self.remote}, source={self.source})"
 
 
-def disk_meta_bytes(slot_bytes: int, block_size: int, groups: dict) -> int:
+def disk_meta_bytes(slot_bytes: int, block_size: int, groups: dict[EntryKind, tuple[int, ...]]) -> int:
     """Room for a block file's metadata: its events (one per group, each with the entry's token
     ids, at most 5 bytes each, and extra keys) plus what rounding the file to whole FS_BLOCKs adds.
     An entry whose metadata needs more is not written to disk (DiskTier.prepare_write)."""
@@ -156,17 +169,17 @@ def disk_meta_bytes(slot_bytes: int, block_size: int, groups: dict) -> int:
     return block_file.file_footprint(slot_bytes, need) - block_file.HEADER_SIZE - slot_bytes
 
 
-def _root_fields(vllm_config, kv_cache_config, unit: int) -> tuple:
+def _root_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, unit: int) -> tuple[str, str, str, int, int, int]:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     specs = "|".join(repr(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups)
     return str(mc.model), str(mc.dtype), specs, unit, 0, pc.tensor_parallel_size * pc.pipeline_parallel_size
 
 
-def key_root(vllm_config, kv_cache_config, unit: int, keyer: Keyer) -> tuple[int, int]:
+def key_root(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, unit: int, keyer: Keyer) -> tuple[int, int]:
     return keyer.root(*_root_fields(vllm_config, kv_cache_config, unit))
 
 
-def v1_key_root(vllm_config, kv_cache_config, unit: int) -> tuple[int, int]:
+def v1_key_root(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, unit: int) -> tuple[int, int]:
     """The root spec 1 computed for this layout: the name of the tier directory it wrote."""
     return v1_root_key(*_root_fields(vllm_config, kv_cache_config, unit))
 
@@ -203,11 +216,11 @@ def tensor_fingerprint(root: tuple[int, int], layers: list[tuple[str, tuple, str
     return h.digest()
 
 
-def entry_groups(kv_cache_config) -> dict:
+def entry_groups(kv_cache_config: KVCacheConfig) -> dict[EntryKind, tuple[int, ...]]:
     """{KV: (group indices), STATE: (...)} of a KV cache config; other group kinds are refused."""
     from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
-    out: dict = {KV: [], STATE: []}
+    out: dict[EntryKind, list[int]] = {KV: [], STATE: []}
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         kind = get_kv_cache_spec_kind(group.kv_cache_spec).value
         if kind not in _ENTRY_OF_KIND:
@@ -224,7 +237,7 @@ def entry_groups(kv_cache_config) -> dict:
     return {kind: tuple(gs) for kind, gs in out.items()}
 
 
-def slot_bytes(kv_cache_config, groups: dict) -> int:
+def slot_bytes(kv_cache_config: KVCacheConfig, groups: dict[EntryKind, tuple[int, ...]]) -> int:
     """Bytes of one pool slot: the larger of a KV entry and a state entry (vLLM's padded pages)."""
     kv_groups = kv_cache_config.kv_cache_groups
     return max(sum(kv_groups[g].kv_cache_spec.page_size_bytes * len(kv_groups[g].layer_names) for g in gs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -37,7 +38,7 @@ class Copies(NamedTuple):
         self.slots.append(slot)
 
 
-def copies(table: dict, kind: EntryKind, groups: int) -> Copies:
+def copies(table: dict[EntryKind, Copies], kind: EntryKind, groups: int) -> Copies:
     """The Copies of `kind` in `table` (KVBMMetadata.loads or .stores), empty at first."""
     c = table.get(kind)
     if c is None:
@@ -45,13 +46,13 @@ def copies(table: dict, kind: EntryKind, groups: int) -> Copies:
     return c
 
 
-def copy_ops(table: dict):
+def copy_ops(table: dict[EntryKind, Copies]) -> Iterator[tuple[EntryKind, tuple[int, ...], int]]:
     """The (kind, block id per group, slot) of every entry of `table`: TransferEngine.submit's ops."""
     return itertools.chain.from_iterable(zip(itertools.repeat(c.kind), zip(*c.block_ids), c.slots)
                                          for c in table.values())
 
 
-def copy_count(table: dict) -> int:
+def copy_count(table: dict[EntryKind, Copies]) -> int:
     """The entries of `table` (for the stats)."""
     return sum(len(c.slots) for c in table.values())
 
@@ -74,7 +75,7 @@ class PicLoad(NamedTuple):
     dst_offset: int
     slot: int
     src_offset: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which nothing calls on a PicLoad
     old_position: int
     new_position: int
 
@@ -94,7 +95,7 @@ class KVBMMetadata(KVConnectorMetadata):
     pic_loads: list[PicLoad] = dataclasses.field(default_factory=list)
     # req id -> (its tokens after the step, ((start, count), ...) computed): loaded runs between
     # them (patches/pic_segments.py computes them in one forward)
-    pic_queries: dict = dataclasses.field(default_factory=dict)
+    pic_queries: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = dataclasses.field(default_factory=dict)
     # the stores succeed or fail together: reported once, Report(STORE, store_batch, ok); the
     # scheduler side keeps their keys
     stores: dict[EntryKind, Copies] = dataclasses.field(default_factory=dict)
@@ -121,8 +122,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     reports: list[Report] = dataclasses.field(default_factory=list)
     broken: tuple[str, ...] = ()  # tiers (labels) whose worker half failed as a whole: no more writes
 
-    def aggregate(self, other: "KVBMWorkerMetadata") -> "KVBMWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVBMWorkerMetadata:
         # Concatenated: the scheduler side decides once every worker reported (Quorum).
+        assert isinstance(other, KVBMWorkerMetadata)  # every worker's is ours
         return KVBMWorkerMetadata(self.reports + other.reports,
                                   self.broken + tuple(t for t in other.broken if t not in self.broken))
 
@@ -133,7 +135,7 @@ class Quorum:
     Waiting for every report (instead of deciding at the first failure) means a late report of a
     worker can never count towards the next time the same operation runs on the same key."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int) -> None:
         self.world = world
         self.pending: dict[tuple[TierOp, Key | int], list[int]] = {}  # -> [reports, successes]
 

@@ -12,8 +12,14 @@ scheduler's planner and the workers' loads (connector/pic_load.py) read it.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from vllm_kvbm_plugin.reuse.rope import RopeSpec, UnsupportedRope
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from vllm_kvbm_plugin.config import KVBMConfig
 
 # dense decoders whose attention applies get_rope(head_dim, rope_parameters, neox) to K as is
 ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
@@ -31,7 +37,7 @@ class PicModel:
     max_positions: int
 
 
-def with_model_support(cfg, vllm_config):
+def with_model_support(cfg: KVBMConfig | None, vllm_config: VllmConfig) -> KVBMConfig | None:
     """`cfg` (a KVBMConfig, or None when KVBMConnector is not configured) with `pic_model` filled
     from the model: a PicModel, or why its K cannot be re-rotated (a string)."""
     if cfg is None:
@@ -39,12 +45,12 @@ def with_model_support(cfg, vllm_config):
     return dataclasses.replace(cfg, pic_model=model_support(vllm_config))
 
 
-def model_support(vllm_config) -> PicModel | str:
+def model_support(vllm_config: VllmConfig) -> PicModel | str:
     """The model's RoPE if its stored K can be re-rotated exactly, else the reason it cannot."""
     from vllm.platforms import current_platform
 
     mc = getattr(vllm_config, "model_config", None)
-    if getattr(mc, "hf_config", None) is None:
+    if mc is None or getattr(mc, "hf_config", None) is None:
         return "no model config"
     if not current_platform.is_cpu():
         return "KV layouts other than vLLM's CPU layout are not supported yet"
@@ -68,12 +74,15 @@ def model_support(vllm_config) -> PicModel | str:
         return f"RoPE cannot be re-rotated exactly: {e}"
 
 
-def _cpu_attention_isa(vllm_config) -> str | None:
+def _cpu_attention_isa(vllm_config: VllmConfig) -> str | None:
     """Which kernels vLLM's CPU attention picks for this model (they lay K out differently)."""
     try:
+        import torch
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         mc, cc = vllm_config.model_config, vllm_config.cache_config
-        return _get_attn_isa(mc.dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
+        dtype = mc.dtype  # a torch.dtype once vLLM resolved the config (its annotation also allows the name)
+        assert isinstance(dtype, torch.dtype)
+        return _get_attn_isa(dtype, cc.block_size, mc.get_head_size(), cc.cache_dtype)
     except Exception as e:  # noqa: BLE001 - another vLLM: unknown kernels
         return f"unknown ({e})"

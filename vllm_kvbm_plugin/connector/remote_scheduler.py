@@ -10,13 +10,14 @@ import dataclasses
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from vllm.distributed.kv_events import BlockRemoved
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from vllm_kvbm_plugin.connector.block_events import Announcer
-from vllm_kvbm_plugin.connector.base import Series, TierJob, TierOp, Verb
+from vllm_kvbm_plugin.connector.block_events import Announce, Announcer
+from vllm_kvbm_plugin.connector.base import Key, Series, TierJob, TierJobs, TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
 from vllm_kvbm_plugin.log import redact_url
@@ -24,6 +25,9 @@ from vllm_kvbm_plugin.tiers.secret import REMOTE_NAME as SECRET_NAME
 from vllm_kvbm_plugin.tiers.secret import tier_secret
 from vllm_kvbm_plugin.tiers import block_dir, block_file, remote_value, resp
 from vllm_kvbm_plugin.tiers.breaker import Breaker
+
+if TYPE_CHECKING:
+    from vllm_kvbm_plugin.config import KVBMConfig
 
 _ENCODE = msgspec.msgpack.Encoder().encode
 
@@ -54,11 +58,12 @@ class RemoteCounters:
     """The remote tier's running totals (RemoteTier.counters, Breaker.opened / closed) as the
     change since the last call: what one stats interval adds."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.last: dict[str, int] = {}
 
-    def take(self, remote=None, breaker=None, side: str = "scheduler") -> dict[str, int]:
-        totals = {}
+    def take(self, remote: RemoteTier | None = None, breaker: Breaker | None = None,
+             side: str = "scheduler") -> dict[str, int]:
+        totals: dict[str, int] = {}
         if remote is not None:
             totals = {name: total(remote.counters) for name, total in TOTALS.items()}
         if breaker is not None:
@@ -73,10 +78,10 @@ class RemoteCounters:
 class _Lookup:
     asked: float
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    found: list = dataclasses.field(default_factory=list)  # set by the lookup thread before `done`
+    found: list[Key] = dataclasses.field(default_factory=list)  # set by the lookup thread before `done`
     merged: bool = False
     answered: bool = False  # the server answered (a failure leaves `found` empty: not "missing")
-    keys: list = dataclasses.field(default_factory=list)
+    keys: list[Key] = dataclasses.field(default_factory=list)
     confirm: bool = False  # a write-through's confirmation, not a request's lookup (not in hit stats)
 
 
@@ -113,17 +118,17 @@ class RemoteTier:
     SECRET_KEEP = 10.0  # s: a lookup writes the store's block-key secret back at most that often
 
     @classmethod
-    def create(cls, layout: Layout, cfg) -> "RemoteTier | None":
+    def create(cls, layout: Layout, cfg: KVBMConfig) -> RemoteTier | None:
         if not cfg.remote_url or layout.remote_off:  # off: the secret could not be read from it
             return None
         return cls(layout, cfg.remote_url, cfg.remote_lookup_budget_ms, announce=cfg.remote_events == "instance")
 
-    def __init__(self, layout: Layout, url: str, budget_ms: float, announce: bool = True):
+    def __init__(self, layout: Layout, url: str, budget_ms: float, announce: bool = True) -> None:
         self.announce = announce
-        root_hex = f"{layout.root[0]:016x}{layout.root[1]:016x}"
-        self.name = storage_tier(f"kvbm-remote:{root_hex}", LOCALITY_REMOTE)
+        root = layout.decided_root()
+        self.name = storage_tier(f"kvbm-remote:{root[0]:016x}{root[1]:016x}", LOCALITY_REMOTE)
         self.url = url
-        self.prefixes = [remote_value.key_prefix(layout.root, r) for r in range(layout.world)]
+        self.prefixes = [remote_value.key_prefix(root, r) for r in range(layout.world)]
         self.budget = budget_ms / 1000
         self.budget_left = self.budget
         self.breaker = Breaker("scheduler", url)
@@ -132,22 +137,22 @@ class RemoteTier:
         # it like any key, and an instance starting then would make a new one and share nothing.
         self.secret_hex = secret.key.hex() if secret.source == "remote" else None
         self.secret_kept = float("-inf")  # when it was last written back
-        self.present: dict = {}  # key -> when it was last seen present (not known missing since)
+        self.present: dict[Key, float] = {}  # key -> when it was last seen present (not known missing since)
         self.stale_before = float("-inf")  # keys seen before this are unconfirmed (a server failure)
-        self.unconfirmed: set = set()  # keys a write-through found stale: asked with the next step's EXISTS
+        self.unconfirmed: set[Key] = set()  # keys a write-through found stale: asked with the next step's EXISTS
         self.confirming: _Lookup | None = None  # the confirmation in flight
-        self.confirming_keys: set = set()
-        self.fetching: set = set()
+        self.confirming_keys: set[Key] = set()
+        self.fetching: set[Key] = set()
         self.landed_seen = 0  # resp.LANDINGS.count when last looked at
-        self.writing: dict = {}  # key -> (Announce, parent)
-        self.announced: collections.OrderedDict = collections.OrderedDict()  # key -> Announce
-        self.lookups: dict = {}  # request id -> _Lookup
-        self.events: list = []
-        self.counters: collections.Counter = collections.Counter()
+        self.writing: dict[Key, tuple[Announce, Key | None]] = {}
+        self.announced: collections.OrderedDict[Key, Announce] = collections.OrderedDict()
+        self.lookups: dict[str, _Lookup] = {}  # by request id
+        self.events: list[BlockStored | BlockRemoved] = []
+        self.counters: collections.Counter[str] = collections.Counter()
         self.changes = RemoteCounters()  # the counters' and breaker's changes per stats interval
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._client = None
+        self._client: resp.Client | None = None
         self._connected = threading.Event()  # set when the first connection attempt ended
         self._start_thread()
         self._connected.wait(self.CONNECT_WAIT)
@@ -155,7 +160,7 @@ class RemoteTier:
     def __len__(self) -> int:
         return len(self.present)
 
-    def names(self, key) -> list[str]:
+    def names(self, key: Key) -> list[str]:
         h = block_dir.key_hex(key)
         return [p + h for p in self.prefixes]
 
@@ -167,30 +172,31 @@ class RemoteTier:
         return bool(self.fetching or self.writing)
 
     # ---- the contract (base.SecondaryTier) -----------------------------------------------------
-    def announcement(self, key) -> Announcer | None:
+    def announcement(self, key: Key) -> Announcer | None:
         return None  # values carry their events for the announcer; a fetch takes the request's
 
-    def submit_load(self, key, slot: int, meta) -> None:
+    def submit_load(self, key: Key, slot: int, meta: TierJobs) -> None:
         self.prefetch(key)
         meta.jobs.append(TierJob(self.FETCH, key, slot))
 
-    def submit_store(self, key, parent, end: int, announce: Announcer, slot: int, meta) -> bool:
+    def submit_store(self, key: Key, parent: Key | None, end: int, announce: Announcer, slot: int,
+                     meta: TierJobs) -> bool:
         blob = self.prepare_write(key, parent, end, announce)
         if blob is None:
             return False
         meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
         return True
 
-    def settle(self, op: TierOp, key, ok: bool) -> None:
+    def settle(self, op: TierOp, key: Key, ok: bool) -> None:
         if op.verb is Verb.FETCH:
             self.prefetched(key, ok)
         else:  # Verb.WRITE
             self.complete_store(key, ok)
 
-    def hold(self, key, req_id: str) -> bool:
+    def hold(self, key: Key, req_id: str) -> bool:
         return False  # no direct loads: every load goes through a CPU slot
 
-    def ready_direct(self, key) -> bool:
+    def ready_direct(self, key: Key) -> bool:
         return False
 
     def release(self, req_id: str) -> None:
@@ -199,13 +205,13 @@ class RemoteTier:
     def on_request_finished(self, req_id: str) -> None:
         self.forget(req_id)
 
-    def on_schedule_end(self, meta) -> None:
+    def on_schedule_end(self, meta: TierJobs) -> None:
         self.new_step()
 
     def worker_failed(self) -> None:
         return  # each failure is a miss, reported as such (the workers' Breaker spares the server)
 
-    def accounting(self) -> dict:
+    def accounting(self) -> dict[str, object]:
         return {self.label: {"fetching": len(self.fetching), "writing": len(self.writing)}}
 
     def describe(self) -> str:
@@ -216,12 +222,12 @@ class RemoteTier:
         return self.changes.take(self, self.breaker, "scheduler")
 
     # ---- lookups -------------------------------------------------------------------------
-    def lookup(self, key) -> bool:
+    def lookup(self, key: Key) -> bool:
         """Seen present (every rank's value) within PRESENT_TTL."""
         t = self.present.get(key)
         return t is not None and time.monotonic() - t < self.PRESENT_TTL and t >= self.stale_before
 
-    def prepare_lookup(self, req_id: str, keys: list) -> bool:
+    def prepare_lookup(self, req_id: str, keys: list[Key]) -> bool:
         """Look `keys` up for `req_id` (once per request); True once answered (`lookup` then
         knows), False while the request should wait a step. A failed server answers at once."""
         lk = self.lookups.get(req_id)
@@ -280,7 +286,7 @@ class RemoteTier:
     def forget(self, req_id: str) -> None:
         self.lookups.pop(req_id, None)
 
-    def _submit(self, lk: _Lookup, keys: list) -> None:
+    def _submit(self, lk: _Lookup, keys: list[Key]) -> None:
         lk.keys = keys
         self._start_thread()
         self._jobs.put((lk, keys))
@@ -326,12 +332,12 @@ class RemoteTier:
                 self.stale_before = time.monotonic()  # the server may come back empty
             lk.done.set()
 
-    def _exists(self, keys: list) -> list:
+    def _exists(self, keys: list[Key]) -> list[Key]:
         """The keys whose value every rank holds, in one pipelined round trip."""
         # one key per command: a cluster routes each to its node
-        commands = [("EXISTS", name) for k in keys for name in self.names(k)]
+        commands: list[tuple[str, ...]] = [("EXISTS", name) for k in keys for name in self.names(k)]
         keep = self.secret_hex is not None and time.monotonic() - self.secret_kept > self.SECRET_KEEP
-        if keep:
+        if keep and self.secret_hex is not None:
             commands.append(("SET", SECRET_NAME, self.secret_hex, "NX"))
         if self._client is None:
             self._client = resp.connect_direct(self.url)
@@ -345,12 +351,12 @@ class RemoteTier:
         return [k for i, k in enumerate(keys) if all(found[i * n : (i + 1) * n])]
 
     # ---- fetches into CPU slots ------------------------------------------------------------
-    def prefetch(self, key) -> None:
+    def prefetch(self, key: Key) -> None:
         if not self.fetching:
             self.landed_seen = resp.LANDINGS.count  # what landed before this fetch was asked
         self.fetching.add(key)
 
-    def busy_loading(self, key) -> bool:
+    def busy_loading(self, key: Key) -> bool:
         """Being fetched. Then the request waits a step, and this step waits for up to
         FETCH_YIELD of its budget for a fetch to land (resp.Landings: the request then goes
         on at once where the workers share this process). The pause also yields the CPU: an idle
@@ -367,24 +373,24 @@ class RemoteTier:
                 self.budget_left = 0  # its report comes with this step's worker output: no more waiting
         return True
 
-    def prefetched(self, key, ok: bool) -> None:
+    def prefetched(self, key: Key, ok: bool) -> None:
         self.fetching.discard(key)
         self.counters["fetched" if ok else "fetch_misses"] += 1
         if not ok:
             self.lost(key)
 
-    def lost(self, key) -> None:
+    def lost(self, key: Key) -> None:
         """`key` is missing or did not verify (the worker deleted it): forget it, announce its removal."""
         self.present.pop(key, None)
         a = self.announced.pop(key, None)
-        if a is not None:
+        if a is not None and a.vhash is not None:  # announced: it has events, so a hash
             for ev in a.events:
                 self.events.append(BlockRemoved(block_hashes=[a.vhash], medium=self.name.medium,
                                                 group_idx=ev.group_idx, locality=self.name.locality,
                                                 ownership=self.name.ownership))
 
     # ---- writes behind -----------------------------------------------------------------------
-    def prepare_write(self, key, parent, end: int, announce: Announcer) -> bytes | None:
+    def prepare_write(self, key: Key, parent: Key | None, end: int, announce: Announcer) -> bytes | None:
         """The value's metadata blob when `key` should be written now, else None (being written,
         the server failed lately, or known present: confirmed with the next step's EXISTS when
         last seen longer ago than PRESENT_TTL)."""
@@ -398,7 +404,7 @@ class RemoteTier:
         self.writing[key] = (a, parent)
         return block_file.encode_meta(end, [_ENCODE(e) for e in a.events])
 
-    def complete_store(self, key, ok: bool) -> None:
+    def complete_store(self, key: Key, ok: bool) -> None:
         a, parent = self.writing.pop(key, (None, None))
         self.counters["written" if ok else "write_failures"] += 1
         if not ok:
@@ -414,7 +420,7 @@ class RemoteTier:
             if len(self.announced) > self.MAX_ANNOUNCED:
                 self.announced.popitem(last=False)  # its removal will never be announced by us
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
         events, self.events = self.events, []
         return events
 

@@ -12,15 +12,19 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, Verb, WorkerContext
+from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, Verb, WorkerContext, registered
 from vllm_kvbm_plugin.connector.disk_worker import run_batches
 from vllm_kvbm_plugin.connector.remote_scheduler import RemoteCounters, RemoteTier
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import block_dir, remote_value, resp
 from vllm_kvbm_plugin.tiers.breaker import Breaker
+
+if TYPE_CHECKING:
+    from vllm_kvbm_plugin.config import KVBMConfig
 
 logger = get_logger("connector.worker")
 
@@ -39,15 +43,15 @@ class RemoteWorker:
             return None
         return cls(side, url)
 
-    def __init__(self, side: WorkerContext, url: str):
+    def __init__(self, side: WorkerContext, url: str) -> None:
         self.side, self.url = side, url
-        self.prefix = remote_value.key_prefix(side.layout.root, side.rank)
+        self.prefix = remote_value.key_prefix(side.layout.decided_root(), side.rank)
         self.breaker = Breaker(f"worker {side.rank}", url)
         self.changes = RemoteCounters()  # the breaker's changes per stats interval
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
-        self.client = None
+        self.client: resp.RedisPyClient | None = None
         self.direct = resp.DirectClient(url) if resp.DirectClient.supports(url) else None
         self._start()
 
@@ -123,8 +127,7 @@ class RemoteWorker:
         if self.breaker.allow():
             t0 = time.perf_counter()
             try:
-                if self.client is None:
-                    self.client = resp.connect(self.url)
+                self._redis()
                 if fetches:
                     done = self._fetch(fetches, t0)
                 t0 = time.perf_counter()
@@ -140,15 +143,23 @@ class RemoteWorker:
         if fetches:
             resp.LANDINGS.landed()  # a scheduler side in this process waiting for them goes on
 
+    def _redis(self) -> resp.RedisPyClient:
+        """The redis-py client, connected now if it is not (the thread only)."""
+        if self.client is None:
+            self.client = resp.connect(self.url)
+        return self.client
+
     def _fetch(self, fetches: list[TierJob], t0: float) -> set[tuple[Verb, Key]]:
         side = self.side
         keys = [j.key for j in fetches]
         names = [self.prefix + block_dir.key_hex(key) for key in keys]
-        outs = [side.pool[j.slot].numpy() for j in fetches]
+        reg = registered(side)
+        outs = [reg.pool[j.slot].numpy() for j in fetches]
         # a DirectClient reads straight into the slots, verified as the bytes land
-        results = resp.fetch_values(self.direct or self.client, names, keys, side.fingerprint,
-                                         side.mac_key, outs)
-        done, bad = set(), []
+        results = resp.fetch_values(self.direct or self._redis(), names, keys, reg.fingerprint,
+                                         reg.mac_key, outs)
+        done: set[tuple[Verb, Key]] = set()
+        bad: list[str] = []
         for key, name, r in zip(keys, names, results):
             if r == remote_value.BAD:
                 bad.append(name)
@@ -157,20 +168,20 @@ class RemoteWorker:
             if r == remote_value.OK:
                 done.add((Verb.FETCH, key))
         if bad:
-            resp.delete_values(self.client, bad)
+            resp.delete_values(self._redis(), bad)
         if done:
             side.record(self.label, "read", len(done), t0)
         return done
 
     def _write(self, writes: list[TierJob]) -> None:
-        side = self.side
         names = [self.prefix + block_dir.key_hex(j.key) for j in writes]
-        values = [remote_value.value_parts(j.key, side.fingerprint, side.mac_key, side.pool[j.slot].numpy(), j.meta)
+        reg = registered(self.side)
+        values = [remote_value.value_parts(j.key, reg.fingerprint, reg.mac_key, reg.pool[j.slot].numpy(), j.meta)
                   for j in writes]
-        resp.store_values(self.direct or self.client, names, values)
+        resp.store_values(self.direct or self._redis(), names, values)
 
 
-def remote_peaks(cfg, slot_bytes: int) -> dict[str, float]:
+def remote_peaks(cfg: KVBMConfig, slot_bytes: int) -> dict[str, float]:
     """The remote tier's peak speeds against the configured server (measure_roofline), on a
     connection of the measurement's own."""
     from vllm_kvbm_plugin.tiers import roofline

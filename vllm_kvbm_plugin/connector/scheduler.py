@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.block_events import NOTHING, EventBuilder
-from vllm_kvbm_plugin.connector.base import PrimaryTier, SecondaryTier, Verb
+from vllm_kvbm_plugin.connector.block_events import NOTHING, Announcer, EventBuilder, StepEvents
+from vllm_kvbm_plugin.connector.base import Key, PrimaryTier, SchedulerTier, SecondaryTier, Verb
 from vllm_kvbm_plugin.connector.cpu_tier import cpu_tier
-from vllm_kvbm_plugin.connector.layout import KV, STATE, EntryKind, Layout, partial_key, state_key
+from vllm_kvbm_plugin.connector.layout import KV, STATE, EntryKind, Layout, TierDecision, partial_key, state_key
 from vllm_kvbm_plugin.connector.metadata import (
     DirectLoad,
     KVBMMetadata,
@@ -47,6 +49,14 @@ from vllm_kvbm_plugin.hashing import Keyer
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers.index import Entry
 
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 logger = get_logger("connector")
 
 
@@ -57,12 +67,13 @@ class RequestKeys:
     unit keys computed so far (`unit_keys` extends them) and how far its blocks were offered to
     the tiers. Dropped when the request finishes."""
 
-    request: object
-    unit_keys: list  # stable keys of the hash units computed so far
+    request: Request
+    unit_keys: list[Key]  # stable keys of the hash units computed so far
     stored_upto: int = 0  # blocks [0, stored_upto) were offered to the tiers
 
 
-def unit_keys(st: RequestKeys, n_units: int, unit: int, root, pool, keyer: Keyer) -> list:
+def unit_keys(st: RequestKeys, n_units: int, unit: int, root: Key, pool: BlockPool | None,
+              keyer: Keyer) -> list[Key]:
     """Stable keys of the request's first n_units hash units (computed once, extended), with
     vLLM's extra keys (images, LoRA, salt) folded in as vLLM computes them (`pool`). Extended
     to every full unit of the request at once: one kernel call, not one per block of a hit."""
@@ -87,7 +98,7 @@ def unit_keys(st: RequestKeys, n_units: int, unit: int, root, pool, keyer: Keyer
 @dataclasses.dataclass(slots=True)
 class _Need:
     """One tier entry a hit needs: where it goes in the request's blocks."""
-    key: tuple
+    key: Key
     kind: EntryKind
     index: int  # KV: block index; STATE: the hit's token count
     direct: str | None = None  # the label of the tier whose workers hold it open for a direct load; None: from a CPU slot
@@ -108,7 +119,7 @@ class SchedulerSide:
     secondaries of tier_modules), each request's keys, the hits claimed and not yet loaded,
     the step's metadata for the workers, the count of their reports, and the event builder."""
 
-    def __init__(self, layout: Layout, cfg: KVBMConfig):
+    def __init__(self, layout: Layout, cfg: KVBMConfig) -> None:
         self.layout = layout
         self.cfg = cfg
         self.block_size, self.hash_unit = layout.block_size, layout.hash_unit
@@ -118,7 +129,7 @@ class SchedulerSide:
         self.primary: PrimaryTier = self.pic.cpu if self.pic is not None else cpu_tier(layout, cfg.eviction_policy)
         self.lower: list[SecondaryTier] = [t for t in (m.scheduler(layout, cfg) for m in tier_modules(cfg))
                                            if t is not None]
-        self.tiers = [self.primary, *self.lower]
+        self.tiers: list[SchedulerTier] = [self.primary, *self.lower]
         self._by_label = {t.label: t for t in self.tiers}
         self._waiting = [(i + 1, t) for i, t in enumerate(self.lower) if t.waits]  # (position, tier)
         self._direct = [t for t in self.lower if t.direct]
@@ -126,20 +137,20 @@ class SchedulerSide:
         self.events = EventBuilder(layout)
         self.requests: dict[str, RequestKeys] = {}
         self.claims: dict[str, _Claim] = {}
-        self.state_loads: dict[str, tuple[int, object]] = {}  # req id -> (hit tokens, source): see _load_state
+        self.state_loads: dict[str, tuple[int, tuple[str | None, Key | int]]] = {}  # req id -> (hit tokens, source): see _load_state
         self.meta = KVBMMetadata()
-        self.store_keys: list = []  # the keys of this step's stores (meta.stores), in order
-        self.store_batches: dict[int, list] = {}  # store_batch -> its keys, until the workers report it
+        self.store_keys: list[Key] = []  # the keys of this step's stores (meta.stores), in order
+        self.store_batches: dict[int, list[Key]] = {}  # store_batch -> its keys, until the workers report it
         self.batch_numbers = itertools.count(1)
         self.loads_pinned: list[Entry] = []  # the CPU entries this step loads from
-        self.write_sources: dict[tuple[str, tuple], Entry] = {}  # (tier label, key) -> the CPU entry it is written from
-        self.kv_cache_manager = None  # bound later (block ids of the requests)
-        self.decision = layout.decision()  # sent to the workers with the first step, then None
+        self.write_sources: dict[tuple[str, Key], Entry] = {}  # (tier label, key) -> the CPU entry it is written from
+        self.kv_cache_manager: KVCacheManager | None = None  # bound later (block ids of the requests)
+        self.decision: TierDecision | None = layout.decision()  # sent to the workers with the first step, then None
         self.several_groups = len(layout.layer_names) > 1
         # numba loads the key kernels from its cache at their first call (~0.7 s here): at startup,
         # not in the first request's scheduler step
         if layout.keyer is not None:
-            layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.root)
+            layout.keyer.request_keys([0] * self.hash_unit, self.hash_unit, layout.decided_root())
         logger.info(
             "KVBMConnector: CPU tier %d slots of %d bytes (%.1f MiB), %s, eviction %s%s; block-key "
             "secret from %s, followed by every worker",
@@ -151,22 +162,28 @@ class SchedulerSide:
             layout.secret_source or "the test's layout",
         )
 
-    def tier(self, label: str):
+    def tier(self, label: str) -> SchedulerTier | None:
         """The tier of that label ("cpu", "disk", "remote", ...), or None (not configured): how
         stats, tests and tools find one tier (the planner goes through `tiers`)."""
         return self._by_label.get(label)
 
-    def bind(self, kv_cache_manager) -> None:
+    def bind(self, kv_cache_manager: KVCacheManager) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.events.pool = kv_cache_manager.block_pool
 
     @property
-    def pool(self):
+    def pool(self) -> BlockPool | None:
         return self.events.pool
 
-    def accounting(self) -> dict:
+    def _manager(self) -> KVCacheManager:
+        """vLLM's KV cache manager (bind): the requests' block ids."""
+        if self.kv_cache_manager is None:
+            raise RuntimeError("KVBMConnector: the scheduler side is used before vLLM bound its KV cache manager")
+        return self.kv_cache_manager
+
+    def accounting(self) -> dict[str, object]:
         """What is in flight: all zeros when idle (tests check that nothing leaks)."""
-        out: dict = {"prefetching": 0, "direct": 0}  # entries read into CPU slots, held open for direct loads
+        out: dict[str, object] = {"prefetching": 0, "direct": 0}  # entries read into CPU slots, held open for direct loads
         for t in self.tiers:
             out.update(t.accounting())
         out["reports_pending"] = len(self.quorum.pending)
@@ -190,34 +207,37 @@ class SchedulerSide:
         return False
 
     # ---- keys --------------------------------------------------------------------------------
-    def _keys(self, request) -> RequestKeys:
+    def _keys(self, request: Request) -> RequestKeys:
         st = self.requests.get(request.request_id)
         if st is None:
             st = self.requests[request.request_id] = RequestKeys(request, [])
         return st
 
-    def _unit_keys(self, st: RequestKeys, n_units: int) -> list:
-        return unit_keys(st, n_units, self.hash_unit, self.layout.root, self.pool, self.layout.keyer)
+    def _unit_keys(self, st: RequestKeys, n_units: int) -> list[Key]:
+        keyer = self.layout.keyer
+        if keyer is None:
+            raise RuntimeError("KVBMConnector: the scheduler side's layout has no Keyer (Layout.from_vllm decides it)")
+        return unit_keys(st, n_units, self.hash_unit, self.layout.decided_root(), self.pool, keyer)
 
-    def _keys_upto(self, st: RequestKeys, n_units: int) -> list:
+    def _keys_upto(self, st: RequestKeys, n_units: int) -> list[Key]:
         """The request's unit keys, at least `n_units` of them (computed once per request: the hot
         loops call this per step, so the usual case makes no further call)."""
         keys = st.unit_keys
         return keys if len(keys) >= n_units else self._unit_keys(st, n_units)
 
-    def _block_key(self, st: RequestKeys, i: int):
+    def _block_key(self, st: RequestKeys, i: int) -> Key:
         """Key of block i: the key of its last unit."""
         u = (i + 1) * self.layout.units_per_block
         return self._keys_upto(st, u)[u - 1]
 
     # ---- hits --------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         hit, is_async = self._exact_hit(request, num_computed_tokens)
         if self.pic is not None and hit is not None:  # opted-in requests: runs that continue the hit
             hit += self.pic.extend(request, num_computed_tokens, hit, request.num_tokens - 1)
         return hit, is_async
 
-    def _exact_hit(self, request, num_computed_tokens: int):
+    def _exact_hit(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         start = num_computed_tokens // self.block_size
         limit = request.num_tokens - 1  # vLLM must compute at least one token
         st = self._keys(request)
@@ -238,8 +258,8 @@ class SchedulerSide:
             rest = self._prefetch(st, elsewhere)
             issued = len(elsewhere) - len(rest)
             for n in rest:  # direct loads: from tiers whose workers hold entries open (disk)
-                tier = next((t for t in self._direct if t.lookup(n.key)), None)
-                if tier is None or not tier.hold(n.key, request.request_id):
+                holder = next((t for t in self._direct if t.lookup(n.key)), None)
+                if holder is None or not holder.hold(n.key, request.request_id):
                     break
                 issued += 1
             cpu.complete_loads(in_cpu)
@@ -266,7 +286,7 @@ class SchedulerSide:
         self.claims[request.request_id] = _Claim(num_computed_tokens, tokens - num_computed_tokens, needs, load_async)
         return tokens - num_computed_tokens, load_async
 
-    def _held(self, key) -> bool:
+    def _held(self, key: Key) -> bool:
         if self.primary.lookup(key):
             return True
         for t in self.lower:
@@ -274,13 +294,13 @@ class SchedulerSide:
                 return True
         return False
 
-    def _busy_loading(self, key) -> bool:
+    def _busy_loading(self, key: Key) -> bool:
         for t in self.lower:
             if t.busy_loading(key):
                 return True
         return False
 
-    def _candidates(self, st: RequestKeys, start: int, limit: int, position: int) -> list:
+    def _candidates(self, st: RequestKeys, start: int, limit: int, position: int) -> list[Key]:
         """The keys a hit past block `start` could need that the tiers before `position` do not
         hold: what the tier at `position` is asked for."""
         B, r, unit = self.block_size, self.layout.units_per_block, self.hash_unit
@@ -293,7 +313,7 @@ class SchedulerSide:
         before = self.tiers[:position]
         return [k for k in keys if not any(t.lookup(k) for t in before)]
 
-    def _loadable(self, key) -> bool:
+    def _loadable(self, key: Key) -> bool:
         """In a CPU slot, or verified and held open for a direct load."""
         if self.primary.lookup(key):
             return True
@@ -302,7 +322,8 @@ class SchedulerSide:
                 return True
         return False
 
-    def _plan(self, st: RequestKeys, start: int, limit: int, held) -> tuple[int, list[_Need]] | None:
+    def _plan(self, st: RequestKeys, start: int, limit: int,
+              held: Callable[[Key], bool]) -> tuple[int, list[_Need]] | None:
         """The longest hit past block `start` (tokens, entries it needs) whose entries all pass
         `held`, or None. A hit never covers token `limit`."""
         B, r = self.block_size, self.layout.units_per_block
@@ -360,7 +381,7 @@ class SchedulerSide:
             source.submit_load(n.key, entry.slot, self.meta)
         return []
 
-    def _announcer(self, st: RequestKeys, n: _Need):
+    def _announcer(self, st: RequestKeys, n: _Need) -> Announcer:
         """The CPU tier's events of an entry read from a tier that keeps none, built from the request."""
         B, req = self.block_size, st.request
         if n.kind == STATE:
@@ -370,7 +391,7 @@ class SchedulerSide:
             return NOTHING  # a partial block (hybrid): internal
         return self.events.announcer(req, n.index * B, (n.index + 1) * B, KV)
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.pic is not None:
             self.pic.after_alloc(request, blocks, num_external_tokens, self.meta, self.loads_pinned)
         claim = self.claims.pop(request.request_id, None)
@@ -422,12 +443,15 @@ class SchedulerSide:
         for t in self.lower:  # the files this request held open stay open only for the loads just planned
             t.release(request.request_id)
 
-    def _add_load(self, kind: EntryKind, ids: tuple, direct: str | None, source, request: str | None = None) -> None:
+    def _add_load(self, kind: EntryKind, ids: tuple[int, ...], direct: str | None, source: Key | int,
+                  request: str | None = None) -> None:
         """A load of `ids` from CPU slot `source`, or (`direct`: the tier's label) from the entry
         `source` that tier's workers hold open."""
         if direct:
+            assert not isinstance(source, int)  # a key
             self.meta.direct_loads.append(DirectLoad(kind, ids, source, direct, request))
         else:
+            assert isinstance(source, int)  # a slot
             copies(self.meta.loads, kind, len(ids)).add(ids, source)
 
     def _load_state(self, req_id: str, scheduled: int) -> None:
@@ -440,13 +464,14 @@ class SchedulerSide:
         x, source = pending
         B = self.block_size
         self._load_state_at(req_id, source, sorted({(x - 1) // B, (x + scheduled + B - 1) // B - 1}),
-                            self.kv_cache_manager.get_block_ids(req_id))
+                            self._manager().get_block_ids(req_id))
 
-    def _load_state_at(self, req_id: str, source: tuple, indices: list, block_ids,
+    def _load_state_at(self, req_id: str, source: tuple[str | None, Key | int], indices: list[int],
+                       block_ids: tuple[list[int], ...],
                        load_async: bool = False) -> None:
         """The state at X from `source` ((direct tier label or None, key or slot)) into the request's state blocks `indices`."""
         direct, where = source
-        null = self.pool.null_block.block_id
+        null = self._manager().block_pool.null_block.block_id
         for index in indices:
             ids = tuple(block_ids[g][index] for g in self.layout.groups[STATE])
             if null in ids:
@@ -454,19 +479,19 @@ class SchedulerSide:
                 continue
             self._add_load(STATE, ids, direct, where, req_id if load_async else None)
 
-    def _pic_step(self, req_id: str, computed: int, scheduled: int, scheduler_output) -> int:
+    def _pic_step(self, req_id: str, computed: int, scheduled: int, scheduler_output: SchedulerOutput) -> int:
         """Position-independent loads of this step (pic_planner.py); returns the step's tokens,
         fewer when the prefill skips a loaded run past a gap."""
         if self.pic is not None and req_id in self.pic.blending:
-            self.pic.step_loads(req_id, computed, scheduled, self.kv_cache_manager.get_block_ids(req_id),
+            self.pic.step_loads(req_id, computed, scheduled, self._manager().get_block_ids(req_id),
                                 self.meta, self.loads_pinned)
         if self.pic is not None and req_id in self.pic.skipping:
-            scheduled = self.pic.skip(req_id, computed, scheduler_output, self.kv_cache_manager.get_block_ids(req_id),
+            scheduled = self.pic.skip(req_id, computed, scheduler_output, self._manager().get_block_ids(req_id),
                                       self.meta, self.loads_pinned)
         return scheduled
 
     # ---- stores ------------------------------------------------------------------------------
-    def build_connector_meta(self, scheduler_output) -> KVBMMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVBMMetadata:
         for new in scheduler_output.scheduled_new_reqs:
             scheduled = scheduler_output.num_scheduled_tokens[new.req_id]
             self._load_state(new.req_id, scheduled)
@@ -497,7 +522,7 @@ class SchedulerSide:
             t.on_schedule_end(meta)
         return meta
 
-    def _store(self, req_id: str, computed_after_step: int, scheduler_output) -> None:
+    def _store(self, req_id: str, computed_after_step: int, scheduler_output: SchedulerOutput) -> None:
         st = self.requests.get(req_id)
         if st is None:
             return
@@ -525,7 +550,7 @@ class SchedulerSide:
                 and not scheduler_output.scheduled_spec_decode_tokens.get(req_id)):
             self._store_state(st, x)
 
-    def _store_blocks(self, st: RequestKeys, first: int, keys: list, parent) -> int:
+    def _store_blocks(self, st: RequestKeys, first: int, keys: list[Key], parent: Key | None) -> int:
         """Store the request's whole blocks first, first + 1, ... (`keys`, the first under `parent`)
         in the CPU tier (and write them through): a run of blocks the tier holds already is
         touched (and written through), a run of new ones reserved in one call while the tier has
@@ -560,11 +585,12 @@ class SchedulerSide:
             m = j
         return first + n
 
-    def _planned_stores(self, st: RequestKeys, first: int, keys: list, made: list, parent, announcers: list) -> None:
+    def _planned_stores(self, st: RequestKeys, first: int, keys: list[Key], made: list[Entry], parent: Key | None,
+                        announcers: list[Announcer]) -> None:
         """The stores (and pic index entries, write-throughs) of the blocks first, ...
         whose CPU entries `made` were just reserved under `keys`."""
         req = st.request
-        block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        block_ids = self._manager().get_block_ids(req.request_id)
         groups = self.layout.groups[KV]
         n = len(made)
         stores = copies(self.meta.stores, KV, len(groups))
@@ -584,7 +610,8 @@ class SchedulerSide:
                 self._write_through(k, parent, (b + 1) * B, announce)
             parent = k
 
-    def _store_each(self, st: RequestKeys, first: int, keys: list, m: int, parent, run) -> int:
+    def _store_each(self, st: RequestKeys, first: int, keys: list[Key], m: int, parent: Key | None,
+                    run: StepEvents) -> int:
         """_store_blocks from keys[m] on, block by block: a store may evict, even a block this
         request goes on to, so each block is looked up when its turn comes."""
         cpu = self.primary
@@ -613,14 +640,14 @@ class SchedulerSide:
         parent = self._block_key(st, nb - 1) if nb else None
         if parent is not None and parent not in self.primary:
             return  # useless without every block before it
-        block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        block_ids = self._manager().get_block_ids(req.request_id)
         unit_key = self._unit_keys(st, x // self.hash_unit)[x // self.hash_unit - 1]
         # the state's events mirror vLLM's: a whole block at block ends, else the last hash unit
         first = x - (self.hash_unit if x % B else B)
         entries = [(state_key(unit_key), STATE, (x - 1) // B, self.events.announcer(req, first, x, STATE))]
         if x % B:
             entries.append((partial_key(unit_key), KV, nb, NOTHING))
-        null = self.pool.null_block.block_id
+        null = self._manager().block_pool.null_block.block_id
         for k, kind, index, announce in entries:
             ids = tuple(block_ids[g][index] for g in self.layout.groups[kind])
             if null in ids:
@@ -635,7 +662,7 @@ class SchedulerSide:
                 self.primary.touch(k)
             self._write_through(k, parent, x, announce)
 
-    def _write_through(self, key, parent, end: int, announce) -> None:
+    def _write_through(self, key: Key, parent: Key | None, end: int, announce: Announcer) -> None:
         """Store the CPU tier's `key` in every lower tier that takes it, written behind from its slot."""
         if not self.lower:
             return
@@ -647,7 +674,7 @@ class SchedulerSide:
                 self.write_sources[t.label, key] = cpu.prepare_load(key)
 
     # ---- worker reports ----------------------------------------------------------------------
-    def update_connector_output(self, output) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         if self.pic is not None:
             self.pic.flush()
         wm: KVBMWorkerMetadata | None = getattr(output, "kv_connector_worker_meta", None)
@@ -655,12 +682,13 @@ class SchedulerSide:
             return
         cpu, by_label, quorum = self.primary, self._by_label, self.quorum
         for report in wm.reports:
-            op, key, ok = report
+            op, key = report.op, report.key
             ok = quorum.add(report)
             if ok is None:
                 continue  # other workers have yet to report
             if op == STORE:  # a step's stores, settled in one call in the order they were made
-                keys = self.store_batches.pop(key, ())
+                assert isinstance(key, int)  # the store batch
+                keys = self.store_batches.pop(key, [])
                 if ok:
                     cpu.complete_stores(keys)
                 else:
@@ -668,6 +696,7 @@ class SchedulerSide:
                         cpu.complete_store(k, False)
                 continue
             verb = op.verb
+            assert not isinstance(key, int)  # an entry's key
             if verb is Verb.WRITE:
                 cpu.complete_load(self.write_sources.pop((op.tier, key), None))  # the write's source slot
             by_label[op.tier].settle(op, key, ok)
@@ -678,7 +707,7 @@ class SchedulerSide:
             if tier is not None:
                 tier.worker_failed()
 
-    def request_finished(self, request) -> None:
+    def request_finished(self, request: Request) -> None:
         self.requests.pop(request.request_id, None)
         self._release_claim(request.request_id)
         if self.pic is not None:
@@ -696,8 +725,8 @@ class SchedulerSide:
             out.update(self.pic.take_counts())
         return out
 
-    def take_events(self) -> list:
-        events = []
+    def take_events(self) -> list[KVCacheEvent]:
+        events: list[KVCacheEvent] = []
         for t in self.tiers:
             events += t.take_events()
         return events

@@ -29,13 +29,19 @@ With `measure_roofline` the log line also gives each direction's speed as `<tier
 from __future__ import annotations
 
 import dataclasses
-
-from vllm_kvbm_plugin.connector.base import Series
+from typing import TYPE_CHECKING, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
+    PromMetric,
 )
+
+from vllm_kvbm_plugin.connector.base import Series
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge
+    from vllm.config import VllmConfig
 
 FIELDS = ("blocks", "bytes", "seconds")
 FAILURES = "_failures"  # stats key suffix of a tier's failed operations, e.g. disk_read_failures
@@ -114,26 +120,29 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
     """The vllm:kvbm_* Prometheus series, built by vLLM's stat logger in the API server process
     from each interval's KVBMStats."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetric]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         extra = labelnames + ["tier", "direction"]
+        # vLLM's class for each kind: prometheus_client's, or a stand-in that works alike (Ray)
+        counter_cls, gauge_cls = cast("type[Counter]", self._counter_cls), cast("type[Gauge]", self._gauge_cls)
         self._counters = {
-            "blocks": self._counter_cls(name="vllm:kvbm_blocks_total", labelnames=extra,
-                                        documentation="KV blocks moved by the KVBM tiers"),
-            "bytes": self._counter_cls(name="vllm:kvbm_bytes_total", labelnames=extra,
-                                       documentation="Bytes moved by the KVBM tiers"),
-            "seconds": self._counter_cls(name="vllm:kvbm_transfer_seconds_total", labelnames=extra,
-                                         documentation="Seconds spent moving KV blocks by the KVBM tiers"),
+            "blocks": counter_cls(name="vllm:kvbm_blocks_total", labelnames=extra,
+                                  documentation="KV blocks moved by the KVBM tiers"),
+            "bytes": counter_cls(name="vllm:kvbm_bytes_total", labelnames=extra,
+                                 documentation="Bytes moved by the KVBM tiers"),
+            "seconds": counter_cls(name="vllm:kvbm_transfer_seconds_total", labelnames=extra,
+                                   documentation="Seconds spent moving KV blocks by the KVBM tiers"),
         }
-        self._failures = self._counter_cls(name="vllm:kvbm_failures_total",
-                                           labelnames=labelnames + ["tier", "operation"],
-                                           documentation="Tier reads (corrupt or missing), direct loads and writes "
-                                                         "that failed")
+        self._failures = counter_cls(name="vllm:kvbm_failures_total",
+                                     labelnames=labelnames + ["tier", "operation"],
+                                     documentation="Tier reads (corrupt or missing), direct loads and writes "
+                                                   "that failed")
         # the tiers' own series (base.TierModule.series) and the position-independent loads'
-        self._series = [(series, self._counter_cls(name=series.name, labelnames=labelnames + list(series.labels),
-                                                   documentation=series.documentation))
+        self._series = [(series, counter_cls(name=series.name, labelnames=labelnames + list(series.labels),
+                                             documentation=series.documentation))
                         for series in (*tier_series(vllm_config), PIC_SERIES)]
-        self._peaks = self._gauge_cls(
+        self._peaks = gauge_cls(
             name="vllm:kvbm_transfer_peak_bytes_per_second", labelnames=extra, multiprocess_mode="mostrecent",
             documentation="This machine's peak for each KVBM transfer kind (measure_roofline): "
                           "rate(vllm:kvbm_bytes_total) / rate(vllm:kvbm_transfer_seconds_total) over it is the share")
@@ -159,7 +168,7 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
                 self._peaks.labels(*labels, tier, direction).set(v)
 
 
-def tier_series(vllm_config) -> list[Series]:
+def tier_series(vllm_config: VllmConfig) -> list[Series]:
     """The Prometheus series of the configured tiers (the built-in ones without a config)."""
     from vllm_kvbm_plugin.config import connector_config
     from vllm_kvbm_plugin.connector.tier_modules import BUILT_IN, tier_modules

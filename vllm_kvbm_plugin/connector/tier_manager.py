@@ -12,9 +12,11 @@ or store, and from where, is the planner's business (scheduler.py).
 
 from __future__ import annotations
 
-from vllm.distributed.kv_events import BlockRemoved
+from collections.abc import Hashable, Sequence
 
-from vllm_kvbm_plugin.connector.base import TierOp
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+from vllm_kvbm_plugin.connector.base import Key, TierJobs, TierOp
 from vllm_kvbm_plugin.connector.block_events import Announce, Announcer, renamed
 from vllm_kvbm_plugin.events.types import Tier
 from vllm_kvbm_plugin.tiers.index import Entry, TierIndex
@@ -30,40 +32,40 @@ class TierManager:
 
     label = "cpu"
 
-    def __init__(self, name: Tier, capacity: int, policy: str):
+    def __init__(self, name: Tier, capacity: int, policy: str) -> None:
         self.name = name
         self.index = TierIndex(capacity, make_policy(policy))
         self.stores = PinnedStores(self.index)  # each store in flight pins its parent
-        self.waiting: dict = {}  # key -> children stored before it was announced (announced after it)
+        self.waiting: dict[Hashable, list[Hashable]] = {}  # key -> children stored before it was announced (announced after it)
         # keys prepared for a store whose outcome the workers owe -> the announcer of its events,
         # built when first needed (`events_of`: the store landed, or a child waits on it), not for
         # stores that fail
-        self.storing: dict = {}
-        self.events: list = []
+        self.storing: dict[Key, Announcer | None] = {}
+        self.events: list[BlockStored | BlockRemoved] = []
         self.entries = self.index.entries  # key -> Entry (base.PrimaryTier; the same dict, never replaced)
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: Key) -> bool:
         return key in self.index
 
-    def lookup(self, key) -> bool:
+    def lookup(self, key: Key) -> bool:
         """Whether `key` is stored and ready to load (hit planning asks this per hash unit)."""
         e = self.index.entries.get(key)
         return e is not None and e.ready
 
-    def touch(self, key) -> None:
+    def touch(self, key: Key) -> None:
         self.index.touch(key)
 
-    def touch_all(self, keys) -> None:
+    def touch_all(self, keys: list[Key]) -> None:
         """touch() of each of `keys` in order."""
         self.index.touch_all(keys)
 
-    def slot(self, key) -> int:
+    def slot(self, key: Key) -> int:
         return self.index.entries[key].slot
 
-    def events_of(self, key) -> Announce | None:
+    def events_of(self, key: Key) -> Announce | None:
         """The events of the entry of `key` (built now if its store has not landed yet)."""
         entry = self.index.entries[key]
         build = self.storing.get(key)
@@ -72,7 +74,7 @@ class TierManager:
             self.storing[key] = None
         return entry.meta
 
-    def announcement(self, key) -> Announcer:
+    def announcement(self, key: Key) -> Announcer:
         """The events `key` was announced with here, renamed for another tier (its copy there)."""
         meta = self.events_of(key)
 
@@ -82,7 +84,7 @@ class TierManager:
             return Announce(renamed(meta.events, name), meta.vhash)
         return announce
 
-    def prepare_load(self, key) -> Entry:
+    def prepare_load(self, key: Key) -> Entry:
         """Protect the entry of `key` from eviction (and its slot from reuse) until complete_load
         of the entry returned."""
         return self.index.pin(key)
@@ -90,15 +92,15 @@ class TierManager:
     def complete_load(self, entry: Entry | None) -> None:
         self.index.unpin(entry)
 
-    def prepare_loads(self, keys) -> list[Entry]:
+    def prepare_loads(self, keys: list[Key]) -> list[Entry]:
         """prepare_load() of each of `keys` (ready entries): a hit's entries in one call."""
         return self.index.pin_all(keys)
 
-    def complete_loads(self, entries) -> None:
+    def complete_loads(self, entries: list[Entry]) -> None:
         """complete_load() of each of `entries`."""
         self.index.unpin_all(entries)
 
-    def prepare_store(self, key, parent, announce: Announcer) -> Entry | None:
+    def prepare_store(self, key: Key, parent: Key | None, announce: Announcer) -> Entry | None:
         """A slot for `key` (pinned, not ready), evicting by the policy; None when the tier has no
         room. Its parent stays pinned until complete_store."""
         entry, evicted = self.stores.reserve(key, parent)
@@ -108,7 +110,7 @@ class TierManager:
             self.storing[key] = announce
         return entry
 
-    def prepare_stores(self, keys: list, parent, announcers: list) -> list[Entry]:
+    def prepare_stores(self, keys: list[Key], parent: Key | None, announcers: list[Announcer]) -> list[Entry]:
         """prepare_store of each of `keys` in turn (with its announcer), each under the key before
         it, the first under `parent`, while the tier has free slots: a request's run of new blocks
         in one call. Returns the entries made; the rest of `keys` need evictions (prepare_store)."""
@@ -117,7 +119,7 @@ class TierManager:
             self.storing.update(zip(keys[:len(made)], announcers))
         return made
 
-    def complete_store(self, key, ok: bool) -> None:
+    def complete_store(self, key: Key, ok: bool) -> None:
         """The bytes of `key` landed (announce it) or not (drop it); release its parent."""
         e, parent = self.stores.settle(key, ok)
         if e is not None:
@@ -128,7 +130,7 @@ class TierManager:
         elif not ok:
             self.waiting.pop(key, None)
 
-    def complete_stores(self, keys: list) -> None:
+    def complete_stores(self, keys: list[Key]) -> None:
         """complete_store(key, True) for each of `keys` in order: the step's landed stores, settled
         in one call (settling one never changes what the next one's announcement depends on)."""
         storing, name, entries, waiting, events = self.storing, self.name, self.index.entries, self.waiting, self.events
@@ -152,12 +154,12 @@ class TierManager:
                 events += a.events
                 a.announced = True
 
-    def remove(self, key) -> None:
+    def remove(self, key: Key) -> None:
         """`key` is gone (found corrupt or missing): drop it and announce the removal."""
         self.storing.pop(key, None)
         self._evicted([(key, self.index.remove(key))])
 
-    def take_events(self) -> list:
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
         events, self.events = self.events, []
         return events
 
@@ -169,7 +171,7 @@ class TierManager:
         return bool(self.storing)
 
     # ---- the rest of the contract (base.SchedulerTier) -----------------------------------------
-    def settle(self, op: TierOp, key, ok: bool) -> None:
+    def settle(self, op: TierOp, key: Key, ok: bool) -> None:
         """A store into a slot of this tier: the workers' copies from the KV cache (Verb.STORE),
         or from another tier (Verb.FETCH, settled there first)."""
         self.complete_store(key, ok)
@@ -180,13 +182,13 @@ class TierManager:
     def on_request_finished(self, req_id: str) -> None:
         return
 
-    def on_schedule_end(self, meta) -> None:
+    def on_schedule_end(self, meta: TierJobs) -> None:
         return
 
     def worker_failed(self) -> None:
         return
 
-    def accounting(self) -> dict:
+    def accounting(self) -> dict[str, object]:
         return {self.label: {"blocks": len(self), "busy": self.busy()}}
 
     def take_stats(self) -> dict[str, int]:
@@ -198,7 +200,7 @@ class TierManager:
             self.events += a.events
             a.announced = True
 
-    def _announce_after(self, key, entry: Entry, parent) -> None:
+    def _announce_after(self, key: Hashable, entry: Entry, parent: Hashable | None) -> None:
         """Announce `key` once its parent is announced here (a router drops a block whose parent
         it does not hold): now, after the parent, or never when the parent left unannounced
         (e.g. its bytes never came); the entry serves loads all the same."""
@@ -217,7 +219,7 @@ class TierManager:
             if c is not None:
                 self._announce_after(child, c, None)
 
-    def _evicted(self, evicted: list) -> None:
+    def _evicted(self, evicted: Sequence[tuple[Hashable, Entry | None]]) -> None:
         """Entries that left the tier: announce their removals, one event per group."""
         by_group: dict[int, list] = {}
         for key, e in evicted:

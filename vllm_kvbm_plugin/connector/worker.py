@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from vllm_kvbm_plugin import compat
@@ -48,7 +50,12 @@ class WorkerSide:
     `wait_for_save` after it (stores into slots, then the tiers' WRITE jobs), `build_worker_meta`
     to report what finished to the scheduler side."""
 
-    def __init__(self, layout: Layout, cfg: KVBMConfig, rank: int):
+    fingerprint: bytes | None  # of the exact byte layout of an entry, under the key root
+    mac_key: np.ndarray | None  # of block files and remote values, once the decision is known (_open_tiers)
+    tiers: list[WorkerTier]  # the tiers below the CPU tier (_open_tiers), in lookup order
+    _by_label: dict[str, WorkerTier]
+
+    def __init__(self, layout: Layout, cfg: KVBMConfig, rank: int) -> None:
         self.layout, self.cfg, self.rank = layout, cfg, rank
         self.slot_bytes = layout.slot_bytes
         self._init_state()
@@ -67,7 +74,7 @@ class WorkerSide:
             return
         self.layout = self.layout.following(decision)
         if self.described is not None:
-            self.fingerprint = tensor_fingerprint(self.layout.root, self.described)
+            self.fingerprint = tensor_fingerprint(self.layout.decided_root(), self.described)
         self._open_tiers()
         logger.info("KVBMConnector worker %d follows the scheduler side: %r", self.rank, decision)
 
@@ -90,18 +97,18 @@ class WorkerSide:
         self._jobs: dict = {}  # copy job -> (direction, blocks, store batch, WRITE jobs handed over once done)
         self._last_store: int | None = None  # the newest store job still in flight
         self.reports: list[Report] = []
-        self.tiers: list[WorkerTier] = []  # the tiers below the CPU tier (_open_tiers), in lookup order
-        self._by_label: dict[str, WorkerTier] = {}
-        self.load_errors: set = set()  # block ids of failed direct loads, for vLLM's failure policy
-        self.recved: set = set()  # requests whose asynchronous loads ran (KVBMMetadata.recving)
-        self.failed_recving: set = set()  # those of them with a failed load
+        self.tiers = []
+        self._by_label = {}
+        self.load_errors: set[int] = set()  # block ids of failed direct loads, for vLLM's failure policy
+        self.recved: set[str] = set()  # requests whose asynchronous loads ran (KVBMMetadata.recving)
+        self.failed_recving: set[str] = set()  # those of them with a failed load
         self._loads_failed = False  # a load of this step failed: its stores must not run (wait_for_save)
         self.stats = KVBMStats()
         self._stats_lock = threading.Lock()  # the tiers' threads record too
         self.peaks: dict[str, float] = {}  # "<tier>_<direction>" -> bytes/s (measure_roofline)
-        self.mac_key = None  # of block files and remote values, once the decision is known (_open_tiers)
+        self.mac_key = None
         self.described: list | None = None  # the KV layers' layout (register_kv_caches), for the fingerprint
-        self.fingerprint: bytes | None = None  # of the exact byte layout of an entry, under the key root
+        self.fingerprint = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.layout.num_blocks
@@ -142,6 +149,17 @@ class WorkerSide:
         if self.cfg.measure_roofline:
             self._measure_roofline()
 
+    def _rows(self) -> torch.Tensor:
+        """The pool, allocated by register_kv_caches (every copy comes after it)."""
+        if self.pool is None:
+            raise RuntimeError("KVBMConnector: a copy before the KV caches are registered")
+        return self.pool
+
+    def _engine(self) -> TransferEngine:
+        if self.copies is None:
+            raise RuntimeError("KVBMConnector: a copy before the KV caches are registered")
+        return self.copies
+
     def _measure_roofline(self) -> None:
         """This machine's peak per transfer kind (tiers/roofline.py), before any request: every stats
         interval then carries it, and the log line and a gauge show each tier's speed as a share."""
@@ -149,9 +167,10 @@ class WorkerSide:
 
         t0 = time.perf_counter()
         kv = next(layer.tensor for groups in self.layers.values() for layers in groups for layer in layers)
-        n = min(kv.untyped_storage().nbytes(), self.pool.numel(), 256 << 20)
-        kv_bytes = torch.empty(0, dtype=torch.uint8, device=kv.device).set_(kv.untyped_storage(), 0, (n,))
-        peaks = roofline.copy_peaks(kv_bytes, self.pool.view(-1)[:n])
+        pool = self._rows()
+        n = min(kv.untyped_storage().nbytes(), pool.numel(), 256 << 20)
+        kv_bytes = torch.empty(0, dtype=torch.uint8, device=kv.device).set_(kv.untyped_storage(), 0, (n,), (1,))
+        peaks = roofline.copy_peaks(kv_bytes, pool.view(-1)[:n])
         for m in tier_modules(self.cfg):  # before the scheduler side's decision: the configured places
             try:
                 if m.peaks is not None:
@@ -163,10 +182,10 @@ class WorkerSide:
                     ", ".join(f"{d} {v / 2**30:.2f} GiB/s" for d, v in self.peaks.items()))
 
     # ---- copies ----------------------------------------------------------------------------
-    def _copy(self, ops: list, to_pool: bool) -> None:
+    def _copy(self, ops: list[tuple[EntryKind, tuple[int, ...], int]], to_pool: bool) -> None:
         """Copy (kind, block id per group, slot) ops and wait for them (tests, benchmarks)."""
-        self.copies.submit(ops, to_pool)
-        self.copies.wait()
+        self._engine().submit(ops, to_pool)
+        self._engine().wait()
 
     def _poll(self) -> None:
         """Settle the copy jobs finished since the last call: stats, store reports, and the writes
@@ -216,16 +235,16 @@ class WorkerSide:
         verified is a failed load, handled as on the CPU path (_direct_load_failed)."""
         first = self.layout.cpu_slots
         for at in range(0, len(loads), self.direct_rows):
-            self.copies.wait_loads()  # the previous batch (this step's or the last) has left the rows
+            self._engine().wait_loads()  # the previous batch (this step's or the last) has left the rows
             ops = []
             for row, d in enumerate(loads[at:at + self.direct_rows], first):
                 tier = self._by_label.get(d.tier)
-                if tier is not None and tier.read_held(d.key, [self.pool[row].numpy()]):
+                if tier is not None and tier.read_held(d.key, [self._rows()[row].numpy()]):
                     ops.append((d.kind, d.block_ids, row))
                 else:
                     self._direct_load_failed(d)
             if ops:
-                self.copies.submit(ops, to_pool=False)
+                self._engine().submit(ops, to_pool=False)
 
     # ---- connector hooks -------------------------------------------------------------------
     def record(self, tier: str, direction: str, blocks: int, t0: float) -> None:
@@ -236,7 +255,7 @@ class WorkerSide:
         with self._stats_lock:
             self.stats.failure(tier, operation)
 
-    def _count(self, counters: dict) -> None:
+    def _count(self, counters: dict[str, int]) -> None:
         """Add named counters to the stats (position-independent loads report theirs here)."""
         with self._stats_lock:
             data = self.stats.data
@@ -276,16 +295,16 @@ class WorkerSide:
         if meta.jobs:
             reads = self._by_tier(meta.jobs, (Verb.OPEN, Verb.FETCH))
             if any(j.op.verb is Verb.FETCH for js in reads.values() for j in js):
-                self.copies.wait_loads()  # slots a load still reads may be written now
+                self._engine().wait_loads()  # slots a load still reads may be written now
             for label, jobs in reads.items():
                 self._tier_of(label).start(jobs)
         if meta.loads:  # the forward waits for them (on CUDA its stream does, not the host)
-            job = self.copies.submit(copy_ops(meta.loads), to_pool=False)
+            job = self._engine().submit(copy_ops(meta.loads), to_pool=False)
             self._jobs[job] = ("load", copy_count(meta.loads), 0, [])
             self._poll()
         if meta.direct_loads:
             t0 = time.perf_counter()
-            if self.copies.cuda:  # through pinned staging rows, a load job per batch
+            if self._engine().cuda:  # through pinned staging rows, a load job per batch
                 self.load_direct_staged(meta.direct_loads)
             else:
                 for d in meta.direct_loads:
@@ -301,8 +320,12 @@ class WorkerSide:
                 raise RuntimeError("KVBMConnector: split queries sent to a model runner without the pic_segments patch")
         if meta.pic_loads:
             from vllm_kvbm_plugin.connector import pic_load
+            from vllm_kvbm_plugin.connector.pic_model import PicModel
 
-            pic_load.load(meta.pic_loads, self.cfg.pic_model, self.layout.block_size, self.layers[KV], self.pool,
+            model = self.cfg.pic_model
+            if not isinstance(model, PicModel):
+                raise RuntimeError(f"KVBMConnector: position-independent loads sent for a model they do not serve ({model})")
+            pic_load.load(meta.pic_loads, model, self.layout.block_size, self.layers[KV], self._rows(),
                           self.cfg.pic_recompute_ratio, self._blocks_failed, self._count, forward_context)
         if meta.jobs:
             for label, jobs in self._by_tier(meta.jobs, (Verb.CLOSE,)).items():
@@ -314,7 +337,7 @@ class WorkerSide:
             return
         writes = [j for j in meta.jobs if j.op.verb is Verb.WRITE]
         if meta.stores:
-            job = self.copies.submit(copy_ops(meta.stores), to_pool=True)
+            job = self._engine().submit(copy_ops(meta.stores), to_pool=True)
             self._jobs[job] = ("store", copy_count(meta.stores), meta.store_batch, [])
             self._last_store = job
         if self._last_store is not None:  # writes read slots stores fill: handed over once they are done
@@ -347,7 +370,7 @@ class WorkerSide:
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         self._poll()
         reports, self.reports = self.reports, []
-        broken = []
+        broken: list[str] = []
         for t in self.tiers:
             reports += t.take_reports()
             if t.take_broken():
@@ -373,19 +396,19 @@ class WorkerSide:
         self.load_errors.update(d.block_ids)
         logger.error("KVBMConnector: direct load of %s block %s failed; reported to vLLM", d.tier, key_hex(d.key))
 
-    def take_recving(self) -> tuple[set, set]:
+    def take_recving(self) -> tuple[set[str], set[str]]:
         """(requests whose asynchronous loads ran, those of them that failed) since the last call:
         vLLM's finished_recving and failed_recving (a failed one is both, as vLLM wants it)."""
         done, failed = self.recved, self.failed_recving
         self.recved, self.failed_recving = set(), set()
         return done, failed
 
-    def _blocks_failed(self, ids) -> None:
+    def _blocks_failed(self, ids: Iterable[int]) -> None:
         """Position-independent loads that failed: vLLM recomputes them; this step stores nothing."""
         self._loads_failed = True
         self.load_errors.update(ids)
 
-    def take_load_errors(self) -> set:
+    def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
 

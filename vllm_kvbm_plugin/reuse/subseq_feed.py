@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from typing import IO, TYPE_CHECKING
 
 from vllm_kvbm_plugin.reuse.subseq_index import SubseqIndex
+
+if TYPE_CHECKING:
+    from vllm_kvbm_plugin.events.types import KVEventBatch
 
 # event groups whose blocks are not plain per-token KV (state checkpoints) or not all kept
 _SKIP_KINDS = frozenset({"mamba", "sliding_window", "sliding_window_mla", "chunked_local_attention"})
 
 
-def event_unit(batches: Iterable) -> int | None:
+def event_unit(batches: Iterable[KVEventBatch]) -> int | None:
     """The hash unit of a recorded stream: the smallest block size of a BlockStored with tokens
     (hybrid models also announce coarse blocks; per-unit events are the smaller ones)."""
     from vllm_kvbm_plugin.events.types import BlockStored
@@ -25,7 +29,7 @@ def event_unit(batches: Iterable) -> int | None:
     return unit
 
 
-def feed_batch(index: SubseqIndex, batch, worker: Hashable = None, lora_name: str | None = None) -> None:
+def feed_batch(index: SubseqIndex, batch: KVEventBatch, worker: Hashable = None, lora_name: str | None = None) -> None:
     """Apply one KVEventBatch: units are keyed by block hash, held per (worker, dp rank, tier,
     group). Events of state/windowed groups are skipped; events of another block size than the
     index's unit only count stores of their hashes. Units whose KV depends on more than their
@@ -65,7 +69,7 @@ def feed_batch(index: SubseqIndex, batch, worker: Hashable = None, lora_name: st
             index.clear_holders(lambda x: x[0] == worker and x[1] == dp and x[2].medium == MEDIUM_GPU)
 
 
-def match_recording(fp, prompts: Iterable[Sequence[int]], unit: int | None = None) -> Iterable[dict]:
+def match_recording(fp: IO[str], prompts: Iterable[Sequence[int]], unit: int | None = None) -> Iterable[dict]:
     """`vllm-kvbm match`: build the index from a recorded stream (JSON lines), then one JSON-ready
     dict per prompt (runs and metrics), and last {"index": stats}."""
     from vllm_kvbm_plugin.events import recording

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import array
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -86,7 +86,7 @@ def as_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 class SubseqIndex:
     """Stored hash units of `unit` tokens, findable at any offset of a request (module doc)."""
 
-    def __init__(self, unit: int, base: int = DEFAULT_BASE, capacity: int = 1024):
+    def __init__(self, unit: int, base: int = DEFAULT_BASE, capacity: int = 1024) -> None:
         if unit < 1:
             raise ValueError(f"unit must be >= 1, got {unit}")
         self.unit = unit
@@ -121,7 +121,7 @@ class SubseqIndex:
     def __len__(self) -> int:
         return len(self.slot_of)
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self.slot_of
 
     # ---- stores and removals ----
@@ -138,6 +138,7 @@ class SubseqIndex:
         slot = self.slot_of.get(key)
         if slot is not None:
             h = self.holders[slot]
+            assert h is not None  # a held slot
             h[holder] = h.get(holder, 0) + 1
             return
         if exclude:
@@ -201,13 +202,15 @@ class SubseqIndex:
             return False
         del h[holder]
         if not h:
+            assert slot is not None  # h is its holders
             self._drop(slot)
         return True
 
-    def clear_holders(self, which) -> None:
+    def clear_holders(self, which: Callable[[Any], bool]) -> None:
         """Every holder for which which(holder) is true dropped everything (AllBlocksCleared)."""
         for slot in list(self.slot_of.values()):
             h = self.holders[slot]
+            assert h is not None  # a held slot
             for holder in [x for x in h if which(x)]:
                 del h[holder]
             if not h:

@@ -16,7 +16,7 @@ MIX = np.uint64(0xBF58476D1CE4E5B9)  # spreads the window hash's bits over bucke
 # but one add per token is independent (SIMD), and the mixed hash costs no extra multiply.
 
 @numba.njit(cache=True, nogil=True)
-def window_hashes(tokens, unit, base):
+def window_hashes(tokens: np.ndarray, unit: int, base: int) -> np.ndarray:
     """uint64 hash of every window tokens[s:s+unit]: sum t[s+i] * base**(unit-1-i) mod 2**64."""
     n = len(tokens) - unit + 1
     if n <= 0:
@@ -37,13 +37,13 @@ def window_hashes(tokens, unit, base):
 
 
 @numba.njit(cache=True, nogil=True)
-def unit_hash(tokens, unit, base):
+def unit_hash(tokens: np.ndarray, unit: int, base: int) -> np.uint64:
     """The mixed hash of one unit's tokens (what the table and the filter hold)."""
     return window_hashes(tokens, unit, base)[0] * MIX
 
 
 @numba.njit(cache=True, nogil=True)
-def power_tables(n, unit, base, inverse):
+def power_tables(n: int, unit: int, base: int, inverse: int) -> tuple[np.ndarray, np.ndarray]:
     """inv_pow[j] = base**-j and mix_pow[s] = base**(unit-1+s) * MIX, for j, s < n."""
     inv_pow = np.empty(n, np.uint64)
     mix_pow = np.empty(n, np.uint64)
@@ -63,7 +63,7 @@ def power_tables(n, unit, base, inverse):
 
 
 @numba.njit(cache=True, nogil=True)
-def mixed_hashes(tokens, unit, inv_pow, mix_pow):
+def mixed_hashes(tokens: np.ndarray, unit: int, inv_pow: np.ndarray, mix_pow: np.ndarray) -> np.ndarray:
     """window_hashes(tokens) * MIX, from prefix sums (see above); len(tokens) <= len(inv_pow)."""
     n = len(tokens)
     nw = n - unit + 1
@@ -87,7 +87,7 @@ def _bucket(x, shift):
 
 
 @numba.njit(cache=True, nogil=True)
-def table_insert(tab, shift, x, slot, dup):
+def table_insert(tab: np.ndarray, shift: int, x: np.uint64, slot: int, dup: np.ndarray) -> None:
     """tab: uint64[size, 2] of (mixed hash, slot + 1), 0 = empty: one cache line per probe.
     dup[slot]: another unit has the same mixed hash (all of them lie between its home bucket and
     the next empty one)."""
@@ -103,7 +103,7 @@ def table_insert(tab, shift, x, slot, dup):
 
 
 @numba.njit(cache=True, nogil=True)
-def table_delete(tab, shift, x, slot, dup):
+def table_delete(tab: np.ndarray, shift: int, x: np.uint64, slot: int, dup: np.ndarray) -> bool:
     """Remove (x, slot) by backward shift: no tombstones, so probes stay as short as at insert."""
     mask = len(tab) - 1
     dup[slot] = False
@@ -126,7 +126,7 @@ def table_delete(tab, shift, x, slot, dup):
             i = j
     tab[i, 1] = 0
     same = 0  # units left with this hash: one left is no longer a duplicate
-    last = -1
+    last = np.int64(-1)
     i = _bucket(x, shift)
     while tab[i, 1] != 0:
         if tab[i, 0] == x:
@@ -147,7 +147,7 @@ def _filter_mask(x):
 
 
 @numba.njit(cache=True, nogil=True)
-def filter_add(bits, counts, fshift, x, delta):
+def filter_add(bits: np.ndarray, counts: np.ndarray, fshift: int, x: np.uint64, delta: int) -> None:
     """Keep the filter exact under removals: a bit is set while its count is positive."""
     w = x >> np.uint64(fshift)
     mask = _filter_mask(x)
@@ -374,8 +374,10 @@ def _runs(offs, slots, prev, depth, has_next, unit, pos):
 
 
 @numba.njit(cache=True, nogil=True)
-def find_runs(tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup,
-          child, parent, parent_gen, gen, pos):
+def find_runs(tokens: np.ndarray, unit: int, inv_pow: np.ndarray, mix_pow: np.ndarray, bits: np.ndarray,
+              fshift: int, tab: np.ndarray, shift: int, unit_tokens: np.ndarray, hashes: np.ndarray,
+              dup: np.ndarray, child: np.ndarray, parent: np.ndarray, parent_gen: np.ndarray, gen: np.ndarray,
+              pos: np.ndarray) -> tuple:
     """`SubseqIndex.find` in one call (each numba call costs ~10 us of argument unboxing)."""
     offs, slots, prev, depth, has_next, rejected = _probe(
         tokens, unit, inv_pow, mix_pow, bits, fshift, tab, shift, unit_tokens, hashes, dup, child,

@@ -13,6 +13,7 @@ import os
 import time
 
 import numpy as np
+import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.block_events import Announcer
@@ -37,7 +38,9 @@ class FakeTier:
     def create(cls, layout: Layout, cfg: KVBMConfig) -> FakeTier | None:
         return cls(layout) if layout.disk_path else None
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout) -> None:
+        if not layout.disk_path:
+            raise ValueError("the fake tier keeps its blocks under disk_path, which is not set")
         self.disk_path, self.world = layout.disk_path, layout.world
         self.fetching: set[Key] = set()
         self.writing: set[Key] = set()
@@ -127,13 +130,20 @@ class FakeWorker:
     def open(cls, side: WorkerContext) -> FakeWorker | None:
         return cls(side) if side.layout.disk_path else None
 
-    def __init__(self, side: WorkerContext):
-        self.side = side
+    def __init__(self, side: WorkerContext) -> None:
+        if not side.layout.disk_path:
+            raise ValueError("the fake tier keeps its blocks under disk_path, which is not set")
+        self.side, self.disk_path = side, side.layout.disk_path
         self.reports: list[Report] = []
-        os.makedirs(os.path.join(side.layout.disk_path, "fake-tier"), mode=0o700, exist_ok=True)
+        os.makedirs(os.path.join(self.disk_path, "fake-tier"), mode=0o700, exist_ok=True)
 
     def _path(self, key: Key) -> str:
-        return _path(self.side.layout.disk_path, key, self.side.rank)
+        return _path(self.disk_path, key, self.side.rank)
+
+    def _pool(self) -> torch.Tensor:
+        if self.side.pool is None:
+            raise RuntimeError("the fake tier copies before the KV caches are registered")
+        return self.side.pool
 
     def start(self, jobs: list[TierJob]) -> None:
         t0, n = time.perf_counter(), 0
@@ -142,7 +152,7 @@ class FakeWorker:
             try:
                 data = np.fromfile(self._path(j.key), dtype=np.uint8)
                 if data.size == self.side.slot_bytes:
-                    self.side.pool[j.slot].numpy()[:] = data
+                    self._pool()[j.slot].numpy()[:] = data
                     ok = True
             except OSError:
                 pass
@@ -157,7 +167,7 @@ class FakeWorker:
             path = self._path(j.key)
             fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(self.side.pool[j.slot].numpy().tobytes())
+                f.write(self._pool()[j.slot].numpy().tobytes())
             os.replace(path + ".tmp", path)
             self.reports.append(Report(j.op, j.key, True))
         self.side.record(LABEL, "write", len(jobs), t0)

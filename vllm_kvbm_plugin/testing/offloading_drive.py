@@ -9,29 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import numpy as np
 from vllm.v1.kv_offload.base import (
-    BlockIDsLoadStoreSpec,
-    LookupResult,
-    OffloadingManager,
-    OffloadKey,
-    PrepareStoreOutput,
-    ReqContext,
-    ScheduleEndContext,
-    make_offload_key,
-)
+    BlockIDsLoadStoreSpec, LookupResult, OffloadingManager, OffloadKey, PrepareStoreOutput, ReqContext, ScheduleEndContext,
+    make_offload_key)
 
 if TYPE_CHECKING:
-    import numpy as np
     from vllm.v1.kv_offload.base import OffloadingEvent
     from vllm.v1.kv_offload.config import OffloadingConfig
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-# the worker's copy of a store (into) or a load (out of) the chunks: (chunk ids, their keys)
-Copy = Callable[[list[int], list[OffloadKey]], object]
+Fill = Callable[[list[int], list[OffloadKey]], object]  # the worker's copy of chunks (ids, keys)
 
 
 def chunk_key(name: str, group: int = 0) -> OffloadKey:
@@ -53,7 +45,7 @@ class Request:
             self.ctx.set_offload_key_position(key, (i + 1) * tokens_per_chunk)
         manager.on_new_request(self.ctx)
 
-    def store(self, keys: list[OffloadKey] | None = None, fill: Copy | None = None,
+    def store(self, keys: list[OffloadKey] | None = None, fill: Fill | None = None,
               success: bool = True) -> PrepareStoreOutput | None:
         """prepare_store + (the worker's copy: fill(chunk_ids, keys)) + complete_store. Returns the
         PrepareStoreOutput (None: refused)."""
@@ -62,19 +54,19 @@ class Request:
         if out is None or not out.keys_to_store:
             return out
         if fill is not None:
-            assert isinstance(out.store_spec, BlockIDsLoadStoreSpec)
+            assert isinstance(out.store_spec, BlockIDsLoadStoreSpec)  # the CPU tier's chunks
             fill(list(out.store_spec.block_ids), list(out.keys_to_store))
         self.manager.complete_store(out.keys_to_store, self.ctx, success)
         return out
 
-    def lookup(self, keys: list[OffloadKey] | None = None) -> list[LookupResult | None]:
+    def lookup(self, keys: list[OffloadKey] | None = None) -> list[LookupResult]:
         return [self.manager.lookup(k, self.ctx) for k in (self.keys if keys is None else keys)]
 
-    def load(self, keys: list[OffloadKey], read: Copy | None = None) -> None:
+    def load(self, keys: list[OffloadKey], read: Fill | None = None) -> None:
         """prepare_load + (the worker's copy: read(chunk_ids, keys)) + complete_load."""
         spec = self.manager.prepare_load(keys, self.ctx)
         if read is not None:
-            assert isinstance(spec, BlockIDsLoadStoreSpec)
+            assert isinstance(spec, BlockIDsLoadStoreSpec)  # the CPU tier's chunks
             read(list(spec.block_ids), list(keys))
         self.manager.complete_load(keys, self.ctx)
 
@@ -86,8 +78,7 @@ def end_step(manager: OffloadingManager) -> None:
     manager.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
 
 
-def lookup_until_settled(manager: OffloadingManager, req: Request, keys: list[OffloadKey],
-                         timeout: float = 10.0) -> list[LookupResult | None]:
+def lookup_until_settled(manager: OffloadingManager, req: Request, keys: list[OffloadKey], timeout: float = 10.0) -> list[LookupResult]:
     """Look `keys` up step after step, as the connector does while a tier promotes them, until
     no answer is pending (HIT_PENDING / RETRY)."""
     deadline = time.monotonic() + timeout
@@ -101,7 +92,7 @@ def lookup_until_settled(manager: OffloadingManager, req: Request, keys: list[Of
         time.sleep(0.002)
 
 
-def offloading_config(extra_config: dict[str, Any], chunk_bytes: int = 4096, tokens_per_block: int = 16,
+def offloading_config(extra_config: dict, chunk_bytes: int = 4096, tokens_per_block: int = 16,
                       engine_id: str = "kvbm-test", events: bool = True, model: str = "tiny-test",
                       blocks_per_chunk: int = 1) -> OffloadingConfig:
     """vLLM's OffloadingConfig for one full-attention group on one worker, chunks of
@@ -125,13 +116,12 @@ def offloading_config(extra_config: dict[str, Any], chunk_bytes: int = 4096, tok
     )
 
 
-def tiering_manager(secondary_tiers: Sequence[dict[str, Any]], cpu_chunks: int, chunk_bytes: int = 4096,
-                    eviction_policy: str = "lru", engine_id: str = "kvbm-test", events: bool = True,
-                    **extra: Any) -> tuple[TieringOffloadingSpec, TieringOffloadingManager]:
+def tiering_manager(secondary_tiers: list, cpu_chunks: int, chunk_bytes: int = 4096, eviction_policy: str = "lru",
+                    engine_id: str = "kvbm-test", events: bool = True,
+                    **extra: object) -> tuple[TieringOffloadingSpec, TieringOffloadingManager]:
     """(spec, manager): vLLM's TieringOffloadingSpec and its TieringOffloadingManager (a CPU
     primary tier of `cpu_chunks` chunks in shared memory, then `secondary_tiers`). Call
     manager.shutdown() when done (it removes the shared-memory file)."""
-    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     extra_config = {"cpu_bytes_to_use": cpu_chunks * chunk_bytes, "eviction_policy": eviction_policy,
@@ -139,6 +129,8 @@ def tiering_manager(secondary_tiers: Sequence[dict[str, Any]], cpu_chunks: int, 
     if eviction_policy not in ("lru", "arc"):
         extra_config["cache_policy_module_path"] = "vllm_kvbm_plugin.offloading"
     spec = TieringOffloadingSpec(offloading_config(extra_config, chunk_bytes, engine_id=engine_id, events=events))
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
     manager = spec.get_manager()
     assert isinstance(manager, TieringOffloadingManager)
     return spec, manager
@@ -146,8 +138,6 @@ def tiering_manager(secondary_tiers: Sequence[dict[str, Any]], cpu_chunks: int, 
 
 def primary_rows(manager: TieringOffloadingManager) -> np.ndarray:
     """The CPU primary tier's chunks as a (chunks, bytes) uint8 array (vLLM's shared memory)."""
-    import numpy as np
-
     view = manager.primary_tier.get_kv_memoryview()
     rows = np.asarray(view)
     return rows.view(np.uint8).reshape(rows.shape[0], -1)
@@ -155,8 +145,6 @@ def primary_rows(manager: TieringOffloadingManager) -> np.ndarray:
 
 def payload(key: bytes, size: int = 4096) -> np.ndarray:
     """Made-up chunk bytes of `key` (the same every time)."""
-    import numpy as np
-
     return np.random.default_rng(int.from_bytes(key[:8], "big")).integers(0, 256, size, dtype=np.uint8)
 
 
@@ -164,8 +152,7 @@ class Tiered:
     """vLLM's tiering manager with one secondary tier (`tier`: its secondary_tiers entry), and the
     calls the connector makes: `store` cascades through the CPU primary tier, `load` promotes hits."""
 
-    def __init__(self, tier: dict[str, Any], cpu_chunks: int = 8, chunk_bytes: int = 4096,
-                 cpu_policy: str = "lru") -> None:
+    def __init__(self, tier: dict, cpu_chunks: int = 8, chunk_bytes: int = 4096, cpu_policy: str = "lru") -> None:
         import uuid
 
         self.chunk_bytes = chunk_bytes
@@ -183,7 +170,7 @@ class Tiered:
             time.sleep(0.002)
         self.events += list(self.m.take_events())
 
-    def store(self, keys: list[OffloadKey], per_step: int | None = None) -> None:
+    def store(self, keys: list, per_step: int | None = None) -> None:
         """One request stores `keys` (per_step at a time) into the CPU tier, which cascades them."""
         r = Request(self.m, keys)
         fill = lambda cids, ks: [self.rows.__setitem__(c, payload(k, self.chunk_bytes)) for c, k in zip(cids, ks)]  # noqa: E731
@@ -194,7 +181,7 @@ class Tiered:
         r.finish()
         self.settle()
 
-    def load(self, keys: list[OffloadKey]) -> dict[OffloadKey, np.ndarray | None]:
+    def load(self, keys: list) -> dict:
         """Drop the CPU tier, then look `keys` up (promoting the secondary tier's hits) and load the
         prefix that hits, as the connector would: key -> bytes served, or None for a miss."""
         from vllm_kvbm_plugin import compat
@@ -202,7 +189,7 @@ class Tiered:
         compat.reset_offloading_cache(self.m)
         r = Request(self.m, keys)
         results = lookup_until_settled(self.m, r, keys)
-        served: dict[OffloadKey, np.ndarray] = {}
+        served = {}
         hits = [k for k, res in zip(keys, results) if res is LookupResult.HIT]
         if hits:
             r.load(hits, read=lambda cids, ks: served.update({k: self.rows[c].copy() for c, k in zip(cids, ks)}))
@@ -210,13 +197,11 @@ class Tiered:
         self.settle()
         return {k: served.get(k) for k in keys}
 
-    def storage_events(self, removed: bool) -> list[OffloadKey]:
+    def storage_events(self, removed: bool) -> list:
         from vllm.v1.kv_offload.base import Medium
 
         return [k for e in self.events if e.medium is Medium.STORAGE and e.removed == removed for k in e.keys]
 
     def close(self) -> None:
-        import numpy as np
-
-        self.rows = np.empty((0, 0), np.uint8)  # no view of the shared memory may remain
+        del self.rows  # vLLM's shared memory, which shutdown closes
         self.m.shutdown()

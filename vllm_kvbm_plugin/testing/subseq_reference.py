@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -35,7 +34,7 @@ def reference_find(units: dict, tokens: Sequence[int], unit: int) -> list[Run]:
     by_tokens: dict[tuple, list] = {}
     for key, (toks, _, _) in units.items():
         by_tokens.setdefault(tuple(toks), []).append(key)
-    hits: dict[tuple[int, Any], list[Any]] = {}  # (offset, key) -> run of keys ending here
+    hits: dict[tuple[int, Hashable], list] = {}  # (offset, key) -> run of keys ending here
     for s in range(len(tokens) - unit + 1):
         for key in by_tokens.get(tuple(tokens[s:s + unit]), ()):
             parent = units[key][1]

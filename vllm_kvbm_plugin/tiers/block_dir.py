@@ -24,6 +24,7 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterator
 
 from vllm_kvbm_plugin.log import get_logger
 
@@ -65,7 +66,7 @@ def scan(base: str, tidy: bool = True, stats: dict | None = None) -> list[tuple[
     names are skipped and left alone. Temporary files whose writer is gone are removed (`tidy`;
     off for a read-only look). `stats`, if given, gets the lstat result of each block file under
     "st" and a count of the skipped entries under "skipped"."""
-    out = []
+    out: list[tuple[tuple[int, int], int]] = []
     try:
         for sub, dfd in _prefix_dirs(base):
             try:
@@ -79,7 +80,7 @@ def scan(base: str, tidy: bool = True, stats: dict | None = None) -> list[tuple[
     return out
 
 
-def _prefix_dirs(base: str):
+def _prefix_dirs(base: str) -> Iterator[tuple[str, int]]:
     """(name, fd) of each key-prefix directory of `base`, found by lstat and opened without
     following links; each fd is closed when the caller moves on. OSError if `base` cannot be opened."""
     bfd = os.open(base, _DFLAGS)
@@ -169,8 +170,8 @@ def remove_tier_dir(disk_path: str, name: str) -> tuple[int, str | None]:
         try:
             foreign = _walk_tier_dir(tfd, remove=False)
             if foreign:
-                return 0, foreign
-            removed = _walk_tier_dir(tfd, remove=True)
+                return 0, str(foreign)
+            removed = int(_walk_tier_dir(tfd, remove=True) or 0)
         finally:
             os.close(tfd)
         _rmdir_if_empty(name, top)
@@ -179,7 +180,7 @@ def remove_tier_dir(disk_path: str, name: str) -> tuple[int, str | None]:
         os.close(top)
 
 
-def _walk_tier_dir(tfd: int, remove: bool):
+def _walk_tier_dir(tfd: int, remove: bool) -> int | str | None:
     """remove=False: a description of the first thing in the tree that is not ours, or None.
     remove=True: remove the tree's block files and directories (not the top); the count of files."""
     removed = 0
@@ -226,7 +227,7 @@ def _rmdir_if_empty(name: str, dfd: int) -> None:
         pass
 
 
-def _own_subdirs(dfd: int, pattern):
+def _own_subdirs(dfd: int, pattern: re.Pattern[str]) -> Iterator[tuple[str, int | str]]:
     """(name, fd) of each entry of the directory `dfd`: an fd when it is a real directory named by
     `pattern`, else a description of it (the caller stops there). The caller closes the fds."""
     for e in os.scandir(dfd):

@@ -37,6 +37,7 @@ import errno
 import os
 import stat
 import struct
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -78,7 +79,7 @@ def _header(key: tuple[int, int], fingerprint: bytes, plen: int, mlen: int, mac:
     return _HEADER.pack(MAGIC, VERSION, 0, key_bytes(key), fingerprint, plen, mlen, mac, 0)
 
 
-def _u8(b) -> np.ndarray:
+def _u8(b: bytes | bytearray | memoryview) -> np.ndarray:
     return np.frombuffer(b, dtype=np.uint8)
 
 
@@ -92,7 +93,7 @@ class Header(NamedTuple):
     mac: int
 
 
-def parse_header(head) -> Header | None:
+def parse_header(head: bytes | bytearray | memoryview) -> Header | None:
     """The fields of a block header (the first HEADER_SIZE bytes of `head`) of this format version,
     or None for another magic, version or flags. Callers check the fields they expect."""
     magic, version, flags, key, fp, plen, mlen, mac, reserved = _HEADER.unpack_from(head, 0)
@@ -111,7 +112,7 @@ def encode(key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, payloa
     return [_header(key, fingerprint, payload.nbytes, len(meta), mac), payload, meta]
 
 
-def _io_exact(op, fd: int, parts: list, offset: int) -> bool:
+def _io_exact(op: Callable[[int, list[memoryview], int], int], fd: int, parts: list, offset: int) -> bool:
     """os.preadv / os.pwritev of all of `parts` at `offset`, resumed after short transfers; False
     when the file ends first."""
     views = [memoryview(p).cast("B") for p in parts if len(p)]
@@ -143,7 +144,8 @@ def read_blocks(paths: list, keys: list, fingerprint: bytes, mac_key: np.ndarray
     return [None if status[i] else bytes(metas[at[i]: at[i + 1]]) for i in range(len(paths))]
 
 
-def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, payload_bytes: int):
+def open_verified(path: str, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray,
+                  payload_bytes: int) -> tuple[int, bytes] | None:
     """Verify the block file at `path` (as read_into, keeping no bytes) and keep it open: (fd,
     metadata) or None. This tier never changes a block file in place (writes replace it by a rename,
     eviction unlinks it), so later reads through this fd (read_payload) return the verified bytes,
@@ -164,7 +166,7 @@ def _address(out: np.ndarray) -> int:
     return out.ctypes.data
 
 
-def _names(paths) -> tuple[np.ndarray, np.ndarray]:
+def _names(paths: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """NUL-terminated file names in one array, and where each starts."""
     raw = [os.fsencode(p) + b"\0" for p in paths]
     at = np.zeros(len(raw), dtype=np.int64)
@@ -172,7 +174,8 @@ def _names(paths) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(bytearray(b"".join(raw)), dtype=np.uint8), at
 
 
-def _read_files(paths, keys, fingerprint: bytes, mac_key: np.ndarray, plens: list, dsts: list, keep_open: bool):
+def _read_files(paths: Sequence[str], keys: Sequence[tuple[int, int]], fingerprint: bytes, mac_key: np.ndarray,
+                plens: list, dsts: list, keep_open: bool) -> tuple:
     """fileio.read_files, with the header bytes each file must start with (magic to payload length)."""
     names, at = _names(paths)
     expect = np.frombuffer(bytearray(b"".join(
@@ -335,7 +338,9 @@ def write_blocks(paths: list, keys: list, fingerprint: bytes, mac_key: np.ndarra
     return errors
 
 
-def _write_files(paths, keys, fingerprint: bytes, mac_key: np.ndarray, payloads, metas, fsync: bool, direct: bool):
+def _write_files(paths: Sequence[str], keys: Sequence[tuple[int, int]], fingerprint: bytes, mac_key: np.ndarray,
+                 payloads: Sequence[np.ndarray], metas: Sequence[bytes], fsync: bool,
+                 direct: bool) -> tuple[np.ndarray, np.ndarray]:
     wheres = [os.path.dirname(os.path.dirname(p)) for p in paths]
     use_direct = np.array([direct and bool(_DIRECT_O) and p.nbytes >= _DIRECT_MIN and w not in _no_direct
                            for p, w in zip(payloads, wheres)], dtype=np.bool_)

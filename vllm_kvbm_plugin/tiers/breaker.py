@@ -18,7 +18,7 @@ class Breaker:
 
     MIN_BACKOFF, MAX_BACKOFF = 0.5, 30.0
 
-    def __init__(self, name: str, url: str):
+    def __init__(self, name: str, url: str) -> None:
         self.name, self.url = name, redact_url(url)  # shown in its log lines only
         self.lock = threading.Lock()
         self.open_until = 0.0  # 0: closed

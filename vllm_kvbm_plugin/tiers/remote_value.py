@@ -36,7 +36,7 @@ def value_name(root_hex: bytes, rank: int, key_hex: bytes) -> bytes:
     return b"kvbm:%d:%s:r%d:%s" % (block_file.VERSION, root_hex, rank, key_hex)
 
 
-def value_parts(key, fingerprint: bytes, mac_key: np.ndarray, payload: np.ndarray, meta: bytes) -> list:
+def value_parts(key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, payload: np.ndarray, meta: bytes) -> list:
     """The value of `key`: a disk block file's bytes, as parts (the payload is not copied)."""
     return block_file.encode(key, fingerprint, mac_key, payload, meta)
 
@@ -44,7 +44,7 @@ def value_parts(key, fingerprint: bytes, mac_key: np.ndarray, payload: np.ndarra
 MISSING, BAD, OK = 0, 1, 2  # outcomes of a value's read (resp.DirectClient.fetch, classify)
 
 
-def classify(reply, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> int:
+def classify(reply: bytes | Exception | None, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> int:
     """MISSING, BAD or OK for one GET reply of redis-py (raise_on_error=False), verified into
     `out` as read_value does. A key of another type under our name is BAD (as
     resp.DirectClient reads it); any other error is the server's, not the value's: raised."""
@@ -57,7 +57,7 @@ def classify(reply, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarra
     return OK if read_value(reply, key, fingerprint, mac_key, out) else BAD
 
 
-def read_value(value, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> bool:
+def read_value(value: bytes | None, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> bool:
     """Verify a value read from the store and copy its payload into `out` (uint8, the exact
     payload size). False for anything but a complete value of `key` written under `fingerprint`
     and the tier secret of `mac_key` (then `out` holds garbage and must not be used)."""
@@ -71,10 +71,11 @@ def read_value(value, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndar
         return False
     acc = np.zeros(3, dtype=np.uint64)
     mac_update(acc, mac_key, buf[block_file.HEADER_SIZE: block_file.HEADER_SIZE + plen], 0, out)
+    assert h is not None  # header_fits
     return int(mac_final(acc, mac_key, buf[:block_file.HEADER_SIZE], buf[block_file.HEADER_SIZE + plen:])) == h.mac
 
 
-def header_fits(h, key, fingerprint: bytes, plen: int, size: int) -> bool:
+def header_fits(h: block_file.Header | None, key: tuple[int, int], fingerprint: bytes, plen: int, size: int) -> bool:
     """A value of `size` bytes with header `h` is a complete value of `key` under `fingerprint`
     with a `plen`-byte payload (its MAC still to be verified)."""
     return (h is not None and h.key == block_file.key_bytes(key) and h.fingerprint == fingerprint

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
@@ -20,6 +22,12 @@ from vllm_kvbm_plugin.log import redact_url
 from vllm_kvbm_plugin.tiers import block_file
 from vllm_kvbm_plugin.tiers.mac import mac_final, mac_update
 from vllm_kvbm_plugin.tiers.remote_value import BAD, MISSING, OK, classify, header_fits
+
+if TYPE_CHECKING:
+    import socket
+
+    import redis
+    from redis.cluster import RedisCluster
 
 CLIENT_NAME = "kvbm"  # what CLIENT LIST shows for our connections
 PASSWORD_ENV = "KVBM_REMOTE_PASSWORD"
@@ -37,7 +45,7 @@ class Landings:
     in the scheduler's process (vLLM's in-process and single-worker executors) the request then
     goes on in the step its bytes land; elsewhere nothing moves it and the wait is the pause."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.cond = threading.Condition()
         self.count = 0
 
@@ -75,12 +83,12 @@ class DirectClient:
     GROUP_BYTES = 512 << 10
     DEPTH = 2
 
-    def __init__(self, url: str):
+    def __init__(self, url: str) -> None:
         from redis.connection import parse_url
 
         self.opts = parse_url(url)
         self.opts["password"] = auth_password(self.opts.get("password"))
-        self.sock = None
+        self.sock: socket.socket | None = None
         self.buf = bytearray(self.CHUNK)
         self.view = memoryview(self.buf)
         self.start = self.end = 0  # buf[start:end]: received, not yet consumed
@@ -109,7 +117,7 @@ class DirectClient:
         if o.get("db"):
             setup.append([b"SELECT", str(o["db"]).encode()])
         try:
-            self.sock.sendall(b"".join(_command(c) for c in setup))
+            sock.sendall(b"".join(_command(c) for c in setup))
             for _ in setup:
                 line = self._line()
                 if not line.startswith(b"+"):
@@ -128,16 +136,21 @@ class DirectClient:
         connection redis-py would reopen on its own. Nothing may be pending between fetches."""
         import socket
 
-        self.sock.settimeout(0)  # with a timeout, recv would first wait for something to read
+        self._socket().settimeout(0)  # with a timeout, recv would first wait for something to read
         try:
-            self.sock.recv(1, socket.MSG_PEEK)
+            self._socket().recv(1, socket.MSG_PEEK)
             return True  # the end of the stream, or bytes nobody asked for
         except BlockingIOError:
             return False  # open, nothing to read: as it should be
         except OSError:
             return True
         finally:
-            self.sock.settimeout(SOCKET_TIMEOUT)
+            self._socket().settimeout(SOCKET_TIMEOUT)
+
+    def _socket(self) -> socket.socket:
+        if self.sock is None:
+            raise ConnectionError("remote tier: not connected")
+        return self.sock
 
     def close(self) -> None:
         if self.sock is not None:
@@ -155,7 +168,7 @@ class DirectClient:
             self.start, self.end = 0, n
         if self.end == len(self.buf):
             raise ConnectionError("remote tier: reply line longer than the read buffer")
-        n = self.sock.recv_into(self.view[self.end:])
+        n = self._socket().recv_into(self.view[self.end:])
         if n == 0:
             raise ConnectionError("remote tier: the server closed the connection")
         self.end += n
@@ -169,7 +182,7 @@ class DirectClient:
                 return line
             self._recv()
 
-    def _read_into(self, dst: memoryview, on_chunk=None) -> None:
+    def _read_into(self, dst: memoryview, on_chunk: Callable[[int], None] | None = None) -> None:
         """Exactly len(dst) bytes into dst: what is staged first, then straight from the socket.
         on_chunk(end) after each piece lands (dst[:end] is complete)."""
         n, done = len(dst), 0
@@ -187,7 +200,7 @@ class DirectClient:
                 dst[done:done + k] = self.view[self.start:self.start + k]
                 self.start += k
             else:
-                k = self.sock.recv_into(dst[done:])
+                k = self._socket().recv_into(dst[done:])
                 if k == 0:
                     raise ConnectionError("remote tier: the server closed the connection")
             done += k
@@ -203,7 +216,7 @@ class DirectClient:
             n -= k
 
     # ---- small commands -------------------------------------------------------------------------
-    def call(self, commands: list[list]) -> list:
+    def call(self, commands: Sequence[Sequence[bytes | str]]) -> list:
         """Run `commands` pipelined, in one round trip; their replies as redis-py's pipelines give
         them with raise_on_error=False: int, bytes, None, or a ResponseError (not raised).
         For commands with short replies (EXISTS, SET): the scheduler's lookups."""
@@ -211,8 +224,8 @@ class DirectClient:
 
         try:
             self._ready()
-            self.sock.sendall(b"".join(_command(c) for c in commands))
-            replies = []
+            self._socket().sendall(b"".join(_command(c) for c in commands))
+            replies: list[int | bytes | ResponseError | None] = []
             for _ in commands:
                 line = self._line()
                 kind, rest = line[:1], line[1:]
@@ -242,11 +255,11 @@ class DirectClient:
         try:
             self._ready()
             sent = min(len(gets), self.DEPTH * group)
-            self.sock.sendall(b"".join(gets[:sent]))
+            self._socket().sendall(b"".join(gets[:sent]))
             results = []
             for i, (k, out) in enumerate(zip(keys, outs)):
                 if i % group == 0 and i and sent < len(gets):  # a group was read: ask for another one
-                    self.sock.sendall(b"".join(gets[sent:sent + group]))
+                    self._socket().sendall(b"".join(gets[sent:sent + group]))
                     sent += group
                 results.append(self._value(k, fingerprint, mac_key, out))
             return results
@@ -260,7 +273,7 @@ class DirectClient:
     def store(self, names: list, values: list) -> None:
         """SET each name to its value, given as parts (value_parts: header, payload, metadata),
         pipelined in one round trip; raises unless every reply is +OK."""
-        bufs = []
+        bufs: list[bytes | memoryview] = []
         for name, parts in zip(names, values):
             views = [memoryview(p).cast("B") for p in parts]
             name = name.encode() if isinstance(name, str) else name
@@ -271,7 +284,7 @@ class DirectClient:
             self._ready()
             i = 0
             while i < len(bufs):
-                n = self.sock.sendmsg(bufs[i:i + self.SEND_BUFFERS])
+                n = self._socket().sendmsg(bufs[i:i + self.SEND_BUFFERS])
                 while i < len(bufs) and n >= len(bufs[i]):
                     n -= len(bufs[i])
                     i += 1
@@ -284,7 +297,7 @@ class DirectClient:
         if refused:
             raise ConnectionError(f"remote tier: {len(refused)} of {len(names)} SETs refused: {refused[0][:200]!r}")
 
-    def _value(self, key, fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> int:
+    def _value(self, key: tuple[int, int], fingerprint: bytes, mac_key: np.ndarray, out: np.ndarray) -> int:
         line = self._line()
         if line.startswith(b"-WRONGTYPE"):  # not a string under our name: not ours, a bad value
             return BAD
@@ -313,7 +326,8 @@ class DirectClient:
                 mac_update(acc, mac_key, out[summed[0]:stop], summed[0])
                 summed[0] = stop
 
-        self._read_into(memoryview(out), mac)
+        self._read_into(out.data, mac)
+        assert h is not None  # header_fits
         meta = bytearray(h.meta_bytes)
         self._read_into(memoryview(meta))
         if self._take(2) != b"\r\n":
@@ -329,16 +343,19 @@ class DirectClient:
         return out
 
 
-def _command(args: list) -> bytes:
-    args = [a.encode() if isinstance(a, str) else a for a in args]
-    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+def _command(args: Sequence[bytes | str]) -> bytes:
+    parts = [a.encode() if isinstance(a, str) else a for a in args]
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in parts)
 
+
+RedisPyClient = Union["redis.Redis", "RedisCluster"]  # TLS and cluster URLs (connect)
+Client = Union[DirectClient, RedisPyClient]  # what connect_direct returns
 
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 
-def check_url(url) -> None:
+def check_url(url: object) -> None:
     """A clear startup error for anything but a URL `connect` takes, or without redis-py."""
     if not isinstance(url, str) or not url.startswith(URL_SCHEMES + CLUSTER_SCHEMES):
         shown = repr(redact_url(url)) if isinstance(url, str) else type(url).__name__
@@ -370,38 +387,42 @@ def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], str | None, str | No
     return seeds, user or None, auth_password(secret or None)
 
 
-def connect(url: str):
+def connect(url: str) -> RedisPyClient:
     """A redis-py client for `url` with short timeouts and no retries: a slow server must never
     hold a caller for long (the Breaker decides when to try again). For a Redis Cluster, a
     cluster client: it routes each single-key command of a pipeline to the node owning the key."""
     import redis
 
-    opts = dict(socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT, health_check_interval=0,
-                client_name=CLIENT_NAME)
     if not url.startswith(CLUSTER_SCHEMES):  # the URL's password, if any, wins over this one
-        return redis.Redis.from_url(url, retry_on_timeout=False, password=auth_password(None), **opts)
+        return redis.Redis.from_url(url, retry_on_timeout=False, password=auth_password(None),
+                                    socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
+                                    health_check_interval=0, client_name=CLIENT_NAME)
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
 
     seeds, user, secret = cluster_seeds(url)
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds], username=user, password=secret,
-                        ssl=url.startswith("rediss"), retry=Retry(NoBackoff(), 0), **opts)
+                        ssl=url.startswith("rediss"), retry=Retry(NoBackoff(), 0),
+                        socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT,
+                        health_check_interval=0, client_name=CLIENT_NAME)
 
 
-def connect_ready(url: str):
+def connect_ready(url: str) -> RedisPyClient:
     """`connect`, then one PING to every node (every master of a cluster), so the first lookup
     or fetch finds its connections open and, for a cluster, its slot map built: done lazily, that
     costs a fresh instance more than a lookup's patience and its first request misses."""
+    from redis.cluster import RedisCluster
+
     client = connect(url)
-    if url.startswith(CLUSTER_SCHEMES):
+    if isinstance(client, RedisCluster):
         client.ping(target_nodes=client.PRIMARIES)
     else:
         client.ping()
     return client
 
 
-def connect_direct(url: str):
+def connect_direct(url: str) -> Client:
     """A connected DirectClient where one can be used (redis://, unix://), else `connect_ready`'s
     redis-py client: for small pipelined commands (`run`)."""
     if DirectClient.supports(url):
@@ -411,7 +432,7 @@ def connect_direct(url: str):
     return connect_ready(url)
 
 
-def run(client, commands: list) -> list:
+def run(client: Client, commands: Sequence[Sequence[bytes | str]]) -> list:
     """Pipelined commands on a client of `connect_direct`, in one round trip; replies as redis-py
     gives them with raise_on_error=False."""
     if isinstance(client, DirectClient):
@@ -422,7 +443,7 @@ def run(client, commands: list) -> list:
     return pipe.execute(raise_on_error=False)
 
 
-def fetch_values(client, names: list, keys: list, fingerprint: bytes, mac_key: np.ndarray, outs: list) -> list[int]:
+def fetch_values(client: Client, names: list, keys: list, fingerprint: bytes, mac_key: np.ndarray, outs: list) -> list[int]:
     """OK, BAD or MISSING per name, each value verified into its `out`: straight from the socket
     on a DirectClient, through `classify` on a redis-py client (TLS, cluster)."""
     if isinstance(client, DirectClient):
@@ -431,7 +452,7 @@ def fetch_values(client, names: list, keys: list, fingerprint: bytes, mac_key: n
     return [classify(v, k, fingerprint, mac_key, o) for v, k, o in zip(replies, keys, outs)]
 
 
-def store_values(client, names: list, values: list) -> None:
+def store_values(client: Client, names: list, values: list) -> None:
     """SET each name to its value (a list of parts, value_parts); raises on any failure. From
     the parts on a DirectClient, joined on a redis-py client (TLS, cluster)."""
     if isinstance(client, DirectClient):
@@ -442,7 +463,7 @@ def store_values(client, names: list, values: list) -> None:
     pipe.execute()
 
 
-def delete_values(client, names: list) -> None:
+def delete_values(client: Client, names: list) -> None:
     """Delete `names`, one key per command (a cluster routes each to its node); a failed command
     raises."""
     for reply in run(client, [("DEL", name) for name in names]):
