@@ -37,9 +37,9 @@ def is_supported() -> bool:
 _BlockStored: type[BlockStored] | None = None  # imported on first use
 
 
-def block_stored_event(pool: BlockPool, request: Request, *, block_hashes: list[ExternalBlockHash],
-                       parent_block_hash: ExternalBlockHash | None, token_ids: list[int], block_size: int,
-                       group_idx: int, extra_keys: list[ExtraKeys] | None,
+def block_stored_event(pool: BlockPool | None, request: Request, *, block_hashes: Sequence[ExternalBlockHash],
+                       parent_block_hash: ExternalBlockHash | None, token_ids: Sequence[int], block_size: int,
+                       group_idx: int, extra_keys: Sequence[ExtraKeys] | None,
                        medium: str | None = None) -> BlockStored:
     """A BlockStored filled like BlockPool._build_block_stored_event (0.32 and 0.33) fills it.
 
@@ -52,16 +52,22 @@ def block_stored_event(pool: BlockPool, request: Request, *, block_hashes: list[
         from vllm.distributed.kv_events import BlockStored
 
         _BlockStored = BlockStored
+    if medium is None:
+        if pool is None:
+            raise ValueError("block_stored_event: give a medium, or the block pool whose medium it is")
+        medium = pool.medium
     lora = request.lora_request
+    # the connector passes tuples on purpose (stored events stay out of the garbage collector's
+    # tracking); vLLM declares lists, msgspec checks nothing at construction and encodes both alike
     return _BlockStored(
-        block_hashes=block_hashes,
+        block_hashes=block_hashes,  # type: ignore[arg-type]
         parent_block_hash=parent_block_hash,
-        token_ids=token_ids,
+        token_ids=token_ids,  # type: ignore[arg-type]
         block_size=block_size,
         lora_id=lora.adapter_id if lora else None,
-        medium=medium or pool.medium,
+        medium=medium,
         lora_name=lora.name if lora else None,
-        extra_keys=extra_keys,
+        extra_keys=extra_keys,  # type: ignore[arg-type]
         group_idx=group_idx,
         session_id=request.session_id,
     )
@@ -71,7 +77,7 @@ def block_stored_event(pool: BlockPool, request: Request, *, block_hashes: list[
 _generate_extra_keys: Callable[[Request, int, int, int], tuple[ExtraKeys, int]] | None = None
 
 
-def block_extra_keys(pool: BlockPool, request: Request, start: int, end: int,
+def block_extra_keys(pool: BlockPool | None, request: Request, start: int, end: int,
                      mm_idx: int) -> tuple[ExtraKeys, int]:
     """Extra keys of the tokens [start, end) exactly as vLLM puts them into block hashes."""
     gen = getattr(pool, "_generate_event_extra_keys", None)  # 0.33

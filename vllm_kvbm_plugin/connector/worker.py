@@ -14,14 +14,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.config import KVBMConfig
-from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout, TierDecision, tensor_fingerprint
 from vllm_kvbm_plugin.connector.base import Report, TierJob, Verb, WorkerTier
+from vllm_kvbm_plugin.connector.layout import KV, EntryKind, Layout, TierDecision, tensor_fingerprint
 from vllm_kvbm_plugin.connector.metadata import (
     STORE,
     DirectLoad,
@@ -34,9 +35,12 @@ from vllm_kvbm_plugin.connector.stats import KVBMStats
 from vllm_kvbm_plugin.connector.tier_modules import tier_modules
 from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.tiers import host_memory
+from vllm_kvbm_plugin.tiers.block_dir import key_hex
 from vllm_kvbm_plugin.tiers.mac import mac_key
 from vllm_kvbm_plugin.tiers.transfer import Layer, TransferEngine, slots_to_layer
-from vllm_kvbm_plugin.tiers.block_dir import key_hex
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
 
 logger = get_logger("connector.worker")
 
@@ -285,7 +289,7 @@ class WorkerSide:
                                f"does not have (it has {sorted(self._by_label)}); the sides disagree on the tiers")
         return tier
 
-    def start_load_kv(self, meta: KVBMMetadata, forward_context=None) -> None:
+    def start_load_kv(self, meta: KVBMMetadata, forward_context: ForwardContext | None = None) -> None:
         if meta.decision is not None:
             self.follow(meta.decision)
         elif self.layout.root is None:

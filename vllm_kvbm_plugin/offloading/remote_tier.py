@@ -58,7 +58,7 @@ class _Exists(AsyncLookupManager):
 
     def __init__(self, tier: KVBMRemoteTier):
         self.tier = tier
-        self.client = None
+        self.client: resp.Client | None = None
         super().__init__(tier_type=tier.tier_type)
 
     def batch_lookup(self, keys: list, req_context: ReqContext) -> Iterable[bool]:

@@ -308,6 +308,7 @@ class SimulatedWorker:
         from vllm_kvbm_plugin.connector.worker import WorkerSide
 
         cfg = with_model_support(connector_config(vllm_config), vllm_config)  # as KVBMConnector builds it
+        assert cfg is not None, "the harness's vLLM config names KVBMConnector"
         layout = Layout.from_vllm(vllm_config, kv_cache_config, cfg, decide=False)  # follows the first step's
         n = kv_cache_config.num_blocks
         self.tensors: dict[str, torch.Tensor] = {}

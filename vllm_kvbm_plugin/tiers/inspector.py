@@ -236,8 +236,10 @@ def _verify_value(value: object, key_hex: bytes, mk: np.ndarray) -> tuple[bytes 
     if h is None:
         return None, False
     key = block_dir.parse_key_hex(key_hex.decode() + block_dir.SUFFIX)
+    if key is None:  # not a name of ours
+        return h.fingerprint, False
     out = np.empty(min(h.payload_bytes, len(value)), dtype=np.uint8)
-    return h.fingerprint, remote_value.read_value(value, key, h.fingerprint, mk, out)
+    return h.fingerprint, remote_value.read_value(bytes(value), key, h.fingerprint, mk, out)
 
 
 def inspect(target: str, verify: bool = False, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
