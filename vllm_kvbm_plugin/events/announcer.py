@@ -36,8 +36,9 @@ from typing import Any, Protocol
 import msgspec
 
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, MEDIUM_STORAGE, SPARSE_KINDS, storage_tier
+from vllm_kvbm_plugin.events.server_nodes import ServerNodes, TopologyChanged
 from vllm_kvbm_plugin.log import get_logger, redact_url
-from vllm_kvbm_plugin.tiers import block_file, remote_value, resp
+from vllm_kvbm_plugin.tiers import block_file, remote_value
 
 logger = get_logger("announcer")
 
@@ -59,101 +60,6 @@ class EventPublisher(Protocol):
     def publish(self, events: Any) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-class TopologyChanged(Exception):
-    """The cluster's masters or their slots changed: subscribe again (on the new masters) and rescan."""
-
-
-class _Nodes:
-    """The server as the announcer uses it: a client per node (the one server, or every master of
-    a cluster, whose notifications are its own), and the node owning a key."""
-
-    def __init__(self, url: str) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.crc import key_slot
-        from redis.retry import Retry
-
-        # no silent retries: a reconnect must go through a rescan (notifications in between are lost)
-        self.opts: dict[str, Any] = dict(socket_timeout=10, socket_connect_timeout=2, retry=Retry(NoBackoff(), 0),
-                         health_check_interval=0)
-        self.where, self.owner, self.topology, self.key_slot = redact_url(url), None, None, key_slot
-        if not url.startswith(resp.CLUSTER_SCHEMES):  # the URL's password, if any, wins
-            self.clients = [redis.Redis.from_url(url, password=resp.auth_password(None), **self.opts)]
-            self.db = self.clients[0].connection_pool.connection_kwargs.get("db", 0)
-            return
-        seeds, user, password = resp.cluster_seeds(url)
-        self.opts.update(username=user, password=password, ssl=url.startswith("rediss"))
-        self.db, self.clients = 0, []
-        error: Exception | None = None
-        for host, port in seeds:  # the first seed that answers tells the slots
-            seed = redis.Redis(host=host, port=port, **self.opts)
-            try:
-                self.topology = self._slots(seed)
-                break
-            except redis.RedisError as e:
-                error = e
-            finally:
-                seed.close()
-        else:
-            raise error or ConnectionError(f"{self.where}: no seed node")
-        masters = sorted({(h, p) for _, _, h, p in self.topology})
-        self.clients = [redis.Redis(host=h, port=p, **self.opts) for h, p in masters]
-        self.owner = bytearray(16384)  # slot -> index of its master in clients
-        for start, end, h, p in self.topology:
-            self.owner[start:end + 1] = bytes([masters.index((h, p))]) * (end - start + 1)
-
-    @staticmethod
-    def _slots(client: Any) -> tuple[tuple[int, int, str, int], ...]:
-        """(start, end, master host, master port) of every slot range, sorted."""
-        ranges = client.execute_command("CLUSTER", "SLOTS", NEVER_DECODE=True)
-        out = []
-        for r in ranges:
-            host = r[2][0].decode() if isinstance(r[2][0], bytes) else r[2][0]
-            out.append((int(r[0]), int(r[1]), host or "127.0.0.1", int(r[2][1])))
-        return tuple(sorted(out))
-
-    def of(self, name: str | bytes) -> int:
-        """Index of the client holding key `name`."""
-        if self.owner is None:
-            return 0
-        return self.owner[self.key_slot(name if isinstance(name, bytes) else name.encode())]
-
-    def markers(self, base: str) -> list[str]:
-        """One marker name per node, each on that node's slots (a hash tag picks the slot)."""
-        if self.owner is None:
-            return [base]
-        out = []
-        for i in range(len(self.clients)):
-            tag = 0
-            while self.of(f"{base}:{{{tag}}}") != i:
-                tag += 1
-            out.append(f"{base}:{{{tag}}}")
-        return out
-
-    def check(self) -> None:
-        """Raise TopologyChanged when the cluster's slots moved since we connected."""
-        if self.owner is not None and self._slots(self.clients[0]) != self.topology:
-            raise TopologyChanged(f"{self.where}: the cluster's masters or slots changed")
-
-    def run(self, commands: list) -> list:
-        """(method, key, *args) commands, one pipeline per node they go to; results in order."""
-        per: dict = {}
-        for i, (method, key, *args) in enumerate(commands):
-            per.setdefault(self.of(key), []).append((i, method, key, args))
-        out: list = [None] * len(commands)
-        for node, cmds in per.items():
-            pipe = self.clients[node].pipeline(transaction=False)
-            for _, method, key, args in cmds:
-                getattr(pipe, method)(key, *args)
-            for (i, *_), value in zip(cmds, pipe.execute()):
-                out[i] = value
-        return out
-
-    def close(self) -> None:
-        for c in self.clients:
-            c.close()
 
 
 class ServerRefused(RuntimeError):
@@ -190,7 +96,7 @@ class RemoteAnnouncer:
     reconnecting (and rescanning) whenever the server fails.
 
     Runs in its own process (`vllm-kvbm announce`, one per remote tier, cli.py), never inside an
-    engine (tests run it in theirs): owns the server connections and subscriptions (`_Nodes`) and
+    engine (tests run it in theirs): owns the server connections and subscriptions (`ServerNodes`) and
     what it has announced (`entries`, the hashes held, entries waiting for their parent), which
     each rescan is diffed with."""
 
@@ -240,7 +146,7 @@ class RemoteAnnouncer:
                 backoff = min(backoff * 2, 5.0)
 
     def _serve(self, stop: threading.Event) -> None:
-        nodes = _Nodes(self.url)
+        nodes = ServerNodes(self.url)
         pubsubs: list = []
         try:
             for client in nodes.clients:
@@ -291,7 +197,7 @@ class RemoteAnnouncer:
                 pubsub.close()
             nodes.close()
 
-    def _mark(self, nodes: _Nodes, markers: list) -> bool:
+    def _mark(self, nodes: ServerNodes, markers: list) -> bool:
         """Write our marker key on every node (a flush or restart removes it); False if the server
         refuses (out of memory with nothing to evict): then only the periodic rescans see a flush."""
         import redis
@@ -358,7 +264,7 @@ class RemoteAnnouncer:
         return changes
 
     # ---- changes ---------------------------------------------------------------------------
-    def _apply(self, nodes: _Nodes, changes: dict) -> None:
+    def _apply(self, nodes: ServerNodes, changes: dict) -> None:
         touched, to_read = set(), []
         for name, written in changes.items():
             parsed = entry_of(name)
@@ -386,7 +292,7 @@ class RemoteAnnouncer:
         self._announce_ready(touched)
         self._flush()
 
-    def _rescan(self, nodes: _Nodes) -> None:
+    def _rescan(self, nodes: ServerNodes) -> None:
         """Diff the server's keys with what we know: removals (AllBlocksCleared when every
         announced entry is gone), then new entries."""
         self.counters["rescans"] += 1
@@ -423,7 +329,7 @@ class RemoteAnnouncer:
         self._announce_ready(list(self.entries))
         self._flush()
 
-    def _read_meta(self, nodes: _Nodes, eids: list) -> None:
+    def _read_meta(self, nodes: ServerNodes, eids: list) -> None:
         """Each entry's events from rank 0's metadata: the header (64 bytes) gives the lengths,
         a second GETRANGE reads the metadata only."""
         for i in range(0, len(eids), _READ_BATCH):
