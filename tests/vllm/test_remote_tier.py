@@ -69,8 +69,15 @@ def thread_errors():
 
 
 def wait_backoff(h: SchedulerHarness) -> None:
-    """Let the breakers' first backoff end, so the next call probes the server."""
-    time.sleep(h.connector.tier("remote").breaker.MIN_BACKOFF + 0.1)
+    """Let the breakers' backoff end, the scheduler side's and every worker's (a worker's grows
+    with each failed batch while the server is down), so the next call probes the server."""
+    breakers = [h.connector.tier("remote").breaker]
+    breakers += [w.side.tier("remote").breaker for w in h.workers if w.side.tier("remote") is not None]
+    time.sleep(breakers[0].MIN_BACKOFF + 0.1)
+    deadline = time.monotonic() + 30
+    while not all(b.allow_soon() for b in breakers):
+        assert time.monotonic() < deadline, "a breaker stays open"
+        time.sleep(0.05)
 
 
 def test_server_killed_between_requests_is_a_miss_and_hits_resume_after_restart(server, thread_errors):

@@ -196,6 +196,34 @@ class SecondaryTier(SchedulerTier, Protocol):
         """(direct tiers) Verified and held open: loadable straight into KV blocks."""
 
 
+class SlotJobs:
+    """`submit_load` and `submit_store` of a secondary tier whose loads and stores go through CPU
+    slots: a FETCH job after `prefetch`, a WRITE job with what `prepare_write` says to store."""
+
+    FETCH: TierOp
+    WRITE: TierOp
+
+    def prefetch(self, key: Key) -> None:
+        """`key` is on its way into a CPU slot (busy_loading until settled)."""
+        raise NotImplementedError
+
+    def prepare_write(self, key: Key, parent: Key | None, end: int, announce: Announcer) -> bytes | None:
+        """What a write of `key` stores beside its bytes (its metadata), or None: not written."""
+        raise NotImplementedError
+
+    def submit_load(self, key: Key, slot: int, meta: TierJobs) -> None:
+        self.prefetch(key)
+        meta.jobs.append(TierJob(self.FETCH, key, slot))
+
+    def submit_store(self, key: Key, parent: Key | None, end: int, announce: Announcer, slot: int,
+                     meta: TierJobs) -> bool:
+        blob = self.prepare_write(key, parent, end, announce)
+        if blob is None:
+            return False
+        meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
+        return True
+
+
 class WorkerContext(Protocol):
     """What a tier's worker half gets from the worker process's side (worker.WorkerSide)."""
 

@@ -18,7 +18,7 @@ import msgspec
 from vllm.distributed.kv_events import BlockStored
 
 from vllm_kvbm_plugin.connector.block_events import Announce, Announcer, compact, renamed
-from vllm_kvbm_plugin.connector.base import Key, TierJob, TierJobs, TierOp, Verb
+from vllm_kvbm_plugin.connector.base import Key, SlotJobs, TierJob, TierJobs, TierOp, Verb
 from vllm_kvbm_plugin.connector.tier_manager import TierManager
 from vllm_kvbm_plugin.connector.layout import Layout, rank_dir, remove_v1_tier_dir
 from vllm_kvbm_plugin.events.types import SPARSE_KINDS, storage_tier
@@ -53,7 +53,7 @@ class _Held:
     requests: set[str] = dataclasses.field(default_factory=set)  # the requests waiting for it
 
 
-class DiskTier(TierManager):
+class DiskTier(SlotJobs, TierManager):
     """The disk tier (a base.SecondaryTier): block files under `<disk_path>/<layout root>/r<rank>/`,
     one per entry and rank. Built and called by SchedulerSide in the EngineCore process; the
     workers (worker.py) read, write, open and close the files it plans.
@@ -98,18 +98,6 @@ class DiskTier(TierManager):
 
     def prepare_lookup(self, req_id: str, keys: list[Key]) -> bool:
         return True  # its index answers at once
-
-    def submit_load(self, key: Key, slot: int, meta: TierJobs) -> None:
-        self.prefetch(key)
-        meta.jobs.append(TierJob(self.FETCH, key, slot))
-
-    def submit_store(self, key: Key, parent: Key | None, end: int, announce: Announcer, slot: int,
-                     meta: TierJobs) -> bool:
-        blob = self.prepare_write(key, parent, end, announce)
-        if blob is None:
-            return False
-        meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
-        return True
 
     def settle(self, op: TierOp, key: Key, ok: bool) -> None:
         if op.verb is Verb.FETCH:

@@ -17,7 +17,7 @@ import msgspec
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from vllm_kvbm_plugin.connector.block_events import Announce, Announcer
-from vllm_kvbm_plugin.connector.base import Key, Series, TierJob, TierJobs, TierOp, Verb
+from vllm_kvbm_plugin.connector.base import Key, Series, SlotJobs, TierJobs, TierOp, Verb
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import LOCALITY_REMOTE, storage_tier
 from vllm_kvbm_plugin.log import redact_url
@@ -85,7 +85,7 @@ class _Lookup:
     confirm: bool = False  # a write-through's confirmation, not a request's lookup (not in hit stats)
 
 
-class RemoteTier:
+class RemoteTier(SlotJobs):
     """The shared remote tier (Redis / Valkey), scheduler side (a base.SecondaryTier, built and
     called by SchedulerSide in the EngineCore process; the workers' RemoteIO fetch and write the
     values it plans). The server holds the entries and
@@ -174,18 +174,6 @@ class RemoteTier:
     # ---- the contract (base.SecondaryTier) -----------------------------------------------------
     def announcement(self, key: Key) -> Announcer | None:
         return None  # values carry their events for the announcer; a fetch takes the request's
-
-    def submit_load(self, key: Key, slot: int, meta: TierJobs) -> None:
-        self.prefetch(key)
-        meta.jobs.append(TierJob(self.FETCH, key, slot))
-
-    def submit_store(self, key: Key, parent: Key | None, end: int, announce: Announcer, slot: int,
-                     meta: TierJobs) -> bool:
-        blob = self.prepare_write(key, parent, end, announce)
-        if blob is None:
-            return False
-        meta.jobs.append(TierJob(self.WRITE, key, slot, blob))
-        return True
 
     def settle(self, op: TierOp, key: Key, ok: bool) -> None:
         if op.verb is Verb.FETCH:
