@@ -29,10 +29,12 @@ import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from vllm_kvbm_plugin.events.index import KVIndex, WorkerConfig
 from vllm_kvbm_plugin.events.subscriber import SilenceWatch, Subscriber
+from vllm_kvbm_plugin.events.types import KVEventBatch
 from vllm_kvbm_plugin.log import get_logger
 
 logger = get_logger("router")
@@ -93,7 +95,7 @@ class Router:
 
     def __init__(self, workers: list[Worker], topic: str = "", config: WorkerConfig | None = None,
                  settle_s: float = 0.05, policy: str = "kv", silence_s: float = 30.0,
-                 announcers: list[Worker] = (), history: int = HISTORY):
+                 announcers: Sequence[Worker] = (), history: int = HISTORY) -> None:
         if not workers:
             raise ValueError("the router needs at least one worker")
         if policy not in POLICIES:
@@ -135,7 +137,7 @@ class Router:
             while not self._stop.is_set():
                 self._applied(i, w, watch, sub.poll(200))
 
-    def _applied(self, i: int | None, w: Worker, watch: SilenceWatch, got: list) -> None:
+    def _applied(self, i: int | None, w: Worker, watch: SilenceWatch, got: list[tuple[int, KVEventBatch]]) -> None:
         """Apply `(seq, batch)`s of the stream of worker `i` (None: an announcer's) and wake the
         decisions waiting for it. A batch stamped at or after the worker's answer catches it up:
         the stream is in order, so every batch of the answered request came before it."""
@@ -144,8 +146,7 @@ class Router:
                 self.index.apply(w.url, batch, seq)
             if got:
                 w.last_event, w.last_ts = time.monotonic(), got[-1][1].ts
-                due = self._due.get(i)
-                if due is not None and w.last_ts >= due.answered:
+                if i is not None and (due := self._due.get(i)) is not None and w.last_ts >= due.answered:
                     del self._due[i]
                     self._caught_at[i] = w.last_event
                 self._caught_up.notify_all()
@@ -253,7 +254,7 @@ def _cached_tokens(data: bytes) -> int | None:
         return None
 
 
-def _post(url: str, body: dict, timeout: float = 600):
+def _post(url: str, body: dict, timeout: float = 600) -> http.client.HTTPResponse:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=timeout)
 
@@ -262,7 +263,7 @@ class _Handler(BaseHTTPRequestHandler):
     router: Router  # set by `make_server`
     max_body_bytes: int
 
-    def log_message(self, fmt, *args):  # requests are logged by the router, with their scores
+    def log_message(self, fmt: str, *args: object) -> None:  # requests are logged by the router, with their scores
         pass
 
     def _reply(self, code: int, body: bytes, ctype: str = "application/json") -> None:
@@ -275,7 +276,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, code: int, msg: str) -> None:
         self._reply(code, json.dumps({"error": {"message": msg, "code": code}}).encode())
 
-    def do_GET(self):
+    def do_GET(self) -> None:
         if self.path == "/router/stats":
             return self._reply(200, json.dumps(self.router.stats()).encode())
         if self.path == "/health":
@@ -288,7 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(502, f"worker unreachable: {e}")
         self._error(404, f"no route {self.path}")
 
-    def do_POST(self):
+    def do_POST(self) -> None:
         if self.path != "/v1/completions":
             return self._refuse(404, f"no route {self.path} (the router serves /v1/completions)")
         raw = self._body()
@@ -331,13 +332,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> bytes | None:
         """The request body, at most `max_body_bytes`; None when it was refused (answered)."""
         if self.headers.get("Transfer-Encoding"):
-            return self._refuse(411, "send the request body with a Content-Length (no Transfer-Encoding)")
+            self._refuse(411, "send the request body with a Content-Length (no Transfer-Encoding)")
+            return None
         length = (self.headers.get("Content-Length") or "0").strip()
         if not length.isdigit():
-            return self._refuse(400, f"Content-Length: {length!r} is not a byte count")
+            self._refuse(400, f"Content-Length: {length!r} is not a byte count")
+            return None
         if int(length) > self.max_body_bytes:
-            return self._refuse(413, f"the request body ({int(length)} bytes) is over the router's limit of "
-                                     f"{self.max_body_bytes} bytes (vllm-kvbm route --max-body-bytes)")
+            self._refuse(413, f"the request body ({int(length)} bytes) is over the router's limit of "
+                              f"{self.max_body_bytes} bytes (vllm-kvbm route --max-body-bytes)")
+            return None
         return self.rfile.read(int(length))
 
     def _refuse(self, code: int, msg: str) -> None:
@@ -355,7 +359,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # timed out, or the client is gone
             pass
 
-    def _relay_stream(self, r, worker: Worker) -> int | None:
+    def _relay_stream(self, r: http.client.HTTPResponse, worker: Worker) -> int | None:
         """Pass server-sent events through as they come (the connection ends the stream); the
         cached tokens from the usage chunk (`stream_options: {"include_usage": true}`), if any.
         Once the status line is out there is no other answer: a stream broken on either side is

@@ -40,7 +40,7 @@ instance is reset.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,7 @@ from vllm_kvbm_plugin.events.index_workers import (
 )
 from vllm_kvbm_plugin.events.prompt_hashes import event_extra_keys
 from vllm_kvbm_plugin.events.types import (
+    BlockHash,
     LOCALITY_REMOTE,
     MEDIUM_CPU,
     AllBlocksCleared,
@@ -88,7 +89,7 @@ class KVIndex:
     handler (`match`); runs in the router's process (router.py, `vllm-kvbm route`), or
     embedded in another router. Workers are named `(instance, data-parallel rank)`."""
 
-    def __init__(self, default: WorkerConfig | None = None):
+    def __init__(self, default: WorkerConfig | None = None) -> None:
         self.default = default or WorkerConfig()
         self.configs: dict[Any, WorkerConfig] = {}  # instance -> config
         self.workers: dict[tuple, Worker] = {}
@@ -124,14 +125,14 @@ class KVIndex:
         self._stats["unknown_removals"] = self._unknown + self.table.unknown_removals
 
     # ---- configuration ----
-    def add_instance(self, instance, config: WorkerConfig | None = None, ranks=()) -> None:
+    def add_instance(self, instance: Hashable, config: WorkerConfig | None = None, ranks: Iterable[int] = ()) -> None:
         """`instance`'s config; with `ranks` (data-parallel ranks), its workers are matched from
         now on, before their first event (a new instance may serve a shared remote tier's blocks)."""
         self.configs[instance] = config or self.default
         for dp in ranks:
             self._worker(instance, dp)
 
-    def _worker(self, instance, dp) -> Worker:
+    def _worker(self, instance: Hashable, dp: int | None) -> Worker:
         key = (instance, dp)
         w = self.workers.get(key)
         if w is None:
@@ -140,7 +141,7 @@ class KVIndex:
         return w
 
     # ---- events ----
-    def apply(self, instance, batch: KVEventBatch, seq: int | None = None) -> None:
+    def apply(self, instance: Hashable, batch: KVEventBatch, seq: int | None = None) -> None:
         """Apply one batch of `instance`'s stream. With `seq`, a gap marks the instance stale and
         holds later batches until the missing ones arrive (or `reset`)."""
         if seq is None:
@@ -174,17 +175,17 @@ class KVIndex:
             return
         self._apply(instance, batch)
 
-    def _drain(self, instance) -> None:
+    def _drain(self, instance: Hashable) -> None:
         missing, pending = self.missing.get(instance, set()), self.pending.get(instance, {})
         for s in sorted(pending):
             if any(m < s for m in missing):
                 break
             self._apply(instance, pending.pop(s))
 
-    def is_stale(self, instance) -> bool:
+    def is_stale(self, instance: Hashable) -> bool:
         return bool(self.missing.get(instance))
 
-    def reset(self, instance) -> None:
+    def reset(self, instance: Hashable) -> None:
         """Forget everything `instance` announced (it restarted, or a gap will never be recovered)."""
         self._flush()
         for key in [k for k in self.workers if k[0] == instance]:
@@ -197,7 +198,7 @@ class KVIndex:
         self.missing.pop(instance, None)
         self.pending.pop(instance, None)
 
-    def _apply(self, instance, batch: KVEventBatch) -> None:
+    def _apply(self, instance: Hashable, batch: KVEventBatch) -> None:
         self._stats["batches"] += 1
         w = self._worker(instance, batch.data_parallel_rank)
         ops = self._ops
@@ -218,13 +219,13 @@ class KVIndex:
         if len(ops) >= _FLUSH_AT:
             self._flush()
 
-    def _new_holder(self, kind) -> Holder:
+    def _new_holder(self, kind: str | None) -> Holder:
         holder = Holder(self._next_holder, kind)
         self._next_holder += 1
         self.table.add_holder(holder.id)
         return holder
 
-    def _holder(self, w: Worker, tier: Tier, group, kind) -> Holder:
+    def _holder(self, w: Worker, tier: Tier, group: int | None, kind: str | None) -> Holder:
         if tier.locality == LOCALITY_REMOTE:
             return self._shared_holder(w, tier, group, kind)
         holder = w.holders.get((tier, group))
@@ -240,7 +241,7 @@ class KVIndex:
             w.hybrid = w.hybrid or kind in STATE_KINDS
         return holder
 
-    def _shared_holder(self, w: Worker, tier: Tier, group, kind) -> Holder:
+    def _shared_holder(self, w: Worker, tier: Tier, group: int | None, kind: str | None) -> Holder:
         """The fleet's holder of a shared REMOTE tier's group; `w` announced into it."""
         if tier not in w.remote_tiers:
             w.remote_tiers.add(tier)
@@ -320,7 +321,7 @@ class KVIndex:
         if w.learns and not is_state and ev.token_ids and ev.block_size == w.unit:
             self._learn(w, ev)
 
-    def _learn_group_kind(self, w: Worker, group, kind: str) -> None:
+    def _learn_group_kind(self, w: Worker, group: int | None, kind: str) -> None:
         """A group's kind, from its GPU events: also the kind of its tier holders that were
         announced without one (vLLM 0.32's offloading placeholders, a disk tier's restart index)."""
         w.group_kinds[group] = kind
@@ -420,7 +421,7 @@ class KVIndex:
         self._flush()
         return len(self.table)
 
-    def unit(self, instance, dp=0) -> int | None:
+    def unit(self, instance: Hashable, dp: int = 0) -> int | None:
         """The hash unit `instance` is matched in (None: not known yet)."""
         w = self.workers.get((instance, dp))
         return None if w is None else (w.unit or self._fleet_unit(w))
@@ -434,10 +435,11 @@ class KVIndex:
         """As `_fleet_unit`, the block size: the largest of the alike workers'."""
         return max((o.block_size for o in self._alike(w) if o.block_size), default=None)
 
-    def _alike(self, w: Worker):
+    def _alike(self, w: Worker) -> Iterator[Worker]:
         return (o for o in self.workers.values() if (o.hasher.algo, o.hasher.seed) == (w.hasher.algo, w.hasher.seed))
 
-    def _walk_learned(self, w: Worker, token_ids, unit, n_units, keys) -> list:
+    def _walk_learned(self, w: Worker, token_ids: Sequence[int], unit: int, n_units: int,
+                      keys: list[tuple | None] | None) -> list[BlockHash]:
         learned, parent, hs = w.learned, None, []
         for u in range(n_units):
             k = (parent, tuple(token_ids[u * unit:(u + 1) * unit]), event_extra_keys(keys[u]) if keys else None)
@@ -455,7 +457,7 @@ class KVIndex:
         self.table.lookup(keys[:n_units], masks)
         return masks
 
-    def _masks_chunks(self, chunks, n_units: int, run: int) -> np.ndarray:
+    def _masks_chunks(self, chunks: Iterable[list[Any]], n_units: int, run: int) -> np.ndarray:
         """`_masks` over hashes computed chunk by chunk, stopping after `run` consecutive units
         nobody holds: that run holds a block end of every worker, so no hit reaches past it."""
         masks = np.zeros((n_units, self.table.words), np.uint64)
@@ -467,7 +469,7 @@ class KVIndex:
                 break
         return masks
 
-    def _widest_block(self, hk) -> int:
+    def _widest_block(self, hk: tuple[str | None, str | None, int]) -> int:
         """The most units per block among the workers hashing as `hk` (algo, seed, unit; None
         algo and seed: any)."""
         algo, seed, unit = hk
@@ -489,7 +491,8 @@ class KVIndex:
             total = max(gpu, tier_hit(gpu, n, unit, B, sb.hybrid, masks, sb.all_tiers, sb.all_mid))
         return WorkerMatch(total, result, stale)
 
-    def held(self, instance, dp=None, tier: Tier = TIER_GPU, group=None) -> set:
+    def held(self, instance: Hashable, dp: int | None = None, tier: Tier = TIER_GPU,
+             group: int | None = None) -> set[int]:
         """The hashes (as 64-bit keys, `hash_key`) a worker holds in a tier (and group), a shared
         REMOTE tier's for any worker: for tests and inspection."""
         self._flush()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
@@ -41,6 +42,9 @@ STREAM_MIN_BYTES = 4 << 20  # a load at least this large would not stay in cache
 # word offset in a slot, its block count; the job's columns with its block ids and its slots; how
 # many of the job's rows it copies (-1: all)
 ADDR, WORDS, OFFSET, BLOCKS, ID_COL, SLOT_COL, COUNT = range(7)
+
+# a page copy of `copy_pages`: (layer pages, words per block, word offset in a slot, block ids, slots)
+PageCopy = tuple[np.ndarray, int, int, Sequence[int] | np.ndarray, Sequence[int] | np.ndarray]
 
 
 def _ptr(builder, addr):
@@ -217,7 +221,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_helpers)
 
 
-def run_or_cancel(future: Future | None, fn: Callable[..., Any], *args: Any) -> Any:
+def run_or_cancel(future: Future[Any] | None, fn: Callable[..., Any], *args: Any) -> Any:
     """The result of `future`, or fn(*args) on this thread when no helper has started it yet (the
     helpers may be busy with another thread's copy: never wait behind them)."""
     if future is None or future.cancel():
@@ -289,7 +293,7 @@ def copy_rows(table: np.ndarray, cols: np.ndarray, pool_words: np.ndarray, total
             f.result()
 
 
-def copy_pages(jobs: list, pool_words: np.ndarray, total: int, to_pool: bool, threads: int | None = None,
+def copy_pages(jobs: Sequence[PageCopy], pool_words: np.ndarray, total: int, to_pool: bool, threads: int | None = None,
                stream: bool | None = None) -> None:
     """Page copies `jobs` = [(layer pages, w, offset, block ids, slots)] as one `copy_rows` job
     (job j's ids and slots in columns 2j and 2j + 1)."""

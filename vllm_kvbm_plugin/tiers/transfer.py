@@ -30,7 +30,8 @@ import collections
 import ctypes
 import math
 import time
-from typing import NamedTuple
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -57,7 +58,7 @@ class Layer:
 
     __slots__ = ("tensor", "dim", "offset", "nbytes", "block_shape", "pages", "pieces")
 
-    def __init__(self, tensor: torch.Tensor, dim: int):
+    def __init__(self, tensor: torch.Tensor, dim: int) -> None:
         self.tensor, self.dim, self.offset = tensor, dim, 0
         shape = list(tensor.shape)
         del shape[dim]
@@ -67,16 +68,16 @@ class Layer:
         # by the numba kernels without temporaries. A page can be longer than the block's data
         # (Mamba state views are padded to the attention page): the padding belongs to the same
         # block, so copying it is harmless.
-        self.pages = None
+        self.pages: np.ndarray | None = None
         page = tensor.stride(0) * tensor.element_size() if tensor.dim() else 0
         start = tensor.storage_offset() * tensor.element_size()
         n = tensor.shape[0] if tensor.dim() else 0
         if (tensor.device.type == "cpu" and dim == 0 and page >= self.nbytes and page % 8 == 0
                 and start % 8 == 0 and start + n * page <= tensor.untyped_storage().nbytes()):
-            flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (n * page,))
+            flat = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage(), start, (n * page,), (1,))
             self.pages = flat.numpy().view(np.uint64)
             self.nbytes = page
-        self.pieces = block_pieces(tensor, dim) if tensor.device.type == "cuda" else None
+        self.pieces: tuple[np.ndarray, int] | None = block_pieces(tensor, dim) if tensor.device.type == "cuda" else None
 
     @property
     def num_blocks(self) -> int:
@@ -105,12 +106,14 @@ def block_pieces(t: torch.Tensor, dim: int) -> tuple[np.ndarray, int] | None:
     return offsets * e, piece
 
 
-def piece_descriptors(layers: list[tuple[int, Layer]], ids: np.ndarray, rows: np.ndarray) -> tuple:
+def piece_descriptors(layers: list[tuple[int, Layer]], ids: np.ndarray,
+                      rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(KV address, row address, 8-byte words) of every piece of blocks `ids[:, group]` of
     `layers` [(group, layer)], whose entries lie at row addresses `rows` (pool slots or staging
     rows). Int64 arrays, item-major per layer."""
     kv, row, words = [], [], []
     for g, layer in layers:
+        assert layer.pieces is not None  # only layers with pieces take the kernel
         offsets, piece = layer.pieces
         t = layer.tensor
         bstride = t.stride(layer.dim) * t.element_size()
@@ -123,7 +126,7 @@ def piece_descriptors(layers: list[tuple[int, Layer]], ids: np.ndarray, rows: np
 
 if triton is not None:
     @triton.jit
-    def _copy_pieces(desc, n, BLOCK: tl.constexpr):
+    def _copy_pieces(desc, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton reads annotations as kernel types
         """Piece i: desc[2n + i] words from address desc[i] to desc[n + i]; programs take pieces
         in turn."""
         i = tl.program_id(0)
@@ -155,33 +158,33 @@ class CudaOps:
     """What the CUDA path asks of the device: its two streams, events, descriptor uploads, the
     kernel and row copies (one object, so tests run the same path on host memory)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)  # gathers and loads: what the current stream waits for
         self.d2h = torch.cuda.Stream(device)  # stores' rows to the pinned slots: only their reports wait
         self.programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
         self.memcpy = _cudart_memcpy()
 
-    def current(self):
+    def current(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def on_side(self):
+    def on_side(self) -> torch.cuda.StreamContext:
         return torch.cuda.stream(self.stream)
 
-    def event(self):
+    def event(self) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=True)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def launch(self, stream, desc: np.ndarray, n: int, keep: list) -> None:
+    def launch(self, stream: torch.cuda.Stream, desc: np.ndarray, n: int, keep: list[torch.Tensor]) -> None:
         """Run piece descriptors [src addresses, dst addresses, words] on `stream`."""
         with torch.cuda.stream(stream):
             d = torch.from_numpy(desc).pin_memory().to(self.device, non_blocking=True)
             keep.append(d)  # until the job's end event
             _copy_pieces[(min(n, self.programs),)](d, n, BLOCK=KERNEL_WORDS)
 
-    def copy(self, stream, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
+    def copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, dst_at: int, src: torch.Tensor, src_at: int, n: int) -> None:
         """n bytes between device and pinned memory with the copy engine, on `stream`."""
         if self.memcpy is not None:
             rc = self.memcpy(dst.data_ptr() + dst_at, src.data_ptr() + src_at, n, 4,  # cudaMemcpyDefault
@@ -198,15 +201,16 @@ class _Stage:
 
     __slots__ = ("buf", "free", "used")
 
-    def __init__(self, buf: torch.Tensor):
-        self.buf, self.free, self.used = buf, None, 0
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf, self.used = buf, 0
+        self.free: torch.cuda.Event | None = None
 
 
 class _Job(NamedTuple):
     id: int
-    start: object  # events
-    end: object
-    keep: list  # tensors the copies read until the end event
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+    keep: list[torch.Tensor]  # tensors the copies read until the end event
 
 
 class TransferEngine:
@@ -219,14 +223,15 @@ class TransferEngine:
     `submit` returns with the current stream ordered after that gather, never after the
     transfer to the host."""
 
-    def __init__(self, layers: dict, pool: torch.Tensor, mode: str = "auto", ops=None):
+    def __init__(self, layers: dict[Any, list[list[Layer]]], pool: torch.Tensor, mode: str = "auto",
+                 ops: CudaOps | None = None) -> None:
         assert mode in ("auto", "kernel", "dma")
         self.layers, self.pool, self.mode = layers, pool, mode
         self.slot_bytes = pool.shape[1]
         self._next = 0
-        self._done: collections.deque = collections.deque()  # CPU: (job, seconds)
-        self._inflight: collections.deque = collections.deque()  # CUDA: _Job
-        self._last_load = None  # event: the last load's end
+        self._done: collections.deque[tuple[int, float]] = collections.deque()  # CPU: (job, seconds)
+        self._inflight: collections.deque[_Job] = collections.deque()  # CUDA
+        self._last_load: torch.cuda.Event | None = None  # the last load's end
         device = next((ly.tensor.device for gs in layers.values() for ls in gs for ly in ls
                        if ly.tensor.device.type == "cuda"), None)
         if ops is None and device is not None and triton is not None and pool.is_pinned() and self.slot_bytes % 8 == 0:
@@ -238,24 +243,24 @@ class TransferEngine:
         # CPU, per kind: the copy table of its page layers (tiers/copy.py: a job's ids and slots
         # are one matrix, a column per group, then the slots), and the (group, layer) the torch
         # path copies
-        self._tables: dict = {}
-        self._torch_layers: dict = {}
+        self._tables: dict[Any, np.ndarray] = {}
+        self._torch_layers: dict[Any, list[tuple[int, Layer]]] = {}
         for kind, groups in layers.items() if not self.cuda else ():  # (page copies address slots in words)
-            paged = [(g, ly) for g, ls in enumerate(groups) for ly in ls
+            paged = [(g, ly, ly.pages) for g, ls in enumerate(groups) for ly in ls
                      if ly.pages is not None and ly.offset % 8 == 0 and self.slot_bytes % 8 == 0]
-            self._tables[kind] = np.array([table_row(ly.pages, ly.nbytes // 8, ly.offset // 8, g, len(groups))
-                                           for g, ly in paged], np.int64).reshape(-1, 7)
+            self._tables[kind] = np.array([table_row(pages, ly.nbytes // 8, ly.offset // 8, g, len(groups))
+                                           for g, ly, pages in paged], np.int64).reshape(-1, 7)
             self._torch_layers[kind] = [(g, ly) for g, ls in enumerate(groups) for ly in ls
-                                        if all(ly is not p for _, p in paged)]
+                                        if all(ly is not p for _, p, _ in paged)]
 
     # ---- the contract ----------------------------------------------------------------------
-    def submit(self, ops, to_pool: bool) -> int:
+    def submit(self, ops: Iterable[tuple[Hashable, Sequence[int], int]], to_pool: bool) -> int:
         """Start copying `ops` [(kind, block ids, slot)] into the pool (store) or out of it (load);
         the job id. Blocks and slots out of range raise IndexError before anything is copied.
         CUDA: the current stream then waits for a load to land, or for a store to have read its
         blocks (whatever it queues next may rewrite them)."""
         job, self._next = self._next, self._next + 1
-        by_kind: dict = {}
+        by_kind: dict[Hashable, list[tuple[Sequence[int], int]]] = {}
         for kind, ids, slot in ops:
             by_kind.setdefault(kind, []).append((ids, slot))
         if not self.cuda:
@@ -264,10 +269,11 @@ class TransferEngine:
             self._done.append((job, time.perf_counter() - t0))
             return job
         dev = self.ops
+        assert dev is not None  # self.cuda
         current = dev.current()
         dev.stream.wait_stream(current)  # stores read what the forward wrote; loads land after it
         start, end = dev.event(), dev.event()
-        keep: list = []
+        keep: list[torch.Tensor] = []
         start.record(dev.stream)
         with dev.on_side():  # the torch path's copies
             for kind, items in by_kind.items():
@@ -305,13 +311,14 @@ class TransferEngine:
             self._last_load.synchronize()
 
     # ---- CPU -------------------------------------------------------------------------------
-    def _cpu_copy(self, by_kind: dict, to_pool: bool) -> None:
+    def _cpu_copy(self, by_kind: dict[Hashable, list[tuple[Sequence[int], int]]], to_pool: bool) -> None:
         """Per kind, its page layers in one `copy_rows` job (one kernel call per thread: a small
         block costs a memcpy), checked before a byte moves; then the torch copies, on this thread
         (torch ops from a helper thread would start a second OpenMP team)."""
         for kind, items in by_kind.items():
             table = self._tables[kind]
             if len(table):
+                assert self._pool_words is not None  # the CPU path
                 cols = np.array([(*ids, slot) for ids, slot in items], np.int64)
                 copy_rows(table, cols, self._pool_words, self.slot_bytes // 8, to_pool)
             slots = [s for _, s in items]
@@ -320,10 +327,12 @@ class TransferEngine:
                 (layer_to_slots if to_pool else slots_to_layer)(layer, block_ids, slots, self.pool)
 
     # ---- CUDA ------------------------------------------------------------------------------
-    def _cuda_copy(self, kind, items: list, to_pool: bool, keep: list) -> None:
+    def _cuda_copy(self, kind: Hashable, items: list[tuple[Sequence[int], int]], to_pool: bool,
+                   keep: list[torch.Tensor]) -> None:
         ids = np.asarray([i for i, _ in items], np.int64).reshape(len(items), -1)
         slots = np.asarray([s for _, s in items], np.int64)
-        fast, slow = [], []
+        fast: list[tuple[int, Layer]] = []
+        slow: list[tuple[int, Layer]] = []
         for g, layers in enumerate(self.layers[kind]):
             for layer in layers:
                 (fast if layer.pieces is not None and layer.offset % 8 == 0 else slow).append((g, layer))
@@ -337,6 +346,7 @@ class TransferEngine:
         if not fast:
             return
         dev = self.ops
+        assert dev is not None  # the CUDA path
         width = max(layer.offset + layer.nbytes for _, layer in fast)
         dma = self.mode == "dma" or (self.mode == "auto" and width >= DMA_MIN_ROW_BYTES)
         pool_rows = self.pool.data_ptr() + slots * self.slot_bytes
@@ -369,20 +379,23 @@ class TransferEngine:
                 self._move_rows(dev.stream, slots[part], stage.buf, width, False)
                 self._launch(dev.stream, row, kv, words, keep)
                 moved = dev.stream
-            stage.free = dev.event()
-            stage.free.record(moved)
+            stage.free = free = dev.event()
+            free.record(moved)
 
-    def _launch(self, stream, src: np.ndarray, dst: np.ndarray, words: np.ndarray, keep: list) -> None:
+    def _launch(self, stream: torch.cuda.Stream, src: np.ndarray, dst: np.ndarray, words: np.ndarray,
+                keep: list[torch.Tensor]) -> None:
+        assert self.ops is not None  # the CUDA path
         if len(src):
             self.ops.launch(stream, np.concatenate([src, dst, words]), len(src), keep)
 
-    def _stage(self, width: int, stream) -> _Stage:
+    def _stage(self, width: int, stream: torch.cuda.Stream) -> _Stage:
         """A staging buffer for rows of `width` bytes: a free one, else a new one while staging
         stays within STAGE_LIMIT, else the least recently used, once `stream` has waited for
         the transfer that last read it (the only way a gather waits for a PCIe transfer)."""
         fits = [s for s in self._stages if s.buf.numel() >= width]
         free = [s for s in fits if s.free is None or s.free.query()]
         size = max(STAGE_BYTES, width)
+        assert self.ops is not None  # the CUDA path
         if free:
             stage = free[0]
         elif not fits or sum(s.buf.numel() for s in self._stages) + size <= STAGE_LIMIT:
@@ -390,12 +403,13 @@ class TransferEngine:
             self._stages.append(stage)
         else:
             stage = min(fits, key=lambda s: s.used)
+            assert stage.free is not None  # none free: each has been used
             stream.wait_event(stage.free)
         self._uses += 1
         stage.used = self._uses
         return stage
 
-    def _move_rows(self, stream, slots: np.ndarray, stage: torch.Tensor, width: int, to_pool: bool) -> None:
+    def _move_rows(self, stream: torch.cuda.Stream, slots: np.ndarray, stage: torch.Tensor, width: int, to_pool: bool) -> None:
         """Staging rows 0.. <-> the pool rows of `slots` (sorted) with the copy engine on `stream`:
         one copy per run of consecutive slots when an entry fills its slot, else one per row."""
         if width == self.slot_bytes:
@@ -403,6 +417,7 @@ class TransferEngine:
             starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(slots)]])
         else:
             starts, ends = np.arange(len(slots)), np.arange(1, len(slots) + 1)
+        assert self.ops is not None  # the CUDA path
         for a, b in zip(starts.tolist(), ends.tolist()):
             pool_at, stage_at, n = int(slots[a]) * self.slot_bytes, a * width, (b - a) * width
             if to_pool:
