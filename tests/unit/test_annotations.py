@@ -14,13 +14,6 @@ import pathlib
 PACKAGE = "vllm_kvbm_plugin"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# Pending issue 43 merge: modules being rewritten on other branches, annotated once they are merged.
-# A path ending in "/" covers a whole folder. Shrink this; never grow it.
-PENDING = {
-    "vllm_kvbm_plugin/connector/pic_planner.py",
-    "vllm_kvbm_plugin/patches/pic_blend.py",
-}
-
 Function = ast.FunctionDef | ast.AsyncFunctionDef
 
 
@@ -64,32 +57,13 @@ def _gaps(path: pathlib.Path) -> list[str]:
             if (missing := _missing(f, is_method))]
 
 
-def _pending(rel: str) -> bool:
-    return any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in PENDING)
-
-
 def _sources() -> list[pathlib.Path]:
     return sorted((ROOT / PACKAGE).rglob("*.py"))
 
 
 def test_every_public_function_is_annotated() -> None:
-    gaps = [g for path in _sources() if not _pending(path.relative_to(ROOT).as_posix())
-            for g in _gaps(path)]
+    gaps = [g for path in _sources() for g in _gaps(path)]
     assert not gaps, "public functions without annotations:\n" + "\n".join(gaps)
-
-
-def test_pending_list_is_current() -> None:
-    """Each PENDING entry names files that exist and still have gaps: a clean one leaves the list."""
-    by_entry: dict[str, list[str]] = {p: [] for p in PENDING}
-    for path in _sources():
-        rel = path.relative_to(ROOT).as_posix()
-        for p in PENDING:
-            if rel == p or (p.endswith("/") and rel.startswith(p)):
-                by_entry[p].extend(_gaps(path) or [""])
-    missing = sorted(p for p, gaps in by_entry.items() if not gaps)
-    clean = sorted(p for p, gaps in by_entry.items() if gaps and not any(gaps))
-    assert not missing, f"PENDING names no file: {missing}"
-    assert not clean, f"PENDING entries with every public function annotated, take them off: {clean}"
 
 
 def test_the_check_sees_a_gap() -> None:

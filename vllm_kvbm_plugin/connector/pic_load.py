@@ -163,7 +163,7 @@ def _run_heads(ops: list[PicLoad], within: torch.Tensor) -> torch.Tensor:
         p = ops[i - 1] if i else None
         continues = (p is not None and o.new_position == p.new_position + p.count
                      and o.old_position - o.new_position == p.old_position - p.new_position)
-        at = at + p.count if continues else 0
+        at = at + p.count if p is not None and continues else 0
         run_start.append(at)
     counts = torch.tensor([o.count for o in ops])
     return torch.repeat_interleave(torch.tensor(run_start), counts) + within < RUN_HEAD

@@ -43,10 +43,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Literal
 
 from vllm_kvbm_plugin import compat
-from vllm_kvbm_plugin.connector.layout import KV
-from vllm_kvbm_plugin.connector.metadata import PicLoad
+from vllm_kvbm_plugin.config import KVBMConfig
+from vllm_kvbm_plugin.connector.base import Key
+from vllm_kvbm_plugin.connector.layout import KV, Layout
+from vllm_kvbm_plugin.connector.metadata import KVBMMetadata, PicLoad
 from vllm_kvbm_plugin.connector.pic_model import PicModel
 from vllm_kvbm_plugin.connector.tier_manager import TierManager
 from vllm_kvbm_plugin.events.types import TIER_CPU
@@ -54,18 +58,26 @@ from vllm_kvbm_plugin.log import get_logger
 from vllm_kvbm_plugin.reuse.subseq_index import SubseqIndex
 from vllm_kvbm_plugin.tiers.index import Entry
 
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
 logger = get_logger("connector.pic")
 
 SALT_PREFIX = "kvbm-pic:"
 
 
-def wants(request) -> bool:
+def wants(request: Request) -> bool:
     """Opted in: a `kvbm-pic:` salt and nothing else that changes KV (LoRA, images, embeddings)."""
     salt = request.cache_salt
-    return bool(salt) and salt.startswith(SALT_PREFIX) and _namespace(request) == salt
+    return salt is not None and salt.startswith(SALT_PREFIX) and _namespace(request) == salt
 
 
-def _namespace(request):
+Namespace = str | None  # an index's: None (public) or a `kvbm-pic:` salt
+
+
+def _namespace(request: Request) -> Namespace | Literal[False]:
     """Which index a request's blocks go to: None (public: no extra keys), its `kvbm-pic:` salt,
     or False (never indexed: LoRA, images, prompt embeddings, another salt)."""
     if not compat.has_extra_keys(request):
@@ -77,7 +89,7 @@ def _namespace(request):
     return False
 
 
-def _recompute(cfg, kv_groups) -> bool:
+def _recompute(cfg: KVBMConfig, kv_groups: Sequence[int]) -> bool:
     """Whether reused tokens are blended with a recompute; says why not when it was asked for."""
     from vllm_kvbm_plugin.patches import pic_blend
 
@@ -111,16 +123,16 @@ class PicCpuTier(TierManager):
     it, evicted or never stored, so the planner's indexes hold only what the tier holds. Built
     by PicPlanner; SchedulerSide then uses it as its CPU tier."""
 
-    def __init__(self, capacity: int, policy: str, on_removed):
+    def __init__(self, capacity: int, policy: str, on_removed: Callable[[Hashable], None]) -> None:
         super().__init__(TIER_CPU, capacity, policy)
         self.on_removed = on_removed
 
-    def _evicted(self, evicted: list) -> None:
+    def _evicted(self, evicted: Sequence[tuple[Hashable, Entry | None]]) -> None:
         for key, _ in evicted:
             self.on_removed(key)
         super()._evicted(evicted)
 
-    def complete_store(self, key, ok: bool) -> None:
+    def complete_store(self, key: Key, ok: bool) -> None:
         super().complete_store(key, ok)
         if not ok:
             self.on_removed(key)
@@ -144,7 +156,7 @@ class _Segment:
 @dataclasses.dataclass
 class _PicClaim:
     computed: int  # the request's tokens before any hit (vLLM's num_computed_tokens)
-    segments: list
+    segments: list[_Segment]
 
 
 class PicPlanner:
@@ -157,19 +169,21 @@ class PicPlanner:
     into `PicLoad`s of the step's metadata, `stored` / `flush` as the CPU tier stores, `release`
     when a request finishes."""
 
-    def __init__(self, layout, cfg):
+    def __init__(self, layout: Layout, cfg: KVBMConfig) -> None:
         self.block_size = layout.block_size
         self.kv_groups = layout.groups[KV]
         self.cpu = PicCpuTier(layout.cpu_slots, cfg.eviction_policy, self.removed)
-        self.indexes: dict = {}  # namespace -> SubseqIndex over whole blocks
-        self.namespace_of: dict = {}  # tier key -> namespace
-        self.queued: dict = {}  # tier key -> (namespace, tokens, parent, position): stored, to index
+        self.indexes: dict[Namespace, SubseqIndex] = {}  # over whole blocks
+        self.namespace_of: dict[Hashable, Namespace] = {}  # tier key -> namespace
+        # tier key -> (namespace, tokens, parent, position): stored, to index
+        self.queued: dict[Hashable, tuple[Namespace, list[int], Key | None, int]] = {}
         # whether stored blocks are indexed: only a `kvbm-pic:` request reads the index, so until
         # the first one comes (or `pic_index_always`) indexing would be pure scheduler cost
         self.indexing = bool(getattr(cfg, "pic_index_always", False))
         self.claims: dict[str, _PicClaim] = {}
-        self.blending: dict[str, list] = {}  # recompute: req id -> segments vLLM has yet to compute (pinned)
-        self.skipping: dict[str, tuple] = {}  # loads alone: req id -> (request, segments past a gap, pinned)
+        self.blending: dict[str, list[_Segment]] = {}  # recompute: req id -> segments vLLM has yet to compute (pinned)
+        # loads alone: req id -> (request, segments past a gap, pinned)
+        self.skipping: dict[str, tuple[Request, list[_Segment]]] = {}
         self.approximate_from: dict[str, int] = {}  # req id -> its first reused token (KV after it is approximate)
         self.recompute = _recompute(cfg, self.kv_groups)  # selective recompute (layer 3) or loads only
         self.one_forward = _one_forward()  # loads alone past gaps: one step for all of them, else one per run
@@ -192,7 +206,7 @@ class PicPlanner:
         return out
 
     @classmethod
-    def create(cls, layout, cfg) -> "PicPlanner | None":
+    def create(cls, layout: Layout, cfg: KVBMConfig) -> PicPlanner | None:
         """A planner when the model's KV can be loaded position-independently, else None."""
         model = cfg.pic_model
         if not isinstance(model, PicModel):
@@ -206,7 +220,7 @@ class PicPlanner:
         logger.info("KVBMConnector: no position-independent loads (%s)", why)
         return None
 
-    def ensure_loads_before_forward(self, scheduler_output, meta) -> None:
+    def ensure_loads_before_forward(self, scheduler_output: SchedulerOutput, meta: KVBMMetadata) -> None:
         """vLLM runs a step's loads after its forward unless some request reported external
         tokens; blended loads must be in the cache before the forward reads them."""
         if meta.pic_loads and hasattr(scheduler_output, "has_sync_kv_loads"):
@@ -215,7 +229,7 @@ class PicPlanner:
     # ---- the index, fed from the CPU tier ----
     MAX_QUEUED = 1 << 14  # blocks stored but not yet indexed (see `stored`)
 
-    def stored(self, request, block: int, key, parent) -> None:
+    def stored(self, request: Request, block: int, key: Key, parent: Key | None) -> None:
         """The CPU tier took block `block` of `request` under `key`. Indexed later (`flush`):
         the scheduler stores while it plans a step, which a request's loads and fetches wait for."""
         if not self.indexing:
@@ -239,19 +253,19 @@ class PicPlanner:
             self.namespace_of[key] = ns
         self.queued.clear()
 
-    def removed(self, key) -> None:
+    def removed(self, key: Hashable) -> None:
         if self.queued.pop(key, None) is not None:
             return  # never indexed
-        ns = self.namespace_of.pop(key, False)
-        if ns is False:
+        if key not in self.namespace_of:
             return
+        ns = self.namespace_of.pop(key)
         index = self.indexes[ns]
         index.remove(key)
         if ns is not None and not len(index) and not index.pending:
             del self.indexes[ns]  # a salt's index lives while the tier holds its blocks
 
     # ---- claims ----
-    def extend(self, request, computed: int, hit: int, limit: int) -> int:
+    def extend(self, request: Request, computed: int, hit: int, limit: int) -> int:
         """Tokens past the exact hit [computed, computed + hit) that runs of stored blocks hold
         without a gap (never token `limit`), claimed and pinned for this request. Recompute: runs
         after gaps too, and 0 (vLLM computes the claimed tokens; the worker blends them)."""
@@ -301,7 +315,7 @@ class PicPlanner:
         self._approximate(request, segments[0].new_position)
         return 0 if self.recompute else (end if contiguous is None else contiguous) - start
 
-    def _approximate(self, request, first: int) -> None:
+    def _approximate(self, request: Request, first: int) -> None:
         """Give the blocks from the one holding token `first` on vLLM block hashes no lookup computes
         (salted by the request id: they chain into every later block, decode blocks included), so
         vLLM's prefix cache never serves their approximate KV as an exact hit."""
@@ -314,7 +328,7 @@ class PicPlanner:
                      None if done is None else done // self.block_size, b"approximate\0" + rid.encode())
 
     @staticmethod
-    def _rehash(request, start: int, stop: int | None, salt: bytes) -> None:
+    def _rehash(request: Request, start: int, stop: int | None, salt: bytes) -> None:
         hashes = request.block_hashes
         for j in range(start, len(hashes) if stop is None else stop):
             h = hashes[j]
@@ -326,7 +340,8 @@ class PicPlanner:
         first = self.approximate_from.get(req_id)
         return None if first is None else first // self.block_size * self.block_size
 
-    def after_alloc(self, request, blocks, num_external_tokens: int, meta, loads_pinned: list) -> None:
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int, meta: KVBMMetadata,
+                    loads_pinned: list[Entry]) -> None:
         """Turn the claimed segments vLLM took into loads (the rest is unpinned). Recompute: they
         are kept (pinned) and loaded step by step as vLLM computes them (`step_loads`)."""
         claim = self.claims.pop(request.request_id, None)
@@ -365,7 +380,8 @@ class PicPlanner:
 
     MIN_SKIP = 2  # blocks: a shorter run past a gap is computed (a skip costs a step)
 
-    def skip(self, req_id: str, computed: int, scheduled_output, block_ids, meta, loads_pinned: list) -> int:
+    def skip(self, req_id: str, computed: int, scheduled_output: SchedulerOutput, block_ids: tuple[list[int], ...],
+             meta: KVBMMetadata, loads_pinned: list[Entry]) -> int:
         """Loads alone: if this step of request `req_id` (computing [computed, computed + n)) reaches
         the next claimed run [a, b) past a gap, load [a, b) in it and let the request's computed
         tokens jump over it (vLLM adds the step's tokens after this). With the model runner patch
@@ -429,7 +445,8 @@ class PicPlanner:
         request.num_computed_tokens += end - computed - scheduled  # vLLM adds the step's tokens after this
         return scheduled
 
-    def step_loads(self, req_id: str, start: int, count: int, block_ids, meta, loads_pinned: list) -> None:
+    def step_loads(self, req_id: str, start: int, count: int, block_ids: tuple[list[int], ...], meta: KVBMMetadata,
+                   loads_pinned: list[Entry]) -> None:
         """Recompute: load the claimed tokens of [start, start + count), the ones vLLM computes this
         step, before its forward; a segment cut by the step's end keeps its pin for the next step."""
         segments = self.blending.pop(req_id, None)
@@ -456,7 +473,7 @@ class PicPlanner:
         self.stats["tokens"] += served
         self.stats["blended"] += served
 
-    def _load(self, meta, block_ids, s: _Segment, n: int) -> None:
+    def _load(self, meta: KVBMMetadata, block_ids: tuple[list[int], ...], s: _Segment, n: int) -> None:
         ids = tuple(block_ids[g][s.new_position // self.block_size] for g in self.kv_groups)
         meta.pic_loads.append(PicLoad(ids, s.new_position % self.block_size, s.entry.slot,
                                       s.src_offset, n, s.old_position, s.new_position))

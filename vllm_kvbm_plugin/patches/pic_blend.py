@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -34,7 +34,12 @@ from vllm_kvbm_plugin.patches.wrapping import is_wrapped, logger, wrap_method
 from vllm_kvbm_plugin.reuse.cpu_layout import kv_views
 
 if TYPE_CHECKING:
+    from vllm.config import ParallelConfig, VllmConfig
+    from vllm.distributed.parallel_state import GroupCoordinator
     from vllm.forward_context import ForwardContext
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, CPUAttentionMetadata
 
 NAME = "pic_blend"
 ATTR = "kvbm_pic_blend"  # the plan's attribute on vLLM's ForwardContext (one per step)
@@ -63,7 +68,7 @@ class BlendPlan:
     num_rows: int = 0  # the step's rows before the gather
     last_layer: int = -1  # the layer after which the kept rows go back into the step's rows
 
-    def gather(self, attn, positions, dtype) -> None:
+    def gather(self, attn: Attention, positions: torch.Tensor, dtype: torch.dtype) -> None:
         """Kept rows (every row but the unselected reused ones; each request's last row always) and the
         CPU attention metadata over them for the layers after the selection: each maximal run of kept
         rows a request of its own (causal over the tokens before it), the request's block table row."""
@@ -72,8 +77,11 @@ class BlendPlan:
         from vllm.forward_context import get_forward_context
         from vllm.model_executor.models.utils import extract_layer_index
 
+        assert self.rows is not None and self.keep is not None  # gathered after the selection
         ctx = get_forward_context()
-        metas = ctx.attn_metadata
+        assert isinstance(ctx.attn_metadata, dict) and isinstance(ctx.slot_mapping, dict)  # no micro-batches on CPU
+        metas = cast("dict[str, CPUAttentionMetadata]", ctx.attn_metadata)  # the patched CPU attention's
+        mappings = ctx.slot_mapping
         meta = metas[attn.layer_name]
         n = positions.shape[0]
         keep = torch.ones(n, dtype=torch.bool)
@@ -91,11 +99,11 @@ class BlendPlan:
         seg_qsl = torch.cat([starts, torch.tensor([len(kept)])]).to(meta.query_start_loc.dtype)
         seg_lens = (pos[ends - 1] + 1).to(meta.seq_lens.dtype)
         seg_req = req[starts]
-        impl = attn.impl
+        impl = cast("CPUAttentionBackendImpl", attn.impl)
         sched = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(starts), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
             head_dim=impl.head_size, seq_lens=seg_lens, dtype=dtype, query_start_loc=seg_qsl, causal=True,
-            sliding_window_size=-1, isa=attn.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            sliding_window_size=-1, isa=_isa(attn), enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
             dynamic_causal=None, kv_cache_dtype=impl.kv_cache_dtype)
         after = dataclasses.replace(meta, num_actual_tokens=len(kept), max_query_len=int((ends - starts).max()),
                                     query_start_loc=seg_qsl, max_seq_len=int(seg_lens.max()), seq_lens=seg_lens,
@@ -106,7 +114,7 @@ class BlendPlan:
                 metas[k] = after
         # and the slots vLLM writes each later layer's K/V to (unified_kv_cache_update reads them from
         # the forward context, not from the metadata): the kept rows' own
-        mappings, picked = ctx.slot_mapping, {}
+        picked: dict[int, torch.Tensor] = {}
         for k in list(mappings):
             if extract_layer_index(k) > SELECTION_LAYER:
                 m = mappings[k]
@@ -140,6 +148,7 @@ class BlendPlan:
             return key, value
         if self.rows is None:
             self._find_rows(slot_mapping, layer_name)
+        assert self.rows is not None  # set by _find_rows
         if not len(self.rows):
             return key, value
         heads = kv_cache.shape[1]
@@ -150,6 +159,7 @@ class BlendPlan:
         k = key.view(key.shape[0], heads, -1)
         v = value.view(value.shape[0], heads, -1)
         if self.keep is None:  # the selection layer
+            assert self.request is not None  # set with the rows
             deviation = _over_all_ranks(_deviation(k[self.rows], loaded_k, v[self.rows], loaded_v))
             self.keep = self.head.clone()
             for r in torch.unique(self.request):
@@ -171,7 +181,15 @@ class BlendPlan:
         return k.view(key.shape), v.view(value.shape)
 
 
-def _deviation(fresh_k, loaded_k, fresh_v, loaded_v) -> torch.Tensor:
+def _isa(attn: Attention) -> str:
+    """The CPU kernels' ISA, which vLLM's CPU metadata builder sets on each attention layer (an
+    attribute the layer's class does not declare)."""
+    isa: str = getattr(attn, "isa")
+    return isa
+
+
+def _deviation(fresh_k: torch.Tensor, loaded_k: torch.Tensor, fresh_v: torch.Tensor,
+               loaded_v: torch.Tensor) -> torch.Tensor:
     """Per reused token [n, heads, head], how far its loaded KV is from the fresh one. K only: V's
     deviation or both (each relative) selected no better on llama-big (a random choice: worse)."""
     return (fresh_k.float() - loaded_k.float()).square().sum(dim=(1, 2))
@@ -187,7 +205,7 @@ def _over_all_ranks(deviation: torch.Tensor) -> torch.Tensor:
     return deviation if tp is None else tp.all_gather(deviation.unsqueeze(0), dim=0).sum(0)
 
 
-def tp_group():
+def tp_group() -> GroupCoordinator | None:
     """vLLM's tensor-parallel group of this worker, or None with one rank (or none set up)."""
     from vllm.distributed.parallel_state import get_tp_group, model_parallel_is_initialized
 
@@ -196,7 +214,7 @@ def tp_group():
     return get_tp_group()
 
 
-def check_parallel(parallel_config) -> None:
+def check_parallel(parallel_config: ParallelConfig) -> None:
     """Raise at startup for a parallel layout the selection cannot serve: tensor parallelism is
     handled (`_over_all_ranks`), but under pipeline parallelism the selection layer and the
     layers that run only the kept rows live in different processes, and under context
@@ -216,9 +234,9 @@ def _request_of(rows: torch.Tensor, layer_name: str) -> torch.Tensor:
     """Which request of the batch each row belongs to (its query_start_loc range)."""
     from vllm.forward_context import get_forward_context
 
-    meta = get_forward_context().attn_metadata
-    meta = meta[0] if isinstance(meta, list) else meta
-    meta = meta.get(layer_name) if isinstance(meta, dict) else meta
+    metas = get_forward_context().attn_metadata
+    group = metas[0] if isinstance(metas, list) else metas
+    meta = group.get(layer_name) if isinstance(group, dict) else group
     starts = getattr(meta, "query_start_loc", None)
     if starts is None:
         return torch.zeros(len(rows), dtype=torch.long)
@@ -295,7 +313,7 @@ DECODER_LAYERS = (("vllm.model_executor.models.llama", "LlamaDecoderLayer"),
                   ("vllm.model_executor.models.qwen3", "Qwen3DecoderLayer"))
 
 
-def apply_compute_saving(vllm_config) -> bool:
+def apply_compute_saving(vllm_config: VllmConfig) -> bool:
     """Patch the dense decoder layers to run only the kept rows after the selection layer, if the
     attention patch is applied. A compiled model's graph is the plain layers' either way (vLLM traces
     it before the worker's connector exists; under dynamo `_wrap_layer` calls the plain layer)."""
@@ -358,11 +376,11 @@ def _wrap_layer(orig):
     return forward
 
 
-def _rotary_kernel(rotary) -> None:
+def _rotary_kernel(rotary: CustomOp | None) -> None:
     """Blended steps of a compiled model run its modules eagerly, and there its custom ops were set
     up to run their PyTorch-native code (for inductor to fuse): the rotary embedding's is ~15 small
     ops per layer where vLLM's CPU kernel, what an eager model runs, is one. Set once on the module,
     after the graph was traced (the graph does not call it)."""
     fast = getattr(rotary, "forward_cpu", None)
-    if fast is not None and rotary._forward_method != fast:
+    if rotary is not None and fast is not None and rotary._forward_method != fast:
         rotary._forward_method = fast

@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm_kvbm_plugin import compat
 from vllm_kvbm_plugin.patches.wrapping import add_class_default, is_wrapped, logger, wrap_method
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 NAME = "pic_segments"
 # this process's split forwards: steps, split requests, their segments, batch rows of those steps
@@ -41,7 +46,7 @@ class _Split:
     """One step's split requests, as the runner's batch rows see them."""
     num_reqs: int
     num_tokens: int
-    rows: dict  # batch row -> ((start, count), ...)
+    rows: dict[int, tuple[tuple[int, int], ...]]  # batch row -> ((start, count), ...)
 
 
 def applied() -> bool:
@@ -102,13 +107,13 @@ def _wrap_prepare(orig):
     return _prepare_inputs
 
 
-def _hand_to_builders(runner, split: _Split | None) -> None:
+def _hand_to_builders(runner: GPUModelRunner, split: _Split | None) -> None:
     """Give this step's split (or None) to the runner's CPU attention metadata builders, which
     build the step's metadata after `_prepare_inputs`."""
     for group in itertools.chain.from_iterable(runner.attn_groups):
         for builder in group.metadata_builders:
             if hasattr(type(builder), "_kvbm_pic_split"):
-                builder._kvbm_pic_split = split
+                setattr(builder, "_kvbm_pic_split", split)  # a class default `apply` added
 
 
 def _wrap_arange(orig):
@@ -134,7 +139,8 @@ def _wrap_build(orig):
     return build
 
 
-def _split_metadata(cm, rows: dict):
+def _split_metadata(cm: CommonAttentionMetadata,
+                    rows: dict[int, tuple[tuple[int, int], ...]]) -> CommonAttentionMetadata:
     """`cm` with each split request's segments as requests of their own (same block table row)."""
     qsl = cm.query_start_loc_cpu.tolist()
     seq = cm.seq_lens.tolist()
@@ -156,12 +162,10 @@ def _split_metadata(cm, rows: dict):
     qsl_t = torch.tensor(starts, dtype=cm.query_start_loc.dtype)
     seq_t = torch.tensor(seq_lens, dtype=cm.seq_lens.dtype)
     table = cm.block_table_tensor[torch.tensor(table_rows)]
-    extra = {}
-    if cm.is_prefilling is not None:
-        extra["is_prefilling"] = cm.is_prefilling[torch.tensor(table_rows)]
-    if cm.seq_lens_cpu_upper_bound is not None:
-        extra["seq_lens_cpu_upper_bound"] = seq_t.clone()
+    is_prefilling = None if cm.is_prefilling is None else cm.is_prefilling[torch.tensor(table_rows)]
+    upper_bound = None if cm.seq_lens_cpu_upper_bound is None else seq_t.clone()
     return dataclasses.replace(cm, query_start_loc=qsl_t, query_start_loc_cpu=qsl_t.clone(), seq_lens=seq_t,
                                num_reqs=len(seq_lens), block_table_tensor=table,
                                max_query_len=int(max(b - a for a, b in zip(starts, starts[1:]))),
-                               max_seq_len=int(max(seq_lens)), **extra)
+                               max_seq_len=int(max(seq_lens)), is_prefilling=is_prefilling,
+                               seq_lens_cpu_upper_bound=upper_bound)
