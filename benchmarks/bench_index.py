@@ -27,6 +27,7 @@ import random
 import time
 
 import numpy as np
+from timing import best
 
 from vllm_kvbm_plugin.events.index import KVIndex
 from vllm_kvbm_plugin.events.prompt_hashes import PromptHasher
@@ -34,17 +35,6 @@ from vllm_kvbm_plugin.events.types import BlockRemoved, BlockStored, KVEventBatc
 from vllm_kvbm_plugin.events.validator import Validator
 
 UNIT, BLOCK = 32, 160
-
-
-def best(repeat: int, fn) -> float:
-    """The least CPU time (this process, all its threads) of `repeat` runs of fn(), in seconds:
-    on a loaded machine, the time one core spends, not the time others took the core away."""
-    out = float("inf")
-    for _ in range(repeat):
-        t0 = time.process_time()
-        fn()
-        out = min(out, time.process_time() - t0)
-    return out
 
 
 def fleet(workers: int, units: int, prompt_len: int, rng: random.Random):
@@ -127,7 +117,7 @@ def main() -> None:
         index.n_held()  # applies what is buffered
         return index
 
-    t_apply = best(args.repeat, apply_all)
+    t_apply = best(args.repeat, apply_all, time.process_time)
     print(f"index apply:      {n_units / t_apply / 1e6:6.2f} M hashes/s ({t_apply:.3f}s CPU, from an empty index)")
     # a long-lived index: its table already grown to the fleet's size (it never shrinks)
     grown = []
@@ -144,7 +134,7 @@ def main() -> None:
     t_grown = 0.0
     for _ in range(args.repeat):
         prepare()
-        t_grown = min(t_grown or float("inf"), best(1, reapply))
+        t_grown = min(t_grown or float("inf"), best(1, reapply, time.process_time))
     print(f"index apply:      {n_units / t_grown / 1e6:6.2f} M hashes/s ({t_grown:.3f}s CPU, table grown)")
 
     def validate_all():
@@ -153,7 +143,7 @@ def main() -> None:
             for b in batches:
                 v.apply(b)
 
-    t = best(args.repeat, validate_all)
+    t = best(args.repeat, validate_all, time.process_time)
     print(f"validator apply:  {n_units / t / 1e6:6.2f} M hashes/s ({t:.2f}s); index / validator {t / t_apply:.2f}x")
 
     index = apply_all()
@@ -173,12 +163,12 @@ def main() -> None:
     n = args.prompt
     ours = [index.match_keys(k, n, UNIT) for k in keys]
     assert all(index.match(q) == m for (q, _), m in zip(queries[:50], ours)), "match_keys != match"
-    t_match = best(args.repeat, lambda: [index.match_keys(k, n, UNIT) for k in keys])
+    t_match = best(args.repeat, lambda: [index.match_keys(k, n, UNIT) for k in keys], time.process_time)
     served = [max(m.tokens for m in r.values()) for r in ours]
     print(f"match (pre-hashed): {len(keys) / t_match:8.0f} prompts/s of {n} tokens "
           f"({t_match / len(keys) * 1e6:.0f} us each, {args.workers} workers; mean best hit {np.mean(served):.0f} tokens)")
     few = [q for q, _ in queries[:200]]
-    t = best(args.repeat, lambda: [index.match(q) for q in few])
+    t = best(args.repeat, lambda: [index.match(q) for q in few], time.process_time)
     print(f"match (tokens):     {len(few) / t:8.0f} prompts/s (sha256 hashing included)")
     dynamo(args, streams, removed, queries, keys, ours, n_units, t_apply, t_match)
 
@@ -199,12 +189,12 @@ def dynamo(args, streams, removed, queries, keys, ours, n_units, t_apply, t_matc
         tree.find_matches([0])  # queued behind the events on its thread: they are all applied
         return tree
 
-    t = best(args.repeat, apply_all)
+    t = best(args.repeat, apply_all, time.process_time)
     print(f"Dynamo apply:     {n_attn / t / 1e6:6.2f} M hashes/s ({t:.3f}s CPU, JSON bytes without token ids, "
           f"attention events only); index (decoded batches) / Dynamo {n_units / t_apply / (n_attn / t):.2f}x (hashes/s)")
     tree = apply_all()
     lists = [k.tolist() for k in keys]
-    td = best(args.repeat, lambda: [tree.find_matches(h) for h in lists])
+    td = best(args.repeat, lambda: [tree.find_matches(h) for h in lists], time.process_time)
     print(f"Dynamo match:       {len(lists) / td:8.0f} prompts/s (lists of hashes); index / Dynamo {td / t_match:.2f}x")
     # the attention chain: an index fed the attention events alone (an attention-only model) must
     # agree with Dynamo's chain, capped at n - 1 tokens as vLLM serves

@@ -47,20 +47,9 @@ import numpy as np
 
 from vllm_kvbm_plugin.events.held_table import REMOVE, STORE, HeldTable, hash_keys
 from vllm_kvbm_plugin.events.hit_rules import gpu_hit_units, tier_hit
-from vllm_kvbm_plugin.events.index_workers import (
-    IGNORED_KINDS,
-    STATE_KINDS,
-    TIER_GPU,
-    Holder,
-    PendingOps,
-    ServeBits,
-    Worker,
-    WorkerConfig,
-    WorkerMatch,
-    event_tier,
-    frozen_keys,
-    merge_keys,
-)
+from vllm_kvbm_plugin.events.index_workers import (IGNORED_KINDS, STATE_KINDS, TIER_GPU, Holder, PendingOps,
+                                                   ServeBits, Worker, WorkerConfig, WorkerMatch, event_tier,
+                                                   frozen_keys, merge_keys)
 from vllm_kvbm_plugin.events.prompt_hashes import event_extra_keys
 from vllm_kvbm_plugin.events.types import (
     BlockHash,
