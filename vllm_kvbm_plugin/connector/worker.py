@@ -68,7 +68,7 @@ class WorkerSide:
 
     def follow(self, decision: TierDecision) -> None:
         """Take the scheduler side's decision (the first step's metadata): the tier secret, the key
-        root and whether the remote tier is on, then open the disk and remote tiers under it. A
+        root and whether the remote tier is on, then open the tiers' worker halves under it. A
         worker never reads the secret or probes the server itself, so all ranks agree with the
         scheduler side whatever each process saw at startup."""
         if self.layout.root is not None:
