@@ -17,7 +17,8 @@ import torch
 
 from vllm_kvbm_plugin.config import KVBMConfig
 from vllm_kvbm_plugin.connector.block_events import Announcer
-from vllm_kvbm_plugin.connector.base import Key, Report, TierJob, TierJobs, TierModule, TierOp, Verb, WorkerContext
+from vllm_kvbm_plugin.connector.base import (Key, Report, SlotJobs, TierJob, TierJobs, TierModule, TierOp, Verb,
+                                             WorkerContext)
 from vllm_kvbm_plugin.connector.layout import Layout
 from vllm_kvbm_plugin.events.types import storage_tier
 
@@ -29,10 +30,11 @@ def _path(disk_path: str, key: Key, rank: int) -> str:
     return os.path.join(disk_path, "fake-tier", f"{key[0]:016x}{key[1]:016x}.r{rank}")
 
 
-class FakeTier:
+class FakeTier(SlotJobs):
     """The scheduler half (a base.SecondaryTier). Remembers what it was asked, for tests."""
 
     label, name, waits, direct = LABEL, storage_tier("fake-tier"), False, False
+    FETCH, WRITE = FETCH, WRITE
 
     @classmethod
     def create(cls, layout: Layout, cfg: KVBMConfig) -> FakeTier | None:
@@ -68,17 +70,14 @@ class FakeTier:
     def announcement(self, key: Key) -> Announcer | None:
         return None
 
-    def submit_load(self, key: Key, slot: int, meta: TierJobs) -> None:
+    def prefetch(self, key: Key) -> None:
         self.fetching.add(key)
-        meta.jobs.append(TierJob(FETCH, key, slot))
 
-    def submit_store(self, key: Key, parent: Key | None, end: int, announce: Announcer, slot: int,
-                     meta: TierJobs) -> bool:
+    def prepare_write(self, key: Key, parent: Key | None, end: int, announce: Announcer) -> bytes | None:
         if key in self.writing or self._held(key):
-            return False
+            return None
         self.writing.add(key)
-        meta.jobs.append(TierJob(WRITE, key, slot))
-        return True
+        return b""  # no metadata: the fake tier keeps no events
 
     def settle(self, op: TierOp, key: Key, ok: bool) -> None:
         if op.verb is Verb.FETCH:
